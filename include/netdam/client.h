@@ -1,0 +1,191 @@
+// netdam::Client: talks to one NetDAM device.
+//
+// Contract
+// - Every call names a device address and uses a region key: the one in
+//   ClientOptions unless the call passes its own (rkey != 0).
+// - Large transfers are split into packets of at most the device's maximum
+//   payload; up to `window_packets` / `window_bytes` are in flight at once.
+// - Lost packets are retransmitted with an adaptive timeout. READ, WRITE and
+//   FILL are idempotent; atomics, REDUCE_MEM and COPY are executed exactly
+//   once by the device even when retransmitted (it remembers recent txns).
+// - A packet unanswered for `timeout` since it was first sent fails its
+//   operation with Error::Code::kTimeout. A NAK fails it with kNak and the
+//   device's status. If the device restarted (its boot id changed, so its
+//   memory is gone) the operation fails with kRestarted, never with data
+//   from the new incarnation.
+// - A failed multi-packet write may have written some of its packets.
+//
+// Threading: a Client is not thread-safe; one thread at a time drives it.
+// Asynchronous calls return an Op at once; they make progress whenever the
+// client is driven (wait(), poll() or any synchronous call). Buffers passed
+// to an asynchronous call must stay alive until its Op is done.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "netdam/error.h"
+#include "netdam/types.h"
+
+namespace netdam::transport {
+class Transport;
+struct Endpoint;
+}  // namespace netdam::transport
+
+namespace netdam {
+
+struct ClientOptions {
+  uint32_t rkey = 1;                              // default region key
+  std::chrono::milliseconds timeout{2000};        // per packet, see above
+  size_t window_packets = 64;
+  size_t window_bytes = 2u << 20;
+  size_t max_payload = 0;                         // 0: the device's maximum
+  bool detect_restart = true;                     // fail if the boot id changes
+};
+
+struct DeviceInfo {
+  uint32_t boot_id = 0;
+  uint32_t max_payload = 0;
+  uint64_t memory_bytes = 0;
+  uint32_t regions = 0;
+  uint32_t replay_window = 0;
+  uint8_t version = 0;
+};
+
+struct RegionInfo {
+  uint64_t base = 0;
+  uint64_t size = 0;
+  uint32_t key = 0;
+  uint32_t perms = 3;  // bit 0 read, bit 1 write
+};
+
+// When reduce() sends a block as (index, value) pairs.
+enum class Sparse : uint8_t { kAuto, kNever, kAlways };
+
+namespace detail {
+struct OpState;
+}
+
+// Handle of an asynchronous operation.
+class Op {
+ public:
+  Op() = default;
+  bool valid() const { return s_ != nullptr; }
+  bool done() const;
+  const Error& error() const;  // meaningful once done()
+  uint64_t value() const;      // atomics: the previous value of the word
+
+ private:
+  friend class Client;
+  explicit Op(std::shared_ptr<detail::OpState> s) : s_(std::move(s)) {}
+  std::shared_ptr<detail::OpState> s_;
+};
+
+class Client {
+ public:
+  // Connects to "HOST:PORT" over UDP and PINGs the device.
+  static Result<std::unique_ptr<Client>> connect(std::string_view device, ClientOptions opts = {});
+  // Same over any transport (e.g. the in-process test fabric).
+  static Result<std::unique_ptr<Client>> connect(std::unique_ptr<transport::Transport> t,
+                                                 const transport::Endpoint& device,
+                                                 ClientOptions opts = {});
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const DeviceInfo& device_info() const { return info_; }
+  const ClientOptions& options() const { return opts_; }
+  std::string device_address() const;
+
+  // --- synchronous calls -------------------------------------------------
+  Result<DeviceInfo> ping();
+  Result<std::vector<std::pair<std::string, uint64_t>>> stats();
+  Error read(uint64_t addr, std::span<std::byte> out, uint32_t rkey = 0);
+  Error write(uint64_t addr, std::span<const std::byte> data, uint32_t rkey = 0);
+  // Sent once, not acknowledged, not retransmitted: may be lost.
+  Error write_unacked(uint64_t addr, std::span<const std::byte> data, uint32_t rkey = 0);
+  // Repeats `pattern` (1..256 bytes) over [addr, addr+len).
+  Error fill(uint64_t addr, uint64_t len, std::span<const std::byte> pattern, uint32_t rkey = 0);
+  // Device-local copy of len bytes from (src_key, src) to (rkey, dst).
+  Error copy(uint64_t dst, uint64_t src, uint64_t len, uint32_t src_key = 0, uint32_t rkey = 0);
+  Result<uint64_t> fetch_add(uint64_t addr, uint64_t add, uint32_t rkey = 0);
+  // Returns the previous value; the swap happened iff it equals `expected`.
+  Result<uint64_t> compare_swap(uint64_t addr, uint64_t expected, uint64_t desired,
+                                uint32_t rkey = 0);
+  Result<uint64_t> swap(uint64_t addr, uint64_t value, uint32_t rkey = 0);
+  // memory = memory OP data (elements of type t, little-endian).
+  Error reduce(uint64_t addr, DType t, RedOp op, std::span<const std::byte> data,
+               Sparse sparse = Sparse::kAuto, uint32_t rkey = 0);
+  // inout = inout OP memory; memory is not changed.
+  Error reduce_fetch(uint64_t addr, DType t, RedOp op, std::span<std::byte> inout,
+                     uint32_t rkey = 0);
+
+  // Region administration; needs the device's admin key.
+  Error region_add(uint32_t admin_key, const RegionInfo& region);
+  Error region_del(uint32_t admin_key, uint32_t key);
+  Result<std::vector<RegionInfo>> region_list(uint32_t admin_key);
+
+  // --- asynchronous calls ------------------------------------------------
+  Op read_async(uint64_t addr, std::span<std::byte> out, uint32_t rkey = 0);
+  Op write_async(uint64_t addr, std::span<const std::byte> data, uint32_t rkey = 0);
+  Op fetch_add_async(uint64_t addr, uint64_t add, uint32_t rkey = 0);
+  Op compare_swap_async(uint64_t addr, uint64_t expected, uint64_t desired, uint32_t rkey = 0);
+  Op swap_async(uint64_t addr, uint64_t value, uint32_t rkey = 0);
+  Op reduce_async(uint64_t addr, DType t, RedOp op, std::span<const std::byte> data,
+                  Sparse sparse = Sparse::kAuto, uint32_t rkey = 0);
+  Op reduce_fetch_async(uint64_t addr, DType t, RedOp op, std::span<std::byte> inout,
+                        uint32_t rkey = 0);
+
+  // Drives the client until `op` is done; returns its error.
+  Error wait(Op& op);
+  // Does whatever can be done without blocking.
+  void poll();
+
+  // Counters of this client, for benchmarks and tests.
+  struct Counters {
+    uint64_t packets_sent = 0, retransmits = 0, answers = 0, ignored = 0;
+  };
+  const Counters& counters() const { return counters_; }
+
+ private:
+  struct Packet;
+  Client(std::unique_ptr<transport::Transport> t, const transport::Endpoint& device,
+         ClientOptions opts);
+  Error handshake();
+  size_t chunk_size(DType t) const;
+  uint32_t key(uint32_t rkey) const { return rkey ? rkey : opts_.rkey; }
+  Packet& new_packet(const std::shared_ptr<detail::OpState>& op, Opcode code, uint32_t rkey,
+                     uint64_t addr, uint32_t length);
+  Op start(std::shared_ptr<detail::OpState> op);
+  Op atomic_async(Opcode code, uint64_t addr, uint64_t a, uint64_t b, uint32_t rkey);
+  Result<std::vector<std::byte>> paged(Opcode code, uint32_t rkey);
+  void pump(bool block);
+  void send_queued();
+  void receive(std::byte* buf, size_t len, const transport::Endpoint& from);
+  void check_timers();
+  void finish(Packet& p, Error e);
+  void fail_op(detail::OpState& op, Error e);
+
+  std::unique_ptr<transport::Transport> transport_;
+  std::unique_ptr<transport::Endpoint> device_;
+  ClientOptions opts_;
+  DeviceInfo info_;
+  uint64_t next_txn_;
+  std::deque<std::unique_ptr<Packet>> queue_;
+  std::unordered_map<uint64_t, std::unique_ptr<Packet>> inflight_;
+  size_t inflight_bytes_ = 0;
+  std::chrono::nanoseconds srtt_{0}, rttvar_{0};
+  std::vector<std::byte> rx_;
+  Counters counters_;
+};
+
+}  // namespace netdam

@@ -1,0 +1,118 @@
+// Protocol vocabulary shared by the device, the client library and tools.
+// The numeric values are wire values: docs/PROTOCOL.md lists the same tables,
+// and changing one here is a protocol change.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+namespace netdam {
+
+inline constexpr uint32_t kMagic = 0x4E44414D;  // "NDAM"
+inline constexpr uint8_t kVersion = 1;
+inline constexpr size_t kHeaderSize = 40;
+inline constexpr size_t kSrPreambleSize = 8;
+inline constexpr size_t kSegmentSize = 24;
+inline constexpr size_t kMaxSegments = 32;
+// Default path MTU is a 9000-byte jumbo frame: IPv4 (20) + UDP (8) leave
+// 8972 bytes of datagram, 8932 after our header; the largest power of two
+// that fits, 8192 B, is 2048 float32 and keeps blocks aligned.
+inline constexpr size_t kDefaultMaxPayload = 8192;
+// The largest UDP/IPv4 datagram is 65507 bytes; payloads are capped at
+// 65536 - 1024 so that a header and a full segment list always fit.
+inline constexpr size_t kMaxPayloadLimit = 64512;
+inline constexpr size_t kMaxDatagram =
+    kHeaderSize + kSrPreambleSize + kMaxSegments * kSegmentSize + kMaxPayloadLimit;
+
+enum class Opcode : uint8_t {
+  kPing = 0x01,
+  kStats = 0x02,
+  kRead = 0x10,
+  kWrite = 0x11,
+  kFill = 0x12,
+  kCopy = 0x13,
+  kFetchAdd = 0x20,
+  kCompareSwap = 0x21,
+  kSwap = 0x22,
+  kReduceMem = 0x30,      // memory = memory OP payload (not idempotent)
+  kReducePayload = 0x31,  // payload = payload OP memory, returned (read-only)
+  kChain = 0x40,          // execute the segment list
+  kRegionAdd = 0x50,
+  kRegionDel = 0x51,
+  kRegionList = 0x52,
+};
+
+// Flags byte of the header.
+inline constexpr uint8_t kFlagResponse = 0x01;  // set on every device answer
+inline constexpr uint8_t kFlagAckReq = 0x02;    // WRITE: answer with an ACK
+inline constexpr uint8_t kFlagSparse = 0x04;    // payload is (index, value) pairs
+inline constexpr uint8_t kFlagsKnown = kFlagResponse | kFlagAckReq | kFlagSparse;
+
+enum class Status : uint8_t {
+  kOk = 0,
+  kBadVersion = 1,
+  kBadOpcode = 2,
+  kBadType = 3,
+  kBadRedop = 4,
+  kBadLength = 5,
+  kBadKey = 6,
+  kOutOfBounds = 7,
+  kMisaligned = 8,
+  kBadSegment = 9,
+  kNotPermitted = 10,
+  kBootMismatch = 11,
+  kStaleTxn = 12,
+  kNoSpace = 13,
+  kBadPayload = 14,
+  kBadFlags = 15,
+};
+inline constexpr uint8_t kStatusCount = 16;
+
+enum class DType : uint8_t {
+  kBytes = 0,  // raw bytes: READ/WRITE/FILL/COPY only
+  kF32 = 1,
+  kF16 = 2,
+  kBF16 = 3,
+  kF64 = 4,
+  kI32 = 5,
+  kI64 = 6,
+};
+inline constexpr uint8_t kDTypeCount = 7;
+
+enum class RedOp : uint8_t {
+  kNone = 0,
+  kSum = 1,
+  kMin = 2,
+  kMax = 3,
+};
+inline constexpr uint8_t kRedOpCount = 4;
+
+// Size of one element of `t` in bytes (1 for kBytes).
+constexpr size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::kBytes: return 1;
+    case DType::kF16:
+    case DType::kBF16: return 2;
+    case DType::kF32:
+    case DType::kI32: return 4;
+    case DType::kF64:
+    case DType::kI64: return 8;
+  }
+  return 0;
+}
+
+std::string_view to_string(Opcode op);
+std::string_view to_string(Status s);
+std::string_view to_string(DType t);
+std::string_view to_string(RedOp r);
+// Parse the names printed by to_string ("f32", "sum", ...); nullopt if unknown.
+std::optional<DType> parse_dtype(std::string_view name);
+std::optional<RedOp> parse_redop(std::string_view name);
+
+bool is_valid_opcode(uint8_t v);
+inline bool is_valid_dtype(uint8_t v) { return v < kDTypeCount; }
+inline bool is_valid_redop(uint8_t v) { return v < kRedOpCount; }
+
+}  // namespace netdam

@@ -1,0 +1,613 @@
+#include "netdam/client.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <random>
+
+#include "core/endian.h"
+#include "core/engine.h"
+#include "core/sparse.h"
+#include "core/wire.h"
+#include "transport/transport.h"
+#include "transport/udp.h"
+
+namespace netdam {
+
+using core::load_be;
+using core::load_le;
+using core::store_be;
+using core::store_le;
+using transport::TimePoint;
+using namespace std::chrono_literals;
+
+namespace detail {
+struct OpState {
+  Opcode opcode{};
+  size_t outstanding = 0;  // packets created and not yet finished
+  bool started = false;
+  Error error;
+  uint64_t value = 0;
+  std::vector<std::byte> answer;  // PING / STATS / REGION_LIST payloads
+};
+}  // namespace detail
+
+bool Op::done() const { return s_ && s_->started && s_->outstanding == 0; }
+const Error& Op::error() const {
+  static const Error kNone;
+  return s_ ? s_->error : kNone;
+}
+uint64_t Op::value() const { return s_ ? s_->value : 0; }
+
+struct Client::Packet {
+  std::shared_ptr<detail::OpState> op;
+  core::Header h;
+  std::array<std::byte, kHeaderSize> wire{};
+  std::span<const std::byte> payload;
+  std::vector<std::byte> owned;     // payloads the client builds itself
+  std::byte* answer_to = nullptr;   // READ / REDUCE_PAYLOAD: where the answer goes
+  bool expect_answer = true;
+  TimePoint first_sent{}, last_sent{};
+  int sends = 0;
+};
+
+namespace {
+// FILL and COPY carry a 32-bit length; bigger ranges become several requests.
+constexpr uint64_t kMaxRangePerRequest = 1ull << 30;
+constexpr auto kMinRto = 5ms;
+constexpr auto kMaxRto = 1000ms;
+constexpr auto kInitialRto = 20ms;
+constexpr size_t kRxBatch = 32;
+}  // namespace
+
+// ---------------------------------------------------------------- setup
+
+Client::Client(std::unique_ptr<transport::Transport> t, const transport::Endpoint& device,
+               ClientOptions opts)
+    : transport_(std::move(t)),
+      device_(std::make_unique<transport::Endpoint>(device)),
+      opts_(opts),
+      rx_(kRxBatch * kMaxDatagram) {
+  // A random start makes txns of successive clients on the same port differ,
+  // so a device never mistakes a new client for a retransmitting old one.
+  std::random_device rd;
+  next_txn_ = ((uint64_t{rd()} << 32) | rd()) >> 2;
+  if (next_txn_ == 0) next_txn_ = 1;
+}
+
+Client::~Client() = default;
+
+Result<std::unique_ptr<Client>> Client::connect(std::string_view device, ClientOptions opts) {
+  std::string why;
+  auto ep = transport::parse_endpoint(device, &why);
+  if (!ep) return Error::invalid(why);
+  transport::UdpOptions u;
+  u.bind = transport::Endpoint{0, 0};
+  auto t = transport::UdpTransport::open(u, &why);
+  if (!t) return Error::transport(why);
+  return connect(std::move(t), *ep, opts);
+}
+
+Result<std::unique_ptr<Client>> Client::connect(std::unique_ptr<transport::Transport> t,
+                                                const transport::Endpoint& device,
+                                                ClientOptions opts) {
+  if (opts.window_packets == 0 || opts.window_bytes == 0)
+    return Error::invalid("window_packets and window_bytes must be positive");
+  std::unique_ptr<Client> c(new Client(std::move(t), device, opts));
+  if (Error e = c->handshake()) return e;
+  return c;
+}
+
+Error Client::handshake() {
+  auto info = ping();
+  if (!info) return info.error();
+  info_ = *info;
+  if (info_.max_payload < core::kMinPayload)
+    return Error::protocol(fmt::format("device reports max payload {}", info_.max_payload));
+  if (opts_.max_payload == 0 || opts_.max_payload > info_.max_payload)
+    opts_.max_payload = info_.max_payload;
+  return {};
+}
+
+std::string Client::device_address() const { return device_->to_string(); }
+
+size_t Client::chunk_size(DType t) const {
+  const size_t e = dtype_size(t);
+  return opts_.max_payload / e * e;
+}
+
+// ---------------------------------------------------------------- building ops
+
+Client::Packet& Client::new_packet(const std::shared_ptr<detail::OpState>& op, Opcode code,
+                                   uint32_t rkey, uint64_t addr, uint32_t length) {
+  auto p = std::make_unique<Packet>();
+  p->op = op;
+  p->h.opcode = code;
+  p->h.rkey = rkey;
+  p->h.addr = addr;
+  p->h.length = length;
+  ++op->outstanding;
+  queue_.push_back(std::move(p));
+  return *queue_.back();
+}
+
+Op Client::start(std::shared_ptr<detail::OpState> op) {
+  op->started = true;
+  send_queued();
+  return Op(std::move(op));
+}
+
+Op Client::read_async(uint64_t addr, std::span<std::byte> out, uint32_t rkey) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kRead;
+  const size_t chunk = opts_.max_payload;
+  for (size_t off = 0; off < out.size(); off += chunk) {
+    const size_t n = std::min(chunk, out.size() - off);
+    Packet& p = new_packet(op, Opcode::kRead, key(rkey), addr + off, static_cast<uint32_t>(n));
+    p.answer_to = out.data() + off;
+  }
+  return start(std::move(op));
+}
+
+Op Client::write_async(uint64_t addr, std::span<const std::byte> data, uint32_t rkey) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kWrite;
+  const size_t chunk = opts_.max_payload;
+  for (size_t off = 0; off < data.size(); off += chunk) {
+    const size_t n = std::min(chunk, data.size() - off);
+    Packet& p = new_packet(op, Opcode::kWrite, key(rkey), addr + off, static_cast<uint32_t>(n));
+    p.h.flags = kFlagAckReq;
+    p.payload = data.subspan(off, n);
+  }
+  return start(std::move(op));
+}
+
+Op Client::atomic_async(Opcode code, uint64_t addr, uint64_t a, uint64_t b, uint32_t rkey) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = code;
+  Packet& p = new_packet(op, code, key(rkey), addr, 8);
+  p.owned.resize(code == Opcode::kCompareSwap ? 16 : 8);
+  store_le<uint64_t>(p.owned.data(), a);
+  if (code == Opcode::kCompareSwap) store_le<uint64_t>(p.owned.data() + 8, b);
+  p.payload = p.owned;
+  return start(std::move(op));
+}
+
+Op Client::fetch_add_async(uint64_t addr, uint64_t add, uint32_t rkey) {
+  return atomic_async(Opcode::kFetchAdd, addr, add, 0, rkey);
+}
+Op Client::compare_swap_async(uint64_t addr, uint64_t expected, uint64_t desired, uint32_t rkey) {
+  return atomic_async(Opcode::kCompareSwap, addr, expected, desired, rkey);
+}
+Op Client::swap_async(uint64_t addr, uint64_t value, uint32_t rkey) {
+  return atomic_async(Opcode::kSwap, addr, value, 0, rkey);
+}
+
+Op Client::reduce_async(uint64_t addr, DType t, RedOp rop, std::span<const std::byte> data,
+                        Sparse sparse, uint32_t rkey) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kReduceMem;
+  const size_t chunk = chunk_size(t);
+  for (size_t off = 0; off < data.size(); off += chunk) {
+    const size_t n = std::min(chunk, data.size() - off);
+    Packet& p = new_packet(op, Opcode::kReduceMem, key(rkey), addr + off, static_cast<uint32_t>(n));
+    p.h.dtype = t;
+    p.h.redop = rop;
+    auto block = data.subspan(off, n);
+    p.payload = block;
+    const bool valid_type = t != DType::kBytes && n % dtype_size(t) == 0;
+    if (valid_type && (sparse == Sparse::kAlways ||
+                       (sparse == Sparse::kAuto && core::sparse_is_worth_it(t, block)))) {
+      p.owned.resize(core::sparse_encoded_size(t, block));
+      core::sparse_encode(t, block, p.owned);
+      p.payload = p.owned;
+      p.h.flags = kFlagSparse;
+    }
+  }
+  return start(std::move(op));
+}
+
+Op Client::reduce_fetch_async(uint64_t addr, DType t, RedOp rop, std::span<std::byte> inout,
+                              uint32_t rkey) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kReducePayload;
+  const size_t chunk = chunk_size(t);
+  for (size_t off = 0; off < inout.size(); off += chunk) {
+    const size_t n = std::min(chunk, inout.size() - off);
+    Packet& p =
+        new_packet(op, Opcode::kReducePayload, key(rkey), addr + off, static_cast<uint32_t>(n));
+    p.h.dtype = t;
+    p.h.redop = rop;
+    p.payload = inout.subspan(off, n);
+    p.answer_to = inout.data() + off;
+  }
+  return start(std::move(op));
+}
+
+// ---------------------------------------------------------------- sync calls
+
+Error Client::wait(Op& op) {
+  if (!op.valid()) return Error::invalid("wait on an empty Op");
+  while (!op.done()) pump(true);
+  return op.error();
+}
+
+void Client::poll() { pump(false); }
+
+Result<DeviceInfo> Client::ping() {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kPing;
+  new_packet(op, Opcode::kPing, 0, 0, 0);
+  Op h = start(op);
+  if (Error e = wait(h)) return e;
+  if (op->answer.size() < core::kPingPayloadSize)
+    return Error::protocol(fmt::format("PING answer of {} bytes", op->answer.size()));
+  const std::byte* p = op->answer.data();
+  DeviceInfo d;
+  d.boot_id = load_be<uint32_t>(p);
+  d.max_payload = load_be<uint32_t>(p + 4);
+  d.memory_bytes = load_be<uint64_t>(p + 8);
+  d.regions = load_be<uint32_t>(p + 16);
+  d.replay_window = load_be<uint32_t>(p + 20);
+  d.version = load_be<uint8_t>(p + 24);
+  if (opts_.detect_restart && info_.boot_id != 0 && d.boot_id != info_.boot_id)
+    return Error::restarted(fmt::format("device {} restarted (boot id {:#x} -> {:#x})",
+                                        device_address(), info_.boot_id, d.boot_id));
+  return d;
+}
+
+// STATS and REGION_LIST answer a page at a time, starting at entry `addr`.
+Result<std::vector<std::byte>> Client::paged(Opcode code, uint32_t rkey) {
+  std::vector<std::byte> all;
+  for (uint64_t index = 0;;) {
+    auto op = std::make_shared<detail::OpState>();
+    op->opcode = code;
+    new_packet(op, code, rkey, index, 0);
+    Op h = start(op);
+    if (Error e = wait(h)) return e;
+    if (op->answer.empty()) return all;
+    uint64_t entries = 0;
+    if (code == Opcode::kRegionList) {
+      entries = op->answer.size() / core::kRegionRecordSize;
+    } else {
+      for (size_t off = 0; off < op->answer.size(); ++entries) {
+        off += 1 + static_cast<size_t>(op->answer[off]) + 8;
+        if (off > op->answer.size()) return Error::protocol("truncated STATS entry");
+      }
+    }
+    all.insert(all.end(), op->answer.begin(), op->answer.end());
+    index += entries;
+  }
+}
+
+Result<std::vector<std::pair<std::string, uint64_t>>> Client::stats() {
+  auto raw = paged(Opcode::kStats, 0);
+  if (!raw) return raw.error();
+  std::vector<std::pair<std::string, uint64_t>> out;
+  const auto& b = raw.value();
+  for (size_t off = 0; off < b.size();) {
+    const size_t n = static_cast<size_t>(b[off]);
+    std::string name(reinterpret_cast<const char*>(b.data() + off + 1), n);
+    out.emplace_back(std::move(name), load_be<uint64_t>(b.data() + off + 1 + n));
+    off += 1 + n + 8;
+  }
+  return out;
+}
+
+Error Client::read(uint64_t addr, std::span<std::byte> out, uint32_t rkey) {
+  Op op = read_async(addr, out, rkey);
+  return wait(op);
+}
+
+Error Client::write(uint64_t addr, std::span<const std::byte> data, uint32_t rkey) {
+  Op op = write_async(addr, data, rkey);
+  return wait(op);
+}
+
+Error Client::write_unacked(uint64_t addr, std::span<const std::byte> data, uint32_t rkey) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kWrite;
+  const size_t chunk = opts_.max_payload;
+  for (size_t off = 0; off < data.size(); off += chunk) {
+    const size_t n = std::min(chunk, data.size() - off);
+    Packet& p = new_packet(op, Opcode::kWrite, key(rkey), addr + off, static_cast<uint32_t>(n));
+    p.payload = data.subspan(off, n);
+    p.expect_answer = false;
+  }
+  Op h = start(std::move(op));
+  return wait(h);
+}
+
+Error Client::fill(uint64_t addr, uint64_t len, std::span<const std::byte> pattern, uint32_t rkey) {
+  if (pattern.empty() || pattern.size() > 256)
+    return Error::invalid("fill pattern must be 1..256 bytes");
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kFill;
+  // Each piece must start where the pattern would be, so the whole range
+  // is one seamless repetition.
+  const uint64_t piece = kMaxRangePerRequest / pattern.size() * pattern.size();
+  for (uint64_t off = 0; off < len; off += piece) {
+    const uint64_t n = std::min(piece, len - off);
+    Packet& p = new_packet(op, Opcode::kFill, key(rkey), addr + off, static_cast<uint32_t>(n));
+    p.payload = pattern;
+  }
+  Op h = start(std::move(op));
+  return wait(h);
+}
+
+Error Client::copy(uint64_t dst, uint64_t src, uint64_t len, uint32_t src_key, uint32_t rkey) {
+  const bool overlap = dst < src + len && src < dst + len;
+  if (overlap && len > kMaxRangePerRequest)
+    return Error::invalid("overlapping copies are limited to 1 GiB (one request)");
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kCopy;
+  for (uint64_t off = 0; off < len; off += kMaxRangePerRequest) {
+    const uint64_t n = std::min(kMaxRangePerRequest, len - off);
+    Packet& p = new_packet(op, Opcode::kCopy, key(rkey), dst + off, static_cast<uint32_t>(n));
+    p.owned.resize(16);
+    store_be<uint64_t>(p.owned.data(), src + off);
+    store_be<uint32_t>(p.owned.data() + 8, key(src_key));
+    p.payload = p.owned;
+  }
+  Op h = start(std::move(op));
+  return wait(h);
+}
+
+Result<uint64_t> Client::fetch_add(uint64_t addr, uint64_t add, uint32_t rkey) {
+  Op op = fetch_add_async(addr, add, rkey);
+  if (Error e = wait(op)) return e;
+  return op.value();
+}
+
+Result<uint64_t> Client::compare_swap(uint64_t addr, uint64_t expected, uint64_t desired,
+                                      uint32_t rkey) {
+  Op op = compare_swap_async(addr, expected, desired, rkey);
+  if (Error e = wait(op)) return e;
+  return op.value();
+}
+
+Result<uint64_t> Client::swap(uint64_t addr, uint64_t value, uint32_t rkey) {
+  Op op = swap_async(addr, value, rkey);
+  if (Error e = wait(op)) return e;
+  return op.value();
+}
+
+Error Client::reduce(uint64_t addr, DType t, RedOp rop, std::span<const std::byte> data,
+                     Sparse sparse, uint32_t rkey) {
+  Op op = reduce_async(addr, t, rop, data, sparse, rkey);
+  return wait(op);
+}
+
+Error Client::reduce_fetch(uint64_t addr, DType t, RedOp rop, std::span<std::byte> inout,
+                           uint32_t rkey) {
+  Op op = reduce_fetch_async(addr, t, rop, inout, rkey);
+  return wait(op);
+}
+
+Error Client::region_add(uint32_t admin_key, const RegionInfo& r) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kRegionAdd;
+  Packet& p = new_packet(op, Opcode::kRegionAdd, admin_key, 0, core::kRegionRecordSize);
+  p.owned.resize(core::kRegionRecordSize);
+  store_be<uint64_t>(p.owned.data(), r.base);
+  store_be<uint64_t>(p.owned.data() + 8, r.size);
+  store_be<uint32_t>(p.owned.data() + 16, r.key);
+  store_be<uint32_t>(p.owned.data() + 20, r.perms);
+  p.payload = p.owned;
+  Op h = start(std::move(op));
+  return wait(h);
+}
+
+Error Client::region_del(uint32_t admin_key, uint32_t region_key) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kRegionDel;
+  Packet& p = new_packet(op, Opcode::kRegionDel, admin_key, 0, 4);
+  p.owned.resize(4);
+  store_be<uint32_t>(p.owned.data(), region_key);
+  p.payload = p.owned;
+  Op h = start(std::move(op));
+  return wait(h);
+}
+
+Result<std::vector<RegionInfo>> Client::region_list(uint32_t admin_key) {
+  auto raw = paged(Opcode::kRegionList, admin_key);
+  if (!raw) return raw.error();
+  std::vector<RegionInfo> out;
+  const auto& b = raw.value();
+  for (size_t off = 0; off + core::kRegionRecordSize <= b.size(); off += core::kRegionRecordSize) {
+    const std::byte* r = b.data() + off;
+    out.push_back({load_be<uint64_t>(r), load_be<uint64_t>(r + 8), load_be<uint32_t>(r + 16),
+                   load_be<uint32_t>(r + 20)});
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- the engine room
+
+void Client::fail_op(detail::OpState& op, Error e) {
+  if (op.error.is_ok()) op.error = std::move(e);
+  // Forget the op's other packets at once: their late answers are then
+  // unknown txns and can never touch the caller's buffers after wait().
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if ((*it)->op.get() == &op) {
+      --op.outstanding;
+      it = queue_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = inflight_.begin(); it != inflight_.end();) {
+    if (it->second->op.get() == &op) {
+      --op.outstanding;
+      inflight_bytes_ -= it->second->payload.size();
+      it = inflight_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Client::finish(Packet& p, Error e) {
+  auto op = p.op;  // p dies below
+  const uint64_t txn = p.h.txn;
+  inflight_bytes_ -= p.payload.size();
+  inflight_.erase(txn);
+  --op->outstanding;
+  if (e) fail_op(*op, std::move(e));
+}
+
+void Client::send_queued() {
+  std::array<transport::OutMsg, 32> batch;
+  size_t n = 0;
+  auto flush = [&] {
+    for (size_t sent = 0; sent < n;) sent += transport_->send_batch(std::span(batch).subspan(sent, n - sent));
+    n = 0;
+  };
+  const uint64_t txn_span = std::max<uint64_t>(info_.replay_window / 2, 1);
+  uint64_t oldest = next_txn_;
+  for (const auto& [txn, p] : inflight_) oldest = std::min(oldest, txn);
+  std::vector<std::unique_ptr<Packet>> unacked;  // alive until the batch is flushed
+  while (!queue_.empty() && inflight_.size() < opts_.window_packets &&
+         (inflight_.empty() || inflight_bytes_ + queue_.front()->payload.size() <= opts_.window_bytes) &&
+         next_txn_ - oldest < txn_span) {
+    auto p = std::move(queue_.front());
+    queue_.pop_front();
+    p->h.txn = next_txn_++;
+    p->h.boot = opts_.detect_restart ? info_.boot_id : 0;
+    core::encode_header(p->h, p->wire.data());
+    p->first_sent = p->last_sent = transport_->now();
+    p->sends = 1;
+    batch[n++] = transport::OutMsg{*device_, {std::span<const std::byte>(p->wire), p->payload}};
+    ++counters_.packets_sent;
+    if (p->expect_answer) {
+      inflight_bytes_ += p->payload.size();
+      inflight_.emplace(p->h.txn, std::move(p));
+    } else {
+      --p->op->outstanding;
+      unacked.push_back(std::move(p));
+    }
+    if (n == batch.size()) flush();
+  }
+  flush();
+}
+
+void Client::check_timers() {
+  const TimePoint now = transport_->now();
+  const auto base = srtt_.count() ? std::clamp<std::chrono::nanoseconds>(srtt_ + 4 * rttvar_, kMinRto, kMaxRto)
+                                  : std::chrono::nanoseconds(kInitialRto);
+  std::vector<uint64_t> expired;
+  for (auto& [txn, p] : inflight_) {
+    if (now - p->first_sent >= opts_.timeout) {
+      expired.push_back(txn);
+      continue;
+    }
+    auto rto = std::min<std::chrono::nanoseconds>(base * (1 << std::min(p->sends - 1, 6)), kMaxRto);
+    if (now - p->last_sent < rto) continue;
+    transport::OutMsg m{*device_, {std::span<const std::byte>(p->wire), p->payload}};
+    transport_->send_batch({&m, 1});
+    p->last_sent = now;
+    ++p->sends;
+    ++counters_.retransmits;
+  }
+  for (uint64_t txn : expired) {
+    auto it = inflight_.find(txn);
+    if (it == inflight_.end()) continue;  // gone with an earlier failure of its op
+    Packet& p = *it->second;
+    finish(p, Error::timeout(fmt::format("{} to {} at {:#x}: no answer within {} ms ({} sends)",
+                                         to_string(p.h.opcode), device_address(), p.h.addr,
+                                         opts_.timeout.count(), p.sends)));
+  }
+}
+
+void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from) {
+  if (len < kHeaderSize || load_be<uint32_t>(buf) != kMagic || !(from == *device_)) {
+    ++counters_.ignored;
+    return;
+  }
+  core::Header h = core::decode_header(buf);
+  auto it = inflight_.find(h.txn);
+  if (!h.is_response() || it == inflight_.end() || it->second->h.opcode != h.opcode) {
+    ++counters_.ignored;  // a late duplicate, or not for us
+    return;
+  }
+  ++counters_.answers;
+  Packet& p = *it->second;
+  if (p.sends == 1) {  // Karn: only unambiguous samples
+    auto rtt = transport_->now() - p.first_sent;
+    if (srtt_.count() == 0) {
+      srtt_ = rtt;
+      rttvar_ = rtt / 2;
+    } else {
+      auto dev = rtt > srtt_ ? rtt - srtt_ : srtt_ - rtt;
+      rttvar_ = (3 * rttvar_ + dev) / 4;
+      srtt_ = (7 * srtt_ + rtt) / 8;
+    }
+  }
+  auto what = [&] { return fmt::format("{} at {:#x} on {}", to_string(h.opcode), p.h.addr, device_address()); };
+  if (h.status == Status::kBootMismatch ||
+      (opts_.detect_restart && info_.boot_id != 0 && h.boot != info_.boot_id))
+    return finish(p, Error::restarted(fmt::format("{}: device restarted (boot id {:#x} -> {:#x}); its memory is gone",
+                                                  what(), info_.boot_id, h.boot)));
+  if (h.status != Status::kOk)
+    return finish(p, Error::nak(h.status, fmt::format("{}: {}", what(), to_string(h.status))));
+  std::span<const std::byte> payload(buf + kHeaderSize, len - kHeaderSize);
+  if (h.length != payload.size())
+    return finish(p, Error::protocol(what() + ": answer length disagrees with its datagram"));
+  detail::OpState& op = *p.op;
+  switch (h.opcode) {
+    case Opcode::kRead:
+    case Opcode::kReducePayload:
+      if (payload.size() != p.h.length)
+        return finish(p, Error::protocol(fmt::format("{}: {} bytes answered, {} asked", what(),
+                                                     payload.size(), p.h.length)));
+      std::memcpy(p.answer_to, payload.data(), payload.size());
+      break;
+    case Opcode::kFetchAdd:
+    case Opcode::kCompareSwap:
+    case Opcode::kSwap:
+      if (payload.size() != 8) return finish(p, Error::protocol(what() + ": atomic answer is not 8 bytes"));
+      op.value = load_le<uint64_t>(payload.data());
+      break;
+    case Opcode::kPing:
+    case Opcode::kStats:
+    case Opcode::kRegionList: op.answer.assign(payload.begin(), payload.end()); break;
+    default: break;
+  }
+  finish(p, {});
+}
+
+void Client::pump(bool block) {
+  send_queued();
+  if (inflight_.empty()) return;
+  // Sleep no longer than the next retransmission could be due.
+  auto timeout = block ? std::chrono::nanoseconds(kMinRto) / 2 : std::chrono::nanoseconds(0);
+  std::array<transport::InMsg, kRxBatch> in;
+  for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kMaxDatagram, kMaxDatagram);
+  const size_t n = transport_->recv_batch(in, timeout);
+  for (size_t i = 0; i < n; ++i)
+    if (!in[i].truncated) receive(in[i].buf.data(), in[i].len, in[i].from);
+  check_timers();
+  send_queued();
+}
+
+std::string_view to_string(Error::Code c) {
+  switch (c) {
+    case Error::Code::kOk: return "ok";
+    case Error::Code::kTimeout: return "timeout";
+    case Error::Code::kNak: return "nak";
+    case Error::Code::kRestarted: return "device restarted";
+    case Error::Code::kInvalidArgument: return "invalid argument";
+    case Error::Code::kTransport: return "transport error";
+    case Error::Code::kProtocol: return "protocol error";
+  }
+  return "unknown";
+}
+
+std::string Error::to_string() const {
+  if (is_ok()) return "ok";
+  return message_.empty() ? std::string(netdam::to_string(code_)) : message_;
+}
+
+}  // namespace netdam

@@ -1,0 +1,140 @@
+// The instruction engine: one datagram and the device memory in, at most one
+// datagram out. No sockets, threads or clocks: the daemon, the in-process
+// test fabric and the fuzzer all drive this same code.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "core/regions.h"
+#include "core/replay_window.h"
+#include "core/stats.h"
+#include "core/wire.h"
+#include "netdam/types.h"
+
+namespace netdam::core {
+
+// An IPv4 UDP address in host order (the engine's view of a peer).
+struct Address {
+  uint32_t ip = 0;
+  uint16_t port = 0;
+  uint64_t key() const { return (uint64_t{ip} << 16) | port; }
+  friend bool operator==(const Address&, const Address&) = default;
+};
+
+struct DeviceConfig {
+  uint32_t boot_id = 1;                // changes on every start; never 0
+  std::optional<uint32_t> admin_key;   // unset: region admin is refused
+  size_t max_payload = kDefaultMaxPayload;  // [kMinPayload, kMaxPayloadLimit]
+  size_t replay_window = 1024;         // txns remembered per requester
+  size_t replay_requesters = 4096;     // requesters remembered
+};
+inline constexpr size_t kMinPayload = 512;
+
+// Layout of the PING answer's payload (big-endian), see PROTOCOL.md.
+inline constexpr size_t kPingPayloadSize = 32;
+// Region records (REGION_ADD payload, REGION_LIST answer): base u64, size
+// u64, key u32, perms u32.
+inline constexpr size_t kRegionRecordSize = 24;
+
+// State shared by all engines of one device: memory, regions, replay window.
+class Device {
+ public:
+  Device(std::span<std::byte> memory, DeviceConfig config);
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  std::span<std::byte> memory() const { return memory_; }
+  RegionTable& regions() { return regions_; }
+  ReplayWindow& replay() { return replay_; }
+  const DeviceConfig& config() const { return config_; }
+
+  // Counters of every engine of this device, added up.
+  StatList stats() const;
+
+  // REDUCE_MEM is a read-modify-write of many elements; concurrent ones on
+  // the same bytes (from different threads) are serialised by address
+  // stripes. Any request covers at most two 64 KiB stripes.
+  class StripeLock {
+   public:
+    StripeLock(Device& d, uint64_t addr, uint64_t len);
+    ~StripeLock();
+    StripeLock(const StripeLock&) = delete;
+    StripeLock& operator=(const StripeLock&) = delete;
+
+   private:
+    std::mutex* first_;
+    std::mutex* second_;
+  };
+
+ private:
+  friend class Engine;
+  void attach(const Stats* s);
+  void detach(const Stats* s);
+
+  std::span<std::byte> memory_;
+  DeviceConfig config_;
+  RegionTable regions_;
+  ReplayWindow replay_;
+  std::array<std::mutex, 64> stripes_;
+  mutable std::mutex engines_mu_;
+  std::vector<const Stats*> engines_;
+};
+
+// What to do with the result of one datagram.
+struct Action {
+  enum class Kind : uint8_t { kNone, kReply, kForward };
+  Kind kind = Kind::kNone;
+  Address to;
+  // The datagram to send is head followed by data. Both point into the
+  // caller's `out` buffer, the request buffer or device memory: send it
+  // before the next call to handle() with the same buffers.
+  std::span<const std::byte> head;
+  std::span<const std::byte> data;
+  size_t size() const { return head.size() + data.size(); }
+};
+
+// One per device thread. Not thread-safe itself; many engines share a Device.
+class Engine {
+ public:
+  explicit Engine(Device& device);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Size `out` must have for handle().
+  static size_t out_buffer_size(const DeviceConfig& c) { return kHeaderSize + c.max_payload; }
+
+  // Executes one datagram received from `from`. `datagram` is modified in
+  // place (chain hops combine into the payload and advance the segment
+  // pointer). Never reads or writes outside `datagram`, `out` and the
+  // addressed region.
+  Action handle(Address from, std::span<std::byte> datagram, std::span<std::byte> out);
+
+  const Stats& stats() const { return stats_; }
+
+ private:
+  struct Request;
+  struct Result;
+  Result execute(const Request& q, std::span<std::byte> out);
+  Result execute_once(const Request& q, std::span<std::byte> out);
+  Outcome run_mutation(const Request& q, std::span<std::byte> out);
+  Result read_like(const Request& q, std::span<std::byte> out);
+  Result ping(std::span<std::byte> out);
+  Result stats_page(const Request& q, std::span<std::byte> out);
+  Result region_admin(const Request& q, std::span<std::byte> out);
+  Status decode_operand(const Request& q, std::span<std::byte> scratch,
+                        std::span<const std::byte>& dense);
+  Action answer(const Header& req, Address to, Status status, std::span<const std::byte> data,
+                std::span<std::byte> out);
+
+  Device& device_;
+  Stats stats_;
+};
+
+}  // namespace netdam::core

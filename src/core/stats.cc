@@ -1,0 +1,59 @@
+#include "core/stats.h"
+
+#include <fmt/format.h>
+
+namespace netdam::core {
+
+namespace {
+uint64_t sum(const std::vector<const Stats*>& all, const Stats::Counter Stats::*field) {
+  uint64_t total = 0;
+  for (const Stats* s : all) total += (s->*field).load(std::memory_order_relaxed);
+  return total;
+}
+
+template <size_t N>
+uint64_t sum_at(const std::vector<const Stats*>& all, std::array<Stats::Counter, N> Stats::*field,
+                size_t i) {
+  uint64_t total = 0;
+  for (const Stats* s : all) total += (s->*field)[i].load(std::memory_order_relaxed);
+  return total;
+}
+
+constexpr const char* kDropNames[kParseErrorCount] = {"none",        "truncated",  "bad_magic",
+                                                      "is_response", "bad_version", "bad_segments"};
+}  // namespace
+
+StatList collect(const std::vector<const Stats*>& all) {
+  StatList out = {
+      {"rx_packets", sum(all, &Stats::rx_packets)}, {"rx_bytes", sum(all, &Stats::rx_bytes)},
+      {"tx_packets", sum(all, &Stats::tx_packets)}, {"tx_bytes", sum(all, &Stats::tx_bytes)},
+      {"forwarded", sum(all, &Stats::forwarded)},   {"replayed", sum(all, &Stats::replayed)},
+      {"sparse", sum(all, &Stats::sparse)},
+  };
+  uint64_t dropped_total = 0;
+  for (size_t i = 1; i < kParseErrorCount; ++i) {
+    uint64_t v = sum_at(all, &Stats::dropped, i);
+    dropped_total += v;
+    out.emplace_back(fmt::format("drop.{}", kDropNames[i]), v);
+  }
+  out.emplace_back("dropped", dropped_total);
+  uint64_t naks_total = 0;
+  for (size_t i = 1; i < kStatusCount; ++i) {
+    uint64_t v = sum_at(all, &Stats::naks, i);
+    naks_total += v;
+    if (v) out.emplace_back(fmt::format("nak.{}", to_string(static_cast<Status>(i))), v);
+  }
+  out.emplace_back("naks", naks_total);
+  for (size_t i = 0; i < 256; ++i) {
+    uint64_t v = sum_at(all, &Stats::requests, i);
+    if (v == 0) continue;
+    auto op = static_cast<Opcode>(i);
+    std::string name = is_valid_opcode(static_cast<uint8_t>(i))
+                           ? std::string(to_string(op))
+                           : fmt::format("unknown_{:#04x}", i);
+    out.emplace_back("op." + name, v);
+  }
+  return out;
+}
+
+}  // namespace netdam::core

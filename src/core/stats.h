@@ -1,0 +1,40 @@
+// Device counters. Each engine (one per device thread) owns a Stats and is
+// its only writer, so increments are uncontended relaxed stores; readers
+// (a STATS request on any thread) add up all engines' counters.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/wire.h"
+#include "netdam/types.h"
+
+namespace netdam::core {
+
+inline constexpr size_t kParseErrorCount = 6;
+
+struct Stats {
+  using Counter = std::atomic<uint64_t>;
+  Counter rx_packets{0}, rx_bytes{0}, tx_packets{0}, tx_bytes{0};
+  Counter forwarded{0};     // chain packets passed on to the next hop
+  Counter replayed{0};      // retransmissions answered from the replay window
+  Counter sparse{0};        // requests with a sparse payload
+  std::array<Counter, 256> requests{};        // by opcode value
+  std::array<Counter, kStatusCount> naks{};   // NAKs sent, by status
+  std::array<Counter, kParseErrorCount> dropped{};  // silent drops, by ParseError
+
+  static void inc(Counter& c, uint64_t by = 1) {
+    c.store(c.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
+  }
+};
+
+// (name, value) pairs, the form STATS puts on the wire; zero counters of
+// opcodes and statuses are left out to keep the answer short.
+using StatList = std::vector<std::pair<std::string, uint64_t>>;
+StatList collect(const std::vector<const Stats*>& all);
+
+}  // namespace netdam::core

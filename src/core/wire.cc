@@ -1,0 +1,108 @@
+#include "core/wire.h"
+
+#include <fmt/format.h>
+
+#include "core/endian.h"
+
+namespace netdam::core {
+
+void encode_header(const Header& h, std::byte* out) {
+  store_be<uint32_t>(out + hdr::kMagic, kMagic);
+  store_be<uint8_t>(out + hdr::kVersion, h.version);
+  store_be<uint8_t>(out + hdr::kOpcode, static_cast<uint8_t>(h.opcode));
+  store_be<uint8_t>(out + hdr::kFlags, h.flags);
+  store_be<uint8_t>(out + hdr::kStatus, static_cast<uint8_t>(h.status));
+  store_be<uint8_t>(out + hdr::kDType, static_cast<uint8_t>(h.dtype));
+  store_be<uint8_t>(out + hdr::kRedOp, static_cast<uint8_t>(h.redop));
+  store_be<uint8_t>(out + hdr::kSegCount, h.seg_count);
+  store_be<uint8_t>(out + hdr::kSegIndex, h.seg_index);
+  store_be<uint32_t>(out + hdr::kRkey, h.rkey);
+  store_be<uint64_t>(out + hdr::kTxn, h.txn);
+  store_be<uint64_t>(out + hdr::kAddr, h.addr);
+  store_be<uint32_t>(out + hdr::kLength, h.length);
+  store_be<uint32_t>(out + hdr::kBoot, h.boot);
+}
+
+Header decode_header(const std::byte* in) {
+  Header h;
+  h.version = load_be<uint8_t>(in + hdr::kVersion);
+  h.opcode = static_cast<Opcode>(load_be<uint8_t>(in + hdr::kOpcode));
+  h.flags = load_be<uint8_t>(in + hdr::kFlags);
+  h.status = static_cast<Status>(load_be<uint8_t>(in + hdr::kStatus));
+  h.dtype = static_cast<DType>(load_be<uint8_t>(in + hdr::kDType));
+  h.redop = static_cast<RedOp>(load_be<uint8_t>(in + hdr::kRedOp));
+  h.seg_count = load_be<uint8_t>(in + hdr::kSegCount);
+  h.seg_index = load_be<uint8_t>(in + hdr::kSegIndex);
+  h.rkey = load_be<uint32_t>(in + hdr::kRkey);
+  h.txn = load_be<uint64_t>(in + hdr::kTxn);
+  h.addr = load_be<uint64_t>(in + hdr::kAddr);
+  h.length = load_be<uint32_t>(in + hdr::kLength);
+  h.boot = load_be<uint32_t>(in + hdr::kBoot);
+  return h;
+}
+
+void encode_preamble(const SrPreamble& p, std::byte* out) {
+  store_be<uint32_t>(out, p.reply_ip);
+  store_be<uint16_t>(out + 4, p.reply_port);
+  store_be<uint16_t>(out + 6, p.reserved);
+}
+
+SrPreamble decode_preamble(const std::byte* in) {
+  return SrPreamble{load_be<uint32_t>(in), load_be<uint16_t>(in + 4), load_be<uint16_t>(in + 6)};
+}
+
+void encode_segment(const Segment& s, std::byte* out) {
+  store_be<uint32_t>(out + seg::kIp, s.ip);
+  store_be<uint16_t>(out + seg::kPort, s.port);
+  store_be<uint8_t>(out + seg::kOpcode, static_cast<uint8_t>(s.opcode));
+  store_be<uint8_t>(out + seg::kFlags, s.flags);
+  store_be<uint32_t>(out + seg::kRkey, s.rkey);
+  store_be<uint32_t>(out + seg::kAux, s.aux);
+  store_be<uint64_t>(out + seg::kAddr, s.addr);
+}
+
+Segment decode_segment(const std::byte* in) {
+  Segment s;
+  s.ip = load_be<uint32_t>(in + seg::kIp);
+  s.port = load_be<uint16_t>(in + seg::kPort);
+  s.opcode = static_cast<Opcode>(load_be<uint8_t>(in + seg::kOpcode));
+  s.flags = load_be<uint8_t>(in + seg::kFlags);
+  s.rkey = load_be<uint32_t>(in + seg::kRkey);
+  s.aux = load_be<uint32_t>(in + seg::kAux);
+  s.addr = load_be<uint64_t>(in + seg::kAddr);
+  return s;
+}
+
+ParseError parse(std::span<std::byte> d, Packet& out) {
+  if (d.size() < kHeaderSize) return ParseError::kTruncated;
+  if (load_be<uint32_t>(d.data() + hdr::kMagic) != kMagic) return ParseError::kBadMagic;
+  out.h = decode_header(d.data());
+  if (out.h.is_response()) return ParseError::kIsResponse;
+  if (out.h.version != kVersion) return ParseError::kBadVersion;
+  size_t off = kHeaderSize;
+  out.sr = {};
+  out.segments = {};
+  if (out.h.seg_count > 0) {
+    if (out.h.seg_count > kMaxSegments || out.h.seg_index >= out.h.seg_count)
+      return ParseError::kBadSegments;
+    off = payload_offset(out.h.seg_count);
+    if (d.size() < off) return ParseError::kBadSegments;
+    out.sr = decode_preamble(d.data() + kHeaderSize);
+    out.segments = d.subspan(kHeaderSize + kSrPreambleSize, out.h.seg_count * kSegmentSize);
+  } else if (out.h.seg_index != 0) {
+    return ParseError::kBadSegments;
+  }
+  out.payload = d.subspan(off);
+  return ParseError::kNone;
+}
+
+std::string Header::to_string() const {
+  return fmt::format(
+      "{{v{} {} flags={:#04x} status={} type={} op={} seg={}/{} rkey={:#x} txn={} addr={:#x} "
+      "len={} boot={:#x}}}",
+      version, netdam::to_string(opcode), flags, netdam::to_string(status),
+      netdam::to_string(dtype), netdam::to_string(redop), seg_index, seg_count, rkey, txn,
+      addr, length, boot);
+}
+
+}  // namespace netdam::core

@@ -1,0 +1,104 @@
+// The netdam wire format (docs/PROTOCOL.md is the specification).
+//
+// A datagram is: fixed header (40 B) | [segment-routing preamble (8 B) |
+// segments (24 B each)] | payload. All header and segment fields are
+// big-endian. The structs below are host-order views; encode/decode are the
+// only code that touches the byte layout.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "netdam/types.h"
+
+namespace netdam::core {
+
+struct Header {
+  uint8_t version = kVersion;
+  Opcode opcode = Opcode::kPing;
+  uint8_t flags = 0;
+  Status status = Status::kOk;
+  DType dtype = DType::kBytes;
+  RedOp redop = RedOp::kNone;
+  uint8_t seg_count = 0;  // segments after the header (0: no routing header)
+  uint8_t seg_index = 0;  // the segment being executed
+  uint32_t rkey = 0;      // region key (admin key for region admin ops)
+  uint64_t txn = 0;       // transaction id, echoed in the response
+  uint64_t addr = 0;      // device address
+  uint32_t length = 0;    // semantic length in bytes (see PROTOCOL.md per opcode)
+  uint32_t boot = 0;      // request: expected boot id (0 = any); response: device boot id
+
+  bool is_response() const { return flags & kFlagResponse; }
+  std::string to_string() const;
+};
+
+// Offsets of the header fields, shared by encode/decode and the golden tests.
+namespace hdr {
+inline constexpr size_t kMagic = 0, kVersion = 4, kOpcode = 5, kFlags = 6, kStatus = 7,
+                        kDType = 8, kRedOp = 9, kSegCount = 10, kSegIndex = 11,
+                        kRkey = 12, kTxn = 16, kAddr = 24, kLength = 32, kBoot = 36;
+}  // namespace hdr
+static_assert(hdr::kBoot + 4 == kHeaderSize, "header layout and kHeaderSize disagree");
+
+// Present when seg_count > 0. reply_ip == 0 means "the source of the datagram
+// as seen by the first hop", which that hop fills in before forwarding.
+struct SrPreamble {
+  uint32_t reply_ip = 0;  // IPv4, host order here
+  uint16_t reply_port = 0;
+  uint16_t reserved = 0;
+};
+
+struct Segment {
+  uint32_t ip = 0;  // IPv4 of the device that executes this segment
+  uint16_t port = 0;
+  Opcode opcode = Opcode::kWrite;
+  uint8_t flags = 0;
+  uint32_t rkey = 0;
+  uint32_t aux = 0;  // reserved for the collectives (generation, slot)
+  uint64_t addr = 0;
+};
+
+namespace seg {
+inline constexpr size_t kIp = 0, kPort = 4, kOpcode = 6, kFlags = 7, kRkey = 8, kAux = 12,
+                        kAddr = 16;
+}  // namespace seg
+static_assert(seg::kAddr + 8 == kSegmentSize, "segment layout and kSegmentSize disagree");
+
+void encode_header(const Header& h, std::byte* out);  // writes kHeaderSize bytes
+Header decode_header(const std::byte* in);            // reads kHeaderSize bytes, no checks
+void encode_preamble(const SrPreamble& p, std::byte* out);
+SrPreamble decode_preamble(const std::byte* in);
+void encode_segment(const Segment& s, std::byte* out);
+Segment decode_segment(const std::byte* in);
+
+// Why a datagram could not be parsed. The first three mean the header cannot
+// be trusted and the datagram is dropped without an answer.
+enum class ParseError : uint8_t {
+  kNone = 0,
+  kTruncated,     // shorter than the fixed header
+  kBadMagic,
+  kIsResponse,    // devices never answer answers (no reflection loops)
+  kBadVersion,    // answered with a v1 NAK so the sender learns our version
+  kBadSegments,   // seg_count/seg_index inconsistent or list truncated
+};
+
+// A parsed datagram; spans point into the caller's buffer.
+struct Packet {
+  Header h;
+  SrPreamble sr;
+  std::span<std::byte> segments;  // seg_count * kSegmentSize raw bytes
+  std::span<std::byte> payload;
+};
+
+// Splits a datagram into header, routing header and payload. Only structural
+// checks happen here; per-opcode semantics are the engine's.
+ParseError parse(std::span<std::byte> datagram, Packet& out);
+
+// Byte offset of the payload for a header with `seg_count` segments.
+constexpr size_t payload_offset(size_t seg_count) {
+  return kHeaderSize + (seg_count ? kSrPreambleSize + seg_count * kSegmentSize : 0);
+}
+
+}  // namespace netdam::core

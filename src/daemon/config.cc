@@ -1,0 +1,169 @@
+#include "daemon/config.h"
+
+#include <fmt/format.h>
+
+#include <charconv>
+#include <toml++/toml.h>
+
+#include "common/units.h"
+#include "core/engine.h"
+
+namespace netdam::device {
+
+std::optional<uint32_t> parse_key(const std::string& text) {
+  std::string_view s = text;
+  int base = 10;
+  if (s.starts_with("0x") || s.starts_with("0X")) {
+    s.remove_prefix(2);
+    base = 16;
+  }
+  uint32_t v = 0;
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v, base);
+  if (ec != std::errc() || p != s.data() + s.size() || s.empty()) return std::nullopt;
+  return v;
+}
+
+std::optional<uint32_t> parse_perms(const std::string& text) {
+  if (text == "r") return core::kPermRead;
+  if (text == "w") return core::kPermWrite;
+  if (text == "rw" || text == "wr") return core::kPermAll;
+  return std::nullopt;
+}
+
+std::optional<core::Region> parse_region(const std::string& text, std::string* error) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  for (size_t i = 0; i <= text.size(); ++i) {
+    if (i == text.size() || text[i] == ':') {
+      parts.push_back(text.substr(start, i - start));
+      start = i + 1;
+    }
+  }
+  auto bad = [&](std::string why) -> std::optional<core::Region> {
+    if (error) *error = fmt::format("bad region '{}': {} (want BASE:SIZE:KEY[:PERMS])", text, why);
+    return std::nullopt;
+  };
+  if (parts.size() < 3 || parts.size() > 4) return bad("wrong number of fields");
+  auto base = parse_size(parts[0]);
+  auto size = parse_size(parts[1]);
+  auto key = parse_key(parts[2]);
+  if (!base) return bad("bad BASE");
+  if (!size) return bad("bad SIZE");
+  if (!key || *key == 0) return bad("KEY must be a nonzero 32-bit number");
+  uint32_t perms = core::kPermAll;
+  if (parts.size() == 4) {
+    auto p = parse_perms(parts[3]);
+    if (!p) return bad("PERMS must be r, w or rw");
+    perms = *p;
+  }
+  return core::Region{*base, *size, *key, perms};
+}
+
+namespace {
+
+// A size may be written as a number of bytes or a string like "256MiB".
+std::optional<uint64_t> size_value(const toml::node& n) {
+  if (auto i = n.value<int64_t>(); i && *i >= 0) return static_cast<uint64_t>(*i);
+  if (auto s = n.value<std::string>()) return parse_size(*s);
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<std::string> load_config_file(const std::string& path, DaemonConfig& cfg) {
+  toml::table t;
+  try {
+    t = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    return fmt::format("{}: {} (line {})", path, e.description(), e.source().begin.line);
+  }
+  auto err = [&](std::string_view key, std::string_view why) {
+    return fmt::format("{}: '{}' {}", path, key, why);
+  };
+  static const std::vector<std::string_view> kKnown = {
+      "listen", "memory", "threads", "max_payload", "shm", "admin_key", "replay_window",
+      "replay_requesters", "default_key", "region", "port_file", "log_level"};
+  for (const auto& [k, v] : t)
+    if (std::find(kKnown.begin(), kKnown.end(), k.str()) == kKnown.end())
+      return err(k.str(), "is not a known setting");
+
+  if (auto v = t["listen"].value<std::string>()) {
+    std::string why;
+    auto e = transport::parse_endpoint(*v, &why);
+    if (!e) return err("listen", why);
+    cfg.listen = *e;
+  }
+  if (auto n = t.get("memory")) {
+    auto v = size_value(*n);
+    if (!v) return err("memory", "must be a size like \"256MiB\"");
+    cfg.memory = *v;
+  }
+  if (auto n = t.get("max_payload")) {
+    auto v = size_value(*n);
+    if (!v) return err("max_payload", "must be a size");
+    cfg.max_payload = *v;
+  }
+  if (auto v = t["threads"].value<int64_t>()) {
+    if (*v < 1 || *v > 64) return err("threads", "must be 1..64");
+    cfg.threads = static_cast<unsigned>(*v);
+  }
+  if (auto v = t["shm"].value<std::string>()) cfg.shm = *v;
+  if (auto v = t["port_file"].value<std::string>()) cfg.port_file = *v;
+  if (auto v = t["log_level"].value<std::string>()) cfg.log_level = *v;
+  if (auto v = t["admin_key"].value<int64_t>()) {
+    if (*v <= 0 || *v > UINT32_MAX) return err("admin_key", "must be 1..2^32-1");
+    cfg.admin_key = static_cast<uint32_t>(*v);
+  }
+  if (auto v = t["default_key"].value<int64_t>()) {
+    if (*v <= 0 || *v > UINT32_MAX) return err("default_key", "must be 1..2^32-1");
+    cfg.default_key = static_cast<uint32_t>(*v);
+  }
+  if (auto v = t["replay_window"].value<int64_t>()) {
+    if (*v < 16 || *v > (1 << 20)) return err("replay_window", "must be 16..1048576");
+    cfg.replay_window = static_cast<size_t>(*v);
+  }
+  if (auto v = t["replay_requesters"].value<int64_t>()) {
+    if (*v < 16 || *v > (1 << 20)) return err("replay_requesters", "must be 16..1048576");
+    cfg.replay_requesters = static_cast<size_t>(*v);
+  }
+  if (auto n = t.get("region")) {
+    auto* arr = n->as_array();
+    if (!arr) return err("region", "must be an array of tables ([[region]])");
+    for (auto& el : *arr) {
+      auto* r = el.as_table();
+      if (!r) return err("region", "entries must be tables");
+      core::Region reg;
+      auto base = r->get("base") ? size_value(*r->get("base")) : std::optional<uint64_t>(0);
+      auto size = r->get("size") ? size_value(*r->get("size")) : std::nullopt;
+      auto key = (*r)["key"].value<int64_t>();
+      if (!base) return err("region.base", "must be a size");
+      if (!size) return err("region.size", "is required and must be a size");
+      if (!key || *key <= 0 || *key > UINT32_MAX) return err("region.key", "must be 1..2^32-1");
+      reg.base = *base;
+      reg.size = *size;
+      reg.key = static_cast<uint32_t>(*key);
+      if (auto p = (*r)["perms"].value<std::string>()) {
+        auto bits = parse_perms(*p);
+        if (!bits) return err("region.perms", "must be \"r\", \"w\" or \"rw\"");
+        reg.perms = *bits;
+      }
+      cfg.regions.push_back(reg);
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> validate(const DaemonConfig& cfg) {
+  if (cfg.memory == 0) return "memory must be at least 1 byte";
+  if (cfg.threads < 1 || cfg.threads > 64) return "threads must be 1..64";
+  if (cfg.max_payload < core::kMinPayload || cfg.max_payload > kMaxPayloadLimit)
+    return fmt::format("max_payload must be {}..{} bytes", core::kMinPayload, kMaxPayloadLimit);
+  for (const auto& r : cfg.regions) {
+    if (r.size == 0 || r.base > cfg.memory || r.size > cfg.memory - r.base)
+      return fmt::format("region key {:#x} [{:#x}, +{}) lies outside the {} bytes of memory", r.key,
+                         r.base, r.size, cfg.memory);
+  }
+  return std::nullopt;
+}
+
+}  // namespace netdam::device

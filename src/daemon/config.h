@@ -1,0 +1,44 @@
+// netdamd's settings: defaults, then the TOML file (--config), then flags.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/regions.h"
+#include "netdam/types.h"
+#include "transport/transport.h"
+
+namespace netdam::device {
+
+struct DaemonConfig {
+  transport::Endpoint listen{0x7F000001, 7000};
+  uint64_t memory = 256ull << 20;
+  unsigned threads = 1;
+  size_t max_payload = kDefaultMaxPayload;
+  std::string shm;                     // back memory with /dev/shm/NAME
+  std::optional<uint32_t> admin_key;   // region admin over the network
+  size_t replay_window = 1024;
+  size_t replay_requesters = 4096;
+  std::vector<core::Region> regions;   // empty: one region over all memory
+  uint32_t default_key = 1;            // key of that region
+  std::string port_file;               // write "HOST:PORT" here once listening
+  std::string log_level = "info";
+};
+
+// Reads a TOML file into `cfg`, overriding what it sets. Returns an error
+// message naming the file and key, or nullopt.
+std::optional<std::string> load_config_file(const std::string& path, DaemonConfig& cfg);
+
+// "BASE:SIZE:KEY[:PERMS]" with sizes as in parse_size and PERMS r, w or rw.
+std::optional<core::Region> parse_region(const std::string& text, std::string* error);
+// "r", "w", "rw" -> permission bits.
+std::optional<uint32_t> parse_perms(const std::string& text);
+// A number in decimal or 0x-hex, at most 32 bits.
+std::optional<uint32_t> parse_key(const std::string& text);
+
+// Checks ranges and consistency; returns an error message or nullopt.
+std::optional<std::string> validate(const DaemonConfig& cfg);
+
+}  // namespace netdam::device

@@ -1,0 +1,53 @@
+#include "daemon/device_loop.h"
+
+#include <chrono>
+
+namespace netdam::device {
+
+namespace {
+core::Address to_core(const transport::Endpoint& e) { return {e.ip, e.port}; }
+transport::Endpoint to_transport(const core::Address& a) { return {a.ip, a.port}; }
+}  // namespace
+
+DeviceLoop::DeviceLoop(core::Device& device, transport::Transport& transport)
+    : engine_(device),
+      transport_(transport),
+      rx_(kBatch * kMaxDatagram),
+      out_size_(core::Engine::out_buffer_size(device.config())),
+      in_(kBatch) {
+  out_.resize(kBatch * out_size_);
+  for (size_t i = 0; i < kBatch; ++i)
+    in_[i].buf = std::span(rx_).subspan(i * kMaxDatagram, kMaxDatagram);
+  send_.reserve(kBatch);
+}
+
+size_t DeviceLoop::poll_once(transport::Duration timeout) {
+  const size_t n = transport_.recv_batch(in_, timeout);
+  send_.clear();
+  for (size_t i = 0; i < n; ++i) {
+    auto& m = in_[i];
+    if (m.truncated) continue;  // cannot happen: buffers hold the largest datagram
+    auto out = std::span(out_).subspan(i * out_size_, out_size_);
+    core::Action a = engine_.handle(to_core(m.from), m.buf.first(m.len), out);
+    if (a.kind != core::Action::Kind::kNone)
+      send_.push_back(transport::OutMsg{to_transport(a.to), {a.head, a.data}});
+  }
+  // Answers point into rx_, out_ and device memory: send before the next recv.
+  for (size_t sent = 0; sent < send_.size();)
+    sent += transport_.send_batch(std::span(send_).subspan(sent));
+  return n;
+}
+
+void DeviceLoop::run(const std::atomic<bool>& stop) {
+  while (!stop.load(std::memory_order_relaxed)) poll_once(std::chrono::milliseconds(100));
+}
+
+void DeviceLoop::serve_one(core::Engine& engine, transport::InMsg& msg, transport::Transport& self,
+                           std::vector<std::byte>& out) {
+  core::Action a = engine.handle(to_core(msg.from), msg.buf.first(msg.len), out);
+  if (a.kind == core::Action::Kind::kNone) return;
+  transport::OutMsg m{to_transport(a.to), {a.head, a.data}};
+  self.send_batch({&m, 1});
+}
+
+}  // namespace netdam::device

@@ -1,0 +1,41 @@
+// The device's data path: receive a batch, run each datagram through the
+// engine, send the answers (and chain forwards) as one batch. One loop per
+// thread, each with its own socket (SO_REUSEPORT) and its own engine.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <vector>
+
+#include "core/engine.h"
+#include "transport/transport.h"
+
+namespace netdam::device {
+
+class DeviceLoop {
+ public:
+  static constexpr size_t kBatch = 32;
+
+  DeviceLoop(core::Device& device, transport::Transport& transport);
+
+  // Receives one batch (waiting up to `timeout` for its first datagram),
+  // executes it and sends what it produced. Returns datagrams handled.
+  size_t poll_once(transport::Duration timeout);
+  // Serves until `stop` becomes true (checked at least every 100 ms).
+  void run(const std::atomic<bool>& stop);
+
+  // Runs one datagram and sends its answer at once: the fabric's handler.
+  static void serve_one(core::Engine& engine, transport::InMsg& msg, transport::Transport& self,
+                        std::vector<std::byte>& out);
+
+ private:
+  core::Engine engine_;
+  transport::Transport& transport_;
+  std::vector<std::byte> rx_;   // kBatch receive buffers of kMaxDatagram
+  std::vector<std::byte> out_;  // kBatch answer buffers
+  size_t out_size_;
+  std::vector<transport::InMsg> in_;
+  std::vector<transport::OutMsg> send_;
+};
+
+}  // namespace netdam::device

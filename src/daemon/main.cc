@@ -1,0 +1,169 @@
+// netdamd: a NetDAM device. Owns a block of memory and serves it over UDP.
+#include <pthread.h>
+#include <signal.h>
+
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <spdlog/spdlog.h>
+#include <thread>
+
+#include "common/mapping.h"
+#include "common/units.h"
+#include "core/engine.h"
+#include "core/reduce.h"
+#include "daemon/config.h"
+#include "daemon/device_loop.h"
+#include "transport/udp.h"
+
+using namespace netdam;
+
+namespace {
+
+int fail(const std::string& msg) {
+  std::fprintf(stderr, "netdamd: %s\n", msg.c_str());
+  return 2;
+}
+
+uint32_t new_boot_id() {
+  std::random_device rd;
+  uint32_t id = 0;
+  while (id == 0) id = rd();
+  return id;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"netdamd: a NetDAM device serving its memory over UDP"};
+  std::string config_file, listen, memory, shm, port_file, log_level, admin_key, max_payload;
+  unsigned threads = 0;
+  std::vector<std::string> regions;
+  app.add_option("--config", config_file, "TOML file with settings (flags override it)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--listen", listen, "HOST:PORT to serve on (default 127.0.0.1:7000; port 0 = any)");
+  app.add_option("--memory", memory, "device memory size, e.g. 256MiB, 4GiB (default 256MiB)");
+  app.add_option("--threads", threads, "serving threads, each with its own socket (default 1)")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--max-payload", max_payload, "largest payload in bytes (default 8192: 9000-byte jumbo frames)");
+  app.add_option("--shm", shm, "back memory with /dev/shm/NAME so a co-located host can map it");
+  app.add_option("--region", regions, "register BASE:SIZE:KEY[:PERMS] (repeatable); default: key 1 over all memory");
+  app.add_option("--admin-key", admin_key, "key that authorises region admin over the network (default: admin disabled)");
+  app.add_option("--port-file", port_file, "write the bound HOST:PORT to this file once serving");
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error (default info)");
+  CLI11_PARSE(app, argc, argv);
+
+  device::DaemonConfig cfg;
+  if (!config_file.empty())
+    if (auto e = device::load_config_file(config_file, cfg)) return fail(*e);
+  if (!listen.empty()) {
+    std::string why;
+    auto ep = transport::parse_endpoint(listen, &why);
+    if (!ep) return fail("--listen: " + why);
+    cfg.listen = *ep;
+  }
+  if (!memory.empty()) {
+    auto v = parse_size(memory);
+    if (!v) return fail("--memory: '" + memory + "' is not a size (e.g. 256MiB)");
+    cfg.memory = *v;
+  }
+  if (!max_payload.empty()) {
+    auto v = parse_size(max_payload);
+    if (!v) return fail("--max-payload: '" + max_payload + "' is not a size");
+    cfg.max_payload = *v;
+  }
+  if (threads) cfg.threads = threads;
+  if (!shm.empty()) cfg.shm = shm;
+  if (!port_file.empty()) cfg.port_file = port_file;
+  if (!log_level.empty()) cfg.log_level = log_level;
+  if (!admin_key.empty()) {
+    auto k = device::parse_key(admin_key);
+    if (!k || *k == 0) return fail("--admin-key: must be a nonzero 32-bit number");
+    cfg.admin_key = *k;
+  }
+  if (!regions.empty()) cfg.regions.clear();
+  for (const auto& r : regions) {
+    std::string why;
+    auto reg = device::parse_region(r, &why);
+    if (!reg) return fail("--region: " + why);
+    cfg.regions.push_back(*reg);
+  }
+  if (auto e = device::validate(cfg)) return fail(*e);
+  auto level = spdlog::level::from_str(cfg.log_level);
+  if (level == spdlog::level::off && cfg.log_level != "off")
+    return fail("--log-level: unknown level '" + cfg.log_level + "'");
+  spdlog::set_level(level);
+
+  // Block the stop signals in every thread; main waits for them below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  std::string why;
+  auto mem = cfg.shm.empty() ? Mapping::anonymous(cfg.memory, &why)
+                             : Mapping::create_shared(cfg.shm, cfg.memory, &why);
+  if (!mem) return fail(why);
+
+  core::DeviceConfig dc;
+  dc.boot_id = new_boot_id();
+  dc.admin_key = cfg.admin_key;
+  dc.max_payload = cfg.max_payload;
+  dc.replay_window = cfg.replay_window;
+  dc.replay_requesters = cfg.replay_requesters;
+  core::Device dev(mem->bytes(), dc);
+  if (cfg.regions.empty()) {
+    cfg.regions.push_back(core::Region{0, cfg.memory, cfg.default_key, core::kPermAll});
+    spdlog::warn("no regions configured: registering key {:#x} over all {} of memory (read-write); "
+                 "configure [[region]] entries or --region to restrict access",
+                 cfg.default_key, format_size(cfg.memory));
+  }
+  for (const auto& r : cfg.regions) {
+    Status s = dev.regions().add(r);
+    if (s != Status::kOk)
+      return fail(fmt::format("cannot register region key {:#x}: {}", r.key, to_string(s)));
+  }
+
+  // One socket per thread on the same port; the kernel spreads peers over
+  // them by address hash, so one peer's packets stay on one thread.
+  std::vector<std::unique_ptr<transport::UdpTransport>> sockets;
+  transport::UdpOptions opt;
+  opt.bind = cfg.listen;
+  opt.reuse_port = cfg.threads > 1;
+  for (unsigned i = 0; i < cfg.threads; ++i) {
+    auto s = transport::UdpTransport::open(opt, &why);
+    if (!s) return fail(why);
+    opt.bind = s->local();  // later sockets join the port the first one got
+    sockets.push_back(std::move(s));
+  }
+  const auto bound = sockets.front()->local();
+
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> workers;
+  for (auto& s : sockets)
+    workers.emplace_back([&dev, &stop, sock = s.get()] { device::DeviceLoop(dev, *sock).run(stop); });
+
+  spdlog::info("netdamd listening on {} with {} of memory{} ({} thread{}, max payload {} B, "
+               "boot id {:#010x}, SIMD {})",
+               bound.to_string(), format_size(cfg.memory),
+               cfg.shm.empty() ? "" : " in /dev/shm/" + cfg.shm, cfg.threads,
+               cfg.threads == 1 ? "" : "s", dc.max_payload, dc.boot_id, core::reduce_target_name());
+  spdlog::info("region admin over the network is {}", cfg.admin_key ? "enabled (admin key set)" : "disabled");
+  if (!cfg.port_file.empty()) {
+    std::ofstream(cfg.port_file + ".tmp") << bound.to_string() << "\n";
+    std::rename((cfg.port_file + ".tmp").c_str(), cfg.port_file.c_str());
+  }
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  spdlog::info("received {}, stopping", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  stop = true;
+  for (auto& t : workers) t.join();
+  for (const auto& [name, value] : dev.stats())
+    if (value) spdlog::debug("  {} = {}", name, value);
+  spdlog::info("stopped");
+  return 0;
+}

@@ -1,0 +1,218 @@
+#include "transport/fabric.h"
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <stdexcept>
+
+namespace netdam::transport {
+
+namespace {
+
+constexpr Duration kBaseLatency = std::chrono::microseconds(1);
+constexpr Duration kReorderExtra = std::chrono::microseconds(50);
+// The virtual clock starts 1 s after the epoch rather than at it, so code
+// that uses a zero TimePoint to mean "never" still works over the fabric.
+constexpr TimePoint kStartTime{std::chrono::seconds(1)};
+
+}  // namespace
+
+// One endpoint. Polled ports are owned by the caller of attach(), handler
+// ports by the fabric; either way all state lives under the fabric's mutex.
+class Fabric::Port final : public Transport {
+ public:
+  Port(Fabric* fabric, Endpoint addr, Handler handler)
+      : fabric_(fabric), addr_(addr), handler_(std::move(handler)) {}
+  ~Port() override {
+    if (fabric_ != nullptr) fabric_->remove_port(this);
+  }
+
+  Endpoint local() const override { return addr_; }
+  size_t send_batch(std::span<const OutMsg> msgs) override {
+    fabric_->send(addr_, msgs);
+    return msgs.size();  // the fabric always accepts; loss happens later
+  }
+  size_t recv_batch(std::span<InMsg> msgs, Duration timeout) override {
+    return fabric_->receive(*this, msgs, timeout);
+  }
+  TimePoint now() const override { return fabric_->now(); }
+
+  Fabric* fabric_;  // nulled by ~Fabric so a late ~Port does not touch it
+  const Endpoint addr_;
+  const Handler handler_;    // empty for polled ports
+  std::deque<Event> inbox_;  // polled ports only
+};
+
+namespace {
+
+// Orders the event heap so that its front is the earliest (time, seq).
+constexpr auto later = [](const auto& a, const auto& b) {
+  return a.at != b.at ? a.at > b.at : a.seq > b.seq;
+};
+
+}  // namespace
+
+Fabric::Fabric(FaultModel faults) : faults_(faults), rng_(faults.seed), now_(kStartTime) {}
+
+Fabric::~Fabric() {
+  std::lock_guard lock(mu_);
+  for (Port* port : polled_) port->fabric_ = nullptr;
+  for (auto& port : handlers_) port->fabric_ = nullptr;
+}
+
+std::unique_ptr<Transport> Fabric::attach(Endpoint addr) {
+  std::lock_guard lock(mu_);
+  std::unique_ptr<Port> port = add_port(addr, nullptr);
+  polled_.push_back(port.get());
+  return port;
+}
+
+Transport& Fabric::attach_handler(Endpoint addr, Handler handler) {
+  std::lock_guard lock(mu_);
+  if (!handler) throw std::invalid_argument("attach_handler: empty handler");
+  handlers_.push_back(add_port(addr, std::move(handler)));
+  return *handlers_.back();
+}
+
+std::unique_ptr<Fabric::Port> Fabric::add_port(Endpoint addr, Handler handler) {
+  if (addr.port == 0) {
+    // Like an ephemeral UDP port: the next free one in 49152..65535.
+    for (int tries = 0; tries < 16384; ++tries) {
+      addr.port = next_port_;
+      next_port_ = next_port_ == 65535 ? 49152 : static_cast<uint16_t>(next_port_ + 1);
+      if (!routes_.contains(addr.key())) break;
+      addr.port = 0;
+    }
+    if (addr.port == 0) throw std::runtime_error("fabric: no free port");
+  }
+  if (routes_.contains(addr.key())) {
+    throw std::invalid_argument("fabric: " + addr.to_string() + " is already attached");
+  }
+  auto port = std::make_unique<Port>(this, addr, std::move(handler));
+  routes_[addr.key()] = port.get();
+  return port;
+}
+
+void Fabric::remove_port(const Port* port) {
+  std::lock_guard lock(mu_);
+  auto route = routes_.find(port->addr_.key());
+  if (route != routes_.end() && route->second == port) routes_.erase(route);
+  std::erase(polled_, port);
+}
+
+void Fabric::detach(Endpoint addr) {
+  std::lock_guard lock(mu_);
+  auto route = routes_.find(addr.key());
+  if (route == routes_.end()) return;
+  // The Port object itself stays: its owner may still hold it (or be
+  // running inside its handler right now).
+  route->second->inbox_.clear();
+  routes_.erase(route);
+}
+
+void Fabric::set_faults(const FaultModel& faults) {
+  std::lock_guard lock(mu_);
+  faults_ = faults;
+  rng_.seed(faults.seed);
+}
+
+TimePoint Fabric::now() const {
+  std::lock_guard lock(mu_);
+  return now_;
+}
+
+Fabric::Counters Fabric::counters() const {
+  std::lock_guard lock(mu_);
+  return counters_;
+}
+
+// Probabilities are drawn by hand from the raw 64-bit output rather than
+// with std::uniform_*_distribution, whose algorithms differ between standard
+// libraries: a seed must replay the same run everywhere.
+bool Fabric::chance(double p) {
+  if (p <= 0) return false;
+  const double u = static_cast<double>(rng_() >> 11) * 0x1.0p-53;  // [0, 1)
+  return u < p;
+}
+
+void Fabric::send(Endpoint from, std::span<const OutMsg> msgs) {
+  std::lock_guard lock(mu_);
+  for (const OutMsg& msg : msgs) {
+    ++counters_.sent;
+    if (chance(faults_.drop)) {
+      ++counters_.dropped;
+      continue;
+    }
+    std::vector<std::byte> data;
+    data.reserve(msg.size());
+    for (const auto& part : msg.parts) data.insert(data.end(), part.begin(), part.end());
+    if (chance(faults_.duplicate)) {
+      ++counters_.duplicated;
+      schedule(from, msg.to, data);  // a copy, with its own delay
+    }
+    schedule(from, msg.to, std::move(data));
+  }
+}
+
+void Fabric::schedule(Endpoint from, Endpoint to, std::vector<std::byte> data) {
+  // Negative or inverted bounds are clamped so time can never run backwards.
+  const int64_t lo = std::max<int64_t>(0, faults_.delay_min.count());
+  const int64_t hi = std::max<int64_t>(lo, faults_.delay_max.count());
+  Duration delay = kBaseLatency + Duration(lo);
+  if (hi > lo) delay += Duration(static_cast<int64_t>(rng_() % static_cast<uint64_t>(hi - lo + 1)));
+  if (chance(faults_.reorder)) {
+    ++counters_.reordered;
+    delay += Duration(hi) + kReorderExtra;  // later than anything sent in the next 50 us
+  }
+  events_.push_back(Event{now_ + delay, next_seq_++, from, to, std::move(data)});
+  std::push_heap(events_.begin(), events_.end(), later);
+}
+
+void Fabric::deliver(Event& event) {
+  auto route = routes_.find(event.to.key());
+  if (route == routes_.end()) {
+    ++counters_.undeliverable;
+    return;
+  }
+  Port& port = *route->second;
+  ++counters_.delivered;
+  if (!port.handler_) {
+    port.inbox_.push_back(std::move(event));
+    return;
+  }
+  // The handler gets the event's own buffer (it may decode in place); the
+  // event was taken off the heap, so sends from the handler cannot move it.
+  InMsg msg{std::span<std::byte>(event.data), event.data.size(), event.from, false};
+  port.handler_(msg, port);
+}
+
+size_t Fabric::receive(Port& port, std::span<InMsg> msgs, Duration timeout) {
+  std::lock_guard lock(mu_);
+  if (msgs.empty() || port.handler_) return 0;
+  const TimePoint deadline = now_ + std::max(timeout, Duration::zero());
+  while (port.inbox_.empty()) {
+    if (events_.empty() || events_.front().at > deadline) {
+      now_ = std::max(now_, deadline);
+      return 0;
+    }
+    std::pop_heap(events_.begin(), events_.end(), later);
+    Event event = std::move(events_.back());
+    events_.pop_back();
+    now_ = std::max(now_, event.at);
+    deliver(event);
+  }
+
+  size_t n = 0;
+  for (; n < msgs.size() && !port.inbox_.empty(); ++n) {
+    const Event& event = port.inbox_.front();
+    InMsg& slot = msgs[n];
+    slot.len = std::min(event.data.size(), slot.buf.size());
+    if (slot.len > 0) std::memcpy(slot.buf.data(), event.data.data(), slot.len);
+    slot.from = event.from;
+    slot.truncated = event.data.size() > slot.buf.size();
+    port.inbox_.pop_front();
+  }
+  return n;
+}
+
+}  // namespace netdam::transport

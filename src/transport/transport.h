@@ -1,0 +1,67 @@
+// The datagram transport interface. The device loop and the client library
+// talk to a Transport, never to a socket, so the same code runs over real UDP
+// and over the in-process test fabric (which drops, duplicates, reorders and
+// delays packets deterministically, on a virtual clock).
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace netdam::transport {
+
+// An IPv4 UDP endpoint in host byte order.
+struct Endpoint {
+  uint32_t ip = 0;
+  uint16_t port = 0;
+  friend bool operator==(const Endpoint&, const Endpoint&) = default;
+  uint64_t key() const { return (uint64_t{ip} << 16) | port; }
+  std::string to_string() const;  // "127.0.0.1:7000"
+};
+
+// Parses "HOST:PORT" (HOST an IPv4 literal or a name resolved with
+// getaddrinfo, e.g. "localhost"). nullopt with `error` set on failure.
+std::optional<Endpoint> parse_endpoint(std::string_view text, std::string* error = nullptr);
+
+using Clock = std::chrono::steady_clock;
+using TimePoint = Clock::time_point;
+using Duration = std::chrono::nanoseconds;
+
+// A datagram to send, gathered from up to two pieces (header + data) so
+// that a READ answer can go straight from device memory to the socket.
+struct OutMsg {
+  Endpoint to;
+  std::array<std::span<const std::byte>, 2> parts;
+  size_t size() const { return parts[0].size() + parts[1].size(); }
+};
+
+// A receive slot: `buf` is caller-owned; the transport fills `len`, `from`.
+struct InMsg {
+  std::span<std::byte> buf;
+  size_t len = 0;
+  Endpoint from;
+  bool truncated = false;  // the datagram was larger than buf
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual Endpoint local() const = 0;
+  // Sends as many of `msgs` as the transport accepts now, in order; returns
+  // how many. A datagram the network refuses (e.g. unreachable) counts as
+  // sent: UDP gives no delivery guarantee, and callers retransmit.
+  virtual size_t send_batch(std::span<const OutMsg> msgs) = 0;
+  // Receives up to msgs.size() datagrams. Waits up to `timeout` for the
+  // first (0: poll); returns the number received.
+  virtual size_t recv_batch(std::span<InMsg> msgs, Duration timeout) = 0;
+  // The transport's clock: real for UDP, virtual for the fabric. Timers of
+  // code running over a transport must use this, not the system clock.
+  virtual TimePoint now() const = 0;
+};
+
+}  // namespace netdam::transport

@@ -1,0 +1,61 @@
+// Transport over one Linux UDP socket, batched with sendmmsg/recvmmsg.
+//
+// Thread safety: send_batch and recv_batch keep their scratch state on the
+// stack, so one thread may send while another receives (the kernel socket is
+// thread-safe). Several threads receiving on one socket is allowed but they
+// then share the datagrams between them.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "transport/transport.h"
+
+namespace netdam::transport {
+
+struct UdpOptions {
+  Endpoint bind;            // port 0: the kernel picks one; local() tells which
+  bool reuse_port = false;  // SO_REUSEPORT, for one socket per device thread
+  int rcvbuf = 4 << 20;     // bytes; <= 0 keeps the kernel default
+  int sndbuf = 4 << 20;
+};
+
+class UdpTransport final : public Transport {
+ public:
+  // Opens a nonblocking socket bound to options.bind. On failure returns
+  // nullptr and, if `error` is given, a message such as
+  // "cannot bind 127.0.0.1:7000: Address already in use".
+  static std::unique_ptr<UdpTransport> open(const UdpOptions& options, std::string* error);
+
+  ~UdpTransport() override;
+  UdpTransport(const UdpTransport&) = delete;
+  UdpTransport& operator=(const UdpTransport&) = delete;
+
+  Endpoint local() const override { return local_; }
+  // Blocks briefly (poll POLLOUT) while the socket buffer is full; returns
+  // fewer than msgs.size() only if no progress was possible for ~100 ms.
+  // A datagram the kernel refuses for any other reason (unreachable peer,
+  // EMSGSIZE, firewall) is skipped, counted as sent and in send_errors().
+  size_t send_batch(std::span<const OutMsg> msgs) override;
+  // Returns 0 on timeout and also when a signal interrupts the wait, so a
+  // server loop can notice a stop flag set by a signal handler.
+  size_t recv_batch(std::span<InMsg> msgs, Duration timeout) override;
+  TimePoint now() const override { return Clock::now(); }
+
+  int fd() const { return fd_; }
+  // Datagrams skipped by send_batch because the kernel refused them.
+  uint64_t send_errors() const { return send_errors_.load(std::memory_order_relaxed); }
+
+ private:
+  UdpTransport(int fd, Endpoint local) : fd_(fd), local_(local) {}
+  size_t recv_now(std::span<InMsg> msgs);
+
+  int fd_;
+  Endpoint local_;
+  std::atomic<uint64_t> send_errors_{0};
+};
+
+}  // namespace netdam::transport

@@ -1,0 +1,234 @@
+// UdpTransport over real loopback sockets, and endpoint parsing.
+#include "transport/udp.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace netdam::transport {
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr uint32_t kLoopback = 0x7F000001;
+
+std::unique_ptr<UdpTransport> open_loopback() {
+  std::string error;
+  auto t = UdpTransport::open(UdpOptions{.bind = {kLoopback, 0}}, &error);
+  EXPECT_NE(t, nullptr) << error;
+  return t;
+}
+
+// Receive slots with their own buffers.
+struct Slots {
+  Slots(size_t n, size_t size) : bufs(n, std::vector<std::byte>(size)) {
+    for (auto& b : bufs) {
+      InMsg m;
+      m.buf = b;
+      msgs.push_back(m);
+    }
+  }
+  std::vector<std::vector<std::byte>> bufs;
+  std::vector<InMsg> msgs;
+};
+
+// Receives until `want` datagrams arrived or a generous deadline passed.
+std::vector<std::vector<std::byte>> receive(UdpTransport& t, size_t want, std::vector<Endpoint>* from) {
+  Slots slots(16, 65536);
+  std::vector<std::vector<std::byte>> out;
+  const TimePoint deadline = Clock::now() + std::chrono::seconds(5);
+  while (out.size() < want && Clock::now() < deadline) {
+    const size_t n = t.recv_batch(slots.msgs, milliseconds(100));
+    for (size_t i = 0; i < n; ++i) {
+      const InMsg& m = slots.msgs[i];
+      EXPECT_FALSE(m.truncated);
+      out.emplace_back(m.buf.begin(), m.buf.begin() + static_cast<ptrdiff_t>(m.len));
+      if (from != nullptr) from->push_back(m.from);
+    }
+  }
+  return out;
+}
+
+std::vector<std::byte> pattern(size_t size, unsigned seed) {
+  std::vector<std::byte> v(size);
+  for (size_t j = 0; j < size; ++j) v[j] = std::byte(static_cast<uint8_t>(seed * 31 + j * 7));
+  return v;
+}
+
+OutMsg out_msg(Endpoint to, const std::vector<std::byte>& a, const std::vector<std::byte>& b = {}) {
+  return OutMsg{to, {std::span<const std::byte>(a), std::span<const std::byte>(b)}};
+}
+
+TEST(UdpTransport, BindsEphemeralPort) {
+  auto t = open_loopback();
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->local().ip, kLoopback);
+  EXPECT_NE(t->local().port, 0);
+  EXPECT_GE(t->fd(), 0);
+}
+
+TEST(UdpTransport, BatchOfVariousSizesArrivesIntact) {
+  auto a = open_loopback();
+  auto b = open_loopback();
+  ASSERT_TRUE(a && b);
+
+  std::vector<std::vector<std::byte>> payloads;
+  for (unsigned i = 0; i < 64; ++i) {
+    const size_t size = i == 0 ? 0 : i == 1 ? 60000 : i == 2 ? 1 : (i * 997) % 9000;
+    payloads.push_back(pattern(size, i));
+  }
+  std::vector<OutMsg> out;
+  for (const auto& p : payloads) out.push_back(out_msg(b->local(), p));
+  ASSERT_EQ(a->send_batch(out), 64u);
+  EXPECT_EQ(a->send_errors(), 0u);
+
+  std::vector<Endpoint> from;
+  const auto got = receive(*b, 64, &from);
+  ASSERT_EQ(got.size(), 64u);
+  for (size_t i = 0; i < 64; ++i) {
+    EXPECT_EQ(got[i], payloads[i]) << "datagram " << i;  // loopback keeps order
+    EXPECT_EQ(from[i], a->local());
+  }
+}
+
+TEST(UdpTransport, GathersTwoParts) {
+  auto a = open_loopback();
+  auto b = open_loopback();
+  ASSERT_TRUE(a && b);
+  const auto header = pattern(40, 1);
+  const auto data = pattern(1000, 2);
+  const std::vector<std::byte> empty;
+  const OutMsg out[] = {out_msg(b->local(), header, data), out_msg(b->local(), empty, data),
+                        out_msg(b->local(), header, empty)};
+  ASSERT_EQ(a->send_batch(out), 3u);
+
+  const auto got = receive(*b, 3, nullptr);
+  ASSERT_EQ(got.size(), 3u);
+  std::vector<std::byte> both = header;
+  both.insert(both.end(), data.begin(), data.end());
+  EXPECT_EQ(got[0], both);
+  EXPECT_EQ(got[1], data);
+  EXPECT_EQ(got[2], header);
+}
+
+TEST(UdpTransport, ReportsTruncation) {
+  auto a = open_loopback();
+  auto b = open_loopback();
+  ASSERT_TRUE(a && b);
+  const auto data = pattern(100, 3);
+  const OutMsg out[] = {out_msg(b->local(), data)};
+  ASSERT_EQ(a->send_batch(out), 1u);
+  Slots slots(1, 10);
+  ASSERT_EQ(b->recv_batch(slots.msgs, milliseconds(1000)), 1u);
+  EXPECT_TRUE(slots.msgs[0].truncated);
+  EXPECT_EQ(slots.msgs[0].len, 10u);
+  EXPECT_TRUE(std::equal(data.begin(), data.begin() + 10, slots.bufs[0].begin()));
+}
+
+TEST(UdpTransport, TimeoutReturnsZeroAfterTimeout) {
+  auto t = open_loopback();
+  ASSERT_NE(t, nullptr);
+  Slots slots(4, 100);
+  const TimePoint start = t->now();
+  EXPECT_EQ(t->recv_batch(slots.msgs, milliseconds(50)), 0u);
+  const Duration elapsed = t->now() - start;
+  EXPECT_GE(elapsed, milliseconds(50));
+  EXPECT_LT(elapsed, milliseconds(1000));
+  EXPECT_EQ(t->recv_batch(slots.msgs, Duration::zero()), 0u);  // a poll
+}
+
+TEST(UdpTransport, RefusedDatagramsAreSkippedAndCounted) {
+  auto a = open_loopback();
+  auto b = open_loopback();
+  ASSERT_TRUE(a && b);
+  const auto small = pattern(10, 4);
+  const auto huge = pattern(70000, 5);  // above the 65507-byte UDP/IPv4 limit
+  const OutMsg out[] = {out_msg(b->local(), small), out_msg(b->local(), huge),
+                        out_msg(b->local(), small)};
+  EXPECT_EQ(a->send_batch(out), 3u);
+  EXPECT_EQ(a->send_errors(), 1u);
+  EXPECT_EQ(receive(*b, 2, nullptr).size(), 2u);
+}
+
+TEST(UdpTransport, SendingToClosedPortDoesNotStall) {
+  auto a = open_loopback();
+  auto b = open_loopback();
+  ASSERT_TRUE(a && b);
+  Endpoint closed;
+  {
+    auto gone = open_loopback();
+    ASSERT_NE(gone, nullptr);
+    closed = gone->local();
+  }
+  const auto data = pattern(10, 6);
+  for (int round = 0; round < 3; ++round) {
+    const OutMsg out[] = {out_msg(closed, data), out_msg(b->local(), data)};
+    EXPECT_EQ(a->send_batch(out), 2u);
+  }
+  EXPECT_EQ(receive(*b, 3, nullptr).size(), 3u);
+  Slots slots(4, 100);
+  EXPECT_EQ(a->recv_batch(slots.msgs, milliseconds(10)), 0u);  // ICMP errors are not datagrams
+}
+
+TEST(UdpTransport, BusyPortGivesClearError) {
+  auto a = open_loopback();
+  ASSERT_NE(a, nullptr);
+  std::string error;
+  auto b = UdpTransport::open(UdpOptions{.bind = a->local()}, &error);
+  EXPECT_EQ(b, nullptr);
+  EXPECT_EQ(error, "cannot bind " + a->local().to_string() + ": Address already in use");
+}
+
+TEST(UdpTransport, ReusePortAllowsSharing) {
+  std::string error;
+  auto a = UdpTransport::open(UdpOptions{.bind = {kLoopback, 0}, .reuse_port = true}, &error);
+  ASSERT_NE(a, nullptr) << error;
+  auto b = UdpTransport::open(UdpOptions{.bind = a->local(), .reuse_port = true}, &error);
+  EXPECT_NE(b, nullptr) << error;
+}
+
+TEST(Endpoint, ToString) {
+  EXPECT_EQ((Endpoint{kLoopback, 7000}).to_string(), "127.0.0.1:7000");
+  EXPECT_EQ((Endpoint{0xC0A80A01, 65535}).to_string(), "192.168.10.1:65535");
+  EXPECT_EQ(Endpoint{}.to_string(), "0.0.0.0:0");
+}
+
+TEST(Endpoint, ParsesLiteralsAndNames) {
+  std::string error;
+  auto ep = parse_endpoint("127.0.0.1:7000", &error);
+  ASSERT_TRUE(ep) << error;
+  EXPECT_EQ(*ep, (Endpoint{kLoopback, 7000}));
+
+  ep = parse_endpoint("10.1.2.3:0", &error);
+  ASSERT_TRUE(ep) << error;
+  EXPECT_EQ(*ep, (Endpoint{0x0A010203, 0}));
+
+  ep = parse_endpoint("localhost:65535", &error);
+  ASSERT_TRUE(ep) << error;
+  EXPECT_EQ(*ep, (Endpoint{kLoopback, 65535}));
+}
+
+TEST(Endpoint, RejectsBadInput) {
+  std::string error;
+  EXPECT_FALSE(parse_endpoint("abc", &error));
+  EXPECT_EQ(error, "missing ':PORT' in 'abc'");
+  EXPECT_FALSE(parse_endpoint("1.2.3.4:x", &error));
+  EXPECT_EQ(error, "bad port 'x'");
+  EXPECT_FALSE(parse_endpoint("1.2.3.4:65536", &error));
+  EXPECT_EQ(error, "bad port '65536'");
+  EXPECT_FALSE(parse_endpoint("1.2.3.4:", &error));
+  EXPECT_EQ(error, "bad port ''");
+  EXPECT_FALSE(parse_endpoint("1.2.3.4:-1", &error));
+  EXPECT_EQ(error, "bad port '-1'");
+  EXPECT_FALSE(parse_endpoint("1.2.3.4:70 ", &error));
+  EXPECT_EQ(error, "bad port '70 '");
+  EXPECT_FALSE(parse_endpoint(":7000", &error));
+  EXPECT_EQ(error, "missing host in ':7000'");
+  EXPECT_FALSE(parse_endpoint("no-such-host.invalid:7000", &error));
+  EXPECT_EQ(error.rfind("cannot resolve host 'no-such-host.invalid'", 0), 0u) << error;
+  EXPECT_FALSE(parse_endpoint("abc"));  // error pointer is optional
+}
+
+}  // namespace
+}  // namespace netdam::transport
