@@ -57,7 +57,10 @@ class Result {
   T&& value() && { return std::get<0>(std::move(v_)); }
   const T& value() const& { return std::get<0>(v_); }
   T& operator*() & { return value(); }
+  T&& operator*() && { return std::move(*this).value(); }
+  const T& operator*() const& { return value(); }
   T* operator->() { return &value(); }
+  const T* operator->() const { return &value(); }
   const Error& error() const {
     static const Error kNone;
     return ok() ? kNone : std::get<1>(v_);

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what netdam needs to build and test (Debian 12, as root).
+# Idempotent and quick when everything is already there.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config git
+  clang libclang-rt-14-dev            # libFuzzer and sanitizer runtimes
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libfmt-dev libspdlog-dev libcli11-dev libtomlplusplus-dev
+  libhwy-dev liburing-dev
+  iproute2 procps
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

@@ -1,0 +1,282 @@
+// The client library against real engines on the in-process fabric, which
+// drops, duplicates, reorders and delays packets deterministically. These
+// tests are about the contract in client.h: exact data, exactly-once
+// mutations, bounded failure.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "core/engine.h"
+#include "core/reduce.h"
+#include "daemon/device_loop.h"
+#include "netdam/client.h"
+#include "transport/fabric.h"
+
+namespace netdam {
+namespace {
+
+using transport::Endpoint;
+using transport::Fabric;
+using transport::FaultModel;
+using namespace std::chrono_literals;
+
+const Endpoint kDeviceAddr{0x0A000001, 7000};
+const Endpoint kClientAddr{0x0A000002, 40000};
+
+// A device living on the fabric: memory, engine, handler.
+struct FabricDevice {
+  FabricDevice(Fabric& f, Endpoint addr, uint32_t boot_id, size_t mem = 4 << 20)
+      : memory(mem), device(memory, config(boot_id)), engine(device),
+        out(core::Engine::out_buffer_size(device.config())) {
+    device.regions().add(core::Region{0, mem, 1, core::kPermAll});
+    f.attach_handler(addr, [this](transport::InMsg& m, transport::Transport& self) {
+      device::DeviceLoop::serve_one(engine, m, self, out);
+    });
+  }
+  static core::DeviceConfig config(uint32_t boot_id) {
+    core::DeviceConfig c;
+    c.boot_id = boot_id;
+    return c;
+  }
+  std::vector<std::byte> memory;
+  core::Device device;
+  core::Engine engine;
+  std::vector<std::byte> out;
+};
+
+std::vector<std::byte> random_bytes(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::byte> v(n);
+  for (auto& b : v) b = static_cast<std::byte>(rng());
+  return v;
+}
+
+std::unique_ptr<Client> connect(Fabric& f, ClientOptions opts = {}) {
+  auto c = Client::connect(f.attach(kClientAddr), kDeviceAddr, opts);
+  EXPECT_TRUE(c.ok()) << c.error().to_string();
+  return c.ok() ? std::move(c.value()) : nullptr;
+}
+
+struct Faults {
+  double drop, dup, reorder;
+};
+
+class ClientUnderFaults : public ::testing::TestWithParam<Faults> {
+ protected:
+  FaultModel model() const {
+    FaultModel m;
+    m.drop = GetParam().drop;
+    m.duplicate = GetParam().dup;
+    m.reorder = GetParam().reorder;
+    m.delay_min = 1us;
+    m.delay_max = 20us;
+    m.seed = 42;
+    return m;
+  }
+  // At 30% loss each way a packet needs ~2 tries; the deadline (virtual
+  // time, free here) is generous so these tests are about exactness.
+  static ClientOptions patient() {
+    ClientOptions o;
+    o.timeout = std::chrono::seconds(30);
+    return o;
+  }
+};
+
+TEST_P(ClientUnderFaults, LargeWriteReadsBackExactly) {
+  Fabric fabric(model());
+  FabricDevice dev(fabric, kDeviceAddr, 0x1234);
+  auto c = connect(fabric, patient());
+  ASSERT_TRUE(c);
+  auto data = random_bytes((1 << 20) + 3, 7);  // spans many packets, odd tail
+  ASSERT_FALSE(c->write(100, data));
+  std::vector<std::byte> back(data.size());
+  ASSERT_FALSE(c->read(100, back));
+  EXPECT_EQ(back, data);
+  EXPECT_EQ(0, std::memcmp(dev.memory.data() + 100, data.data(), data.size()));
+}
+
+TEST_P(ClientUnderFaults, FetchAddIsExactlyOnce) {
+  Fabric fabric(model());
+  FabricDevice dev(fabric, kDeviceAddr, 0x1234);
+  auto c = connect(fabric, patient());
+  ASSERT_TRUE(c);
+  constexpr int kOps = 500;
+  std::vector<Op> ops;
+  for (int i = 0; i < kOps; ++i) ops.push_back(c->fetch_add_async(64, 1));
+  std::vector<uint64_t> olds;
+  for (auto& op : ops) {
+    ASSERT_FALSE(c->wait(op)) << op.error().to_string();
+    olds.push_back(op.value());
+  }
+  // Every increment applied once: the old values are exactly 0..kOps-1.
+  std::sort(olds.begin(), olds.end());
+  for (int i = 0; i < kOps; ++i) ASSERT_EQ(olds[i], static_cast<uint64_t>(i));
+  auto final = c->fetch_add(64, 0);
+  ASSERT_TRUE(final.ok());
+  EXPECT_EQ(*final, static_cast<uint64_t>(kOps));
+}
+
+TEST_P(ClientUnderFaults, ReduceIntoMemoryIsExactlyOnce) {
+  Fabric fabric(model());
+  FabricDevice dev(fabric, kDeviceAddr, 0x1234);
+  auto c = connect(fabric, patient());
+  ASSERT_TRUE(c);
+  constexpr size_t kN = 3 * 2048 + 5;  // several packets of f32
+  std::vector<float> ones(kN, 1.0f);
+  auto bytes = std::as_bytes(std::span(ones));
+  for (int round = 0; round < 20; ++round) {
+    Error e = c->reduce(0, DType::kF32, RedOp::kSum, bytes);
+    ASSERT_FALSE(e) << e.to_string();
+  }
+  std::vector<float> result(kN);
+  ASSERT_FALSE(c->read(0, std::as_writable_bytes(std::span(result))));
+  for (size_t i = 0; i < kN; ++i) ASSERT_EQ(result[i], 20.0f) << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Faults, ClientUnderFaults,
+                         ::testing::Values(Faults{0, 0, 0}, Faults{0.01, 0.01, 0.01},
+                                           Faults{0.1, 0.1, 0.1}, Faults{0.3, 0, 0}),
+                         [](const auto& info) {
+                           return "drop" + std::to_string(int(info.param.drop * 100)) + "_dup" +
+                                  std::to_string(int(info.param.dup * 100)) + "_reorder" +
+                                  std::to_string(int(info.param.reorder * 100));
+                         });
+
+TEST(Client, AtomicsAnswerOldValues) {
+  Fabric fabric;
+  FabricDevice dev(fabric, kDeviceAddr, 7);
+  auto c = connect(fabric);
+  ASSERT_TRUE(c);
+  EXPECT_EQ(*c->swap(8, 41), 0u);
+  EXPECT_EQ(*c->compare_swap(8, 40, 99), 41u);  // no swap
+  EXPECT_EQ(*c->compare_swap(8, 41, 99), 41u);  // swap
+  EXPECT_EQ(*c->fetch_add(8, 1), 99u);
+  EXPECT_EQ(*c->fetch_add(8, 0), 100u);
+}
+
+TEST(Client, NakCarriesStatus) {
+  Fabric fabric;
+  FabricDevice dev(fabric, kDeviceAddr, 7, 1 << 20);
+  auto c = connect(fabric);
+  ASSERT_TRUE(c);
+  std::vector<std::byte> buf(16);
+  Error e = c->read((1 << 20) - 8, buf);
+  EXPECT_EQ(e.code(), Error::Code::kNak);
+  EXPECT_EQ(e.status(), Status::kOutOfBounds);
+  e = c->read(0, buf, /*rkey=*/99);
+  EXPECT_EQ(e.status(), Status::kBadKey);
+  auto r = c->fetch_add(3, 1);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().status(), Status::kMisaligned);
+}
+
+TEST(Client, SilentDeviceTimesOutInBoundedTime) {
+  Fabric fabric;
+  FabricDevice dev(fabric, kDeviceAddr, 7);
+  ClientOptions opts;
+  opts.timeout = 300ms;
+  auto c = connect(fabric, opts);
+  ASSERT_TRUE(c);
+  fabric.detach(kDeviceAddr);
+  const auto start = fabric.now();
+  std::vector<std::byte> buf(100000);
+  Error e = c->read(0, buf);
+  EXPECT_EQ(e.code(), Error::Code::kTimeout) << e.to_string();
+  EXPECT_LT(fabric.now() - start, 2s);
+  EXPECT_GE(fabric.now() - start, 300ms);
+}
+
+TEST(Client, RestartedDeviceIsReportedNotServed) {
+  Fabric fabric;
+  auto dev = std::make_unique<FabricDevice>(fabric, kDeviceAddr, 0x1111);
+  auto c = connect(fabric);
+  ASSERT_TRUE(c);
+  ASSERT_FALSE(c->fetch_add(0, 5).error());
+  fabric.detach(kDeviceAddr);
+  dev = std::make_unique<FabricDevice>(fabric, kDeviceAddr, 0x2222);  // new incarnation
+  std::vector<std::byte> buf(8);
+  EXPECT_EQ(c->read(0, buf).code(), Error::Code::kRestarted);
+  EXPECT_EQ(c->fetch_add(0, 1).error().code(), Error::Code::kRestarted);
+  EXPECT_EQ(c->ping().error().code(), Error::Code::kRestarted);
+  // The mutation was refused, not applied to the new memory.
+  uint64_t word;
+  std::memcpy(&word, dev->memory.data(), 8);
+  EXPECT_EQ(word, 0u);
+}
+
+TEST(Client, SparseReduceMatchesDense) {
+  Fabric fabric;
+  FabricDevice dense_dev(fabric, kDeviceAddr, 7);
+  const Endpoint sparse_addr{0x0A000003, 7000};
+  FabricDevice sparse_dev(fabric, sparse_addr, 8);
+  auto dense = connect(fabric);
+  auto sparse = Client::connect(fabric.attach({0x0A000002, 40001}), sparse_addr);
+  ASSERT_TRUE(dense && sparse.ok());
+  std::vector<float> v(5000, 0.0f);
+  std::mt19937 rng(3);
+  for (size_t i = 0; i < v.size(); i += 7) v[i] = std::uniform_real_distribution<float>(-1, 1)(rng);
+  v[11] = -0.0f;  // not zero bits: must survive
+  auto bytes = std::as_bytes(std::span(v));
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_FALSE(dense->reduce(0, DType::kF32, RedOp::kSum, bytes, Sparse::kNever));
+    ASSERT_FALSE(sparse.value()->reduce(0, DType::kF32, RedOp::kSum, bytes, Sparse::kAlways));
+  }
+  EXPECT_EQ(0, std::memcmp(dense_dev.memory.data(), sparse_dev.memory.data(), bytes.size()));
+  auto stats = sparse.value()->stats();
+  ASSERT_TRUE(stats.ok());
+  uint64_t sparse_count = 0;
+  for (auto& [k, val] : *stats)
+    if (k == "sparse") sparse_count = val;
+  EXPECT_GT(sparse_count, 0u);
+}
+
+TEST(Client, ReduceFetchLeavesMemoryAlone) {
+  Fabric fabric;
+  FabricDevice dev(fabric, kDeviceAddr, 7);
+  auto c = connect(fabric);
+  ASSERT_TRUE(c);
+  std::vector<int32_t> mem(3000), mine(3000);
+  std::iota(mem.begin(), mem.end(), 0);
+  std::iota(mine.begin(), mine.end(), 1000);
+  ASSERT_FALSE(c->write(0, std::as_bytes(std::span(mem))));
+  ASSERT_FALSE(c->reduce_fetch(0, DType::kI32, RedOp::kMax, std::as_writable_bytes(std::span(mine))));
+  for (size_t i = 0; i < mine.size(); ++i) ASSERT_EQ(mine[i], std::max<int32_t>(i, i + 1000));
+  std::vector<int32_t> back(3000);
+  ASSERT_FALSE(c->read(0, std::as_writable_bytes(std::span(back))));
+  EXPECT_EQ(back, mem);
+}
+
+TEST(Client, FillAndCopy) {
+  Fabric fabric;
+  FabricDevice dev(fabric, kDeviceAddr, 7);
+  auto c = connect(fabric);
+  ASSERT_TRUE(c);
+  const std::byte pat[3] = {std::byte{1}, std::byte{2}, std::byte{3}};
+  ASSERT_FALSE(c->fill(10, 1000, pat));
+  ASSERT_FALSE(c->copy(5000, 10, 1000));
+  std::vector<std::byte> back(1000);
+  ASSERT_FALSE(c->read(5000, back));
+  for (size_t i = 0; i < back.size(); ++i) ASSERT_EQ(back[i], pat[i % 3]) << i;
+}
+
+TEST(Client, ManyAsyncOpsComplete) {
+  Fabric fabric(FaultModel{0.05, 0.05, 0.05, 0us, 10us, 9});
+  FabricDevice dev(fabric, kDeviceAddr, 7);
+  auto c = connect(fabric);
+  ASSERT_TRUE(c);
+  auto data = random_bytes(200 * 1000, 11);
+  std::vector<Op> ops;
+  for (size_t i = 0; i < 200; ++i)
+    ops.push_back(c->write_async(i * 1000, std::span(data).subspan(i * 1000, 1000)));
+  for (auto& op : ops) ASSERT_FALSE(c->wait(op));
+  std::vector<std::byte> back(data.size());
+  ASSERT_FALSE(c->read(0, back));
+  EXPECT_EQ(back, data);
+  EXPECT_GT(c->counters().retransmits, 0u);
+}
+
+}  // namespace
+}  // namespace netdam
