@@ -44,8 +44,14 @@ Buffers MakeBuffers(DType t, size_t n) {
       const float f = dist(rng);
       std::byte* p = v->data() + i * es;
       switch (t) {
-        case DType::kF32: std::memcpy(p, &f, 4); break;
-        case DType::kF64: { const double d = f; std::memcpy(p, &d, 8); break; }
+        case DType::kF32:
+          std::memcpy(p, &f, 4);
+          break;
+        case DType::kF64: {
+          const double d = f;
+          std::memcpy(p, &d, 8);
+          break;
+        }
         case DType::kF16: {
           uint32_t bits;
           std::memcpy(&bits, &f, 4);
@@ -60,9 +66,18 @@ Buffers MakeBuffers(DType t, size_t n) {
           std::memcpy(p, &h, 2);
           break;
         }
-        case DType::kI32: { const int32_t x = static_cast<int32_t>(f * 1e6f); std::memcpy(p, &x, 4); break; }
-        case DType::kI64: { const int64_t x = static_cast<int64_t>(f * 1e6f); std::memcpy(p, &x, 8); break; }
-        case DType::kBytes: break;
+        case DType::kI32: {
+          const int32_t x = static_cast<int32_t>(f * 1e6f);
+          std::memcpy(p, &x, 4);
+          break;
+        }
+        case DType::kI64: {
+          const int64_t x = static_cast<int64_t>(f * 1e6f);
+          std::memcpy(p, &x, 8);
+          break;
+        }
+        case DType::kBytes:
+          break;
       }
     }
   }
@@ -74,7 +89,8 @@ void VerifyOnce(DType t, RedOp op, const Buffers& b, size_t n) {
   reduce_inplace(t, op, simd.data(), b.src.data(), n);
   reduce_reference(t, op, ref.data(), b.src.data(), n);
   if (simd != ref) {
-    std::fprintf(stderr, "reduce_bench: SIMD result differs from reference (dtype %d op %d n %zu)\n",
+    std::fprintf(stderr,
+                 "reduce_bench: SIMD result differs from reference (dtype %d op %d n %zu)\n",
                  static_cast<int>(t), static_cast<int>(op), n);
     std::abort();
   }
@@ -124,8 +140,8 @@ void BM_NaiveF32Sum(benchmark::State& state) {
                           static_cast<int64_t>(n * sizeof(float)));
 }
 
-#define NETDAM_REDUCE_BENCH(name, dtype, op)                                              \
-  BENCHMARK_CAPTURE(BM_Simd, name, dtype, op)->Arg(2048)->Arg(16384);                     \
+#define NETDAM_REDUCE_BENCH(name, dtype, op)                          \
+  BENCHMARK_CAPTURE(BM_Simd, name, dtype, op)->Arg(2048)->Arg(16384); \
   BENCHMARK_CAPTURE(BM_Reference, name, dtype, op)->Arg(2048)->Arg(16384)
 
 NETDAM_REDUCE_BENCH(f32_sum, DType::kF32, RedOp::kSum);

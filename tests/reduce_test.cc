@@ -31,22 +31,33 @@ constexpr RedOp kOps[] = {RedOp::kSum, RedOp::kMin, RedOp::kMax};
 
 const char* Name(DType t) {
   switch (t) {
-    case DType::kF32: return "f32";
-    case DType::kF16: return "f16";
-    case DType::kBF16: return "bf16";
-    case DType::kF64: return "f64";
-    case DType::kI32: return "i32";
-    case DType::kI64: return "i64";
-    case DType::kBytes: return "bytes";
+    case DType::kF32:
+      return "f32";
+    case DType::kF16:
+      return "f16";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF64:
+      return "f64";
+    case DType::kI32:
+      return "i32";
+    case DType::kI64:
+      return "i64";
+    case DType::kBytes:
+      return "bytes";
   }
   return "?";
 }
 const char* Name(RedOp op) {
   switch (op) {
-    case RedOp::kSum: return "sum";
-    case RedOp::kMin: return "min";
-    case RedOp::kMax: return "max";
-    case RedOp::kNone: return "none";
+    case RedOp::kSum:
+      return "sum";
+    case RedOp::kMin:
+      return "min";
+    case RedOp::kMax:
+      return "max";
+    case RedOp::kNone:
+      return "none";
   }
   return "?";
 }
@@ -93,9 +104,7 @@ double RoundToFormat(double x, int p, int emin, double max_finite) {
 constexpr double kF16Max = 65504.0;
 const double kBF16Max = std::ldexp(255.0, 120);  // 0x7F7F = (2 - 2^-7) * 2^127
 
-double F16ToDouble(uint16_t h) {
-  return std::bit_cast<float>(f16_bits_to_f32_bits(h));
-}
+double F16ToDouble(uint16_t h) { return std::bit_cast<float>(f16_bits_to_f32_bits(h)); }
 
 // ---- hand-computed reference values --------------------------------------
 
@@ -119,11 +128,12 @@ TEST(ReduceReference, F16Conversions) {
   EXPECT_EQ(f32_bits_to_f16_bits(0x33000000u), 0x0000);  // 2^-25: tie -> even 0
   EXPECT_EQ(f32_bits_to_f16_bits(0x33000001u), 0x0001);  // just above 2^-25
   EXPECT_EQ(f32_bits_to_f16_bits(0xB3000001u), 0x8001);
-  EXPECT_EQ(f32_bits_to_f16_bits(0xB2FFFFFFu), 0x8000);  // -tiny -> -0
+  EXPECT_EQ(f32_bits_to_f16_bits(0xB2FFFFFFu), 0x8000);                               // -tiny -> -0
   EXPECT_EQ(f32_bits_to_f16_bits(std::bit_cast<uint32_t>(1.5f * 0x1p-24f)), 0x0002);  // tie -> even
   EXPECT_EQ(f32_bits_to_f16_bits(std::bit_cast<uint32_t>(2.5f * 0x1p-24f)), 0x0002);
-  EXPECT_EQ(f32_bits_to_f16_bits(std::bit_cast<uint32_t>(1023.5f * 0x1p-24f)), 0x0400);  // -> min normal
-  EXPECT_EQ(f32_bits_to_f16_bits(0x00000001u), 0x0000);  // f32 subnormal
+  EXPECT_EQ(f32_bits_to_f16_bits(std::bit_cast<uint32_t>(1023.5f * 0x1p-24f)),
+            0x0400);                                         // -> min normal
+  EXPECT_EQ(f32_bits_to_f16_bits(0x00000001u), 0x0000);      // f32 subnormal
   EXPECT_TRUE(IsNanF16(f32_bits_to_f16_bits(0x7F800001u)));  // low-payload sNaN stays NaN
   EXPECT_TRUE(IsNanF16(f32_bits_to_f16_bits(0xFFC00000u)));
 }
@@ -139,7 +149,7 @@ TEST(ReduceReference, F16ConversionExhaustive) {
     }
     // Value check against the definition of binary16.
     const uint32_t e = (h >> 10) & 0x1F, m = h & 0x3FF;
-    double v = e == 0 ? std::ldexp(m, -24)
+    double v = e == 0    ? std::ldexp(m, -24)
                : e == 31 ? INFINITY
                          : std::ldexp(1024 + m, static_cast<int>(e) - 25);
     if (h & 0x8000) v = -v;
@@ -154,7 +164,7 @@ TEST(ReduceReference, NarrowingMatchesOracles) {
   for (int k = 0; k < 2'000'000; ++k) {
     // Bias towards the f16/bf16 ranges, including ties (low bits zero).
     uint32_t f = static_cast<uint32_t>(rng());
-    if (k % 3 == 0) f &= ~0x1FFFu;             // many exact ties / representable
+    if (k % 3 == 0) f &= ~0x1FFFu;  // many exact ties / representable
     if (k % 2 == 0) f = (f & 0x807FFFFFu) | ((100u + static_cast<uint32_t>(rng() % 50)) << 23);
     const float x = std::bit_cast<float>(f);
     if (std::isnan(x)) continue;
@@ -275,8 +285,7 @@ TEST(ReduceReference, Integers) {
   EXPECT_EQ(RefOne<int64_t>(L, RedOp::kSum, INT64_MIN, INT64_MIN), 0);
   EXPECT_EQ(RefOne<int64_t>(L, RedOp::kMin, -1, 1), -1);
   EXPECT_EQ(RefOne<int64_t>(L, RedOp::kMax, INT64_MIN, -7), -7);
-  EXPECT_EQ(RefOne<int64_t>(L, RedOp::kMax, int64_t{1} << 40, int64_t{1} << 33),
-            int64_t{1} << 40);
+  EXPECT_EQ(RefOne<int64_t>(L, RedOp::kMax, int64_t{1} << 40, int64_t{1} << 33), int64_t{1} << 40);
 }
 
 // The f16/bf16 sum is IEEE arithmetic: check against exact double arithmetic
@@ -341,37 +350,52 @@ void FillRandom(DType t, std::byte* p, size_t n, std::mt19937_64& rng) {
         break;
       }
       case DType::kF32: {
-        static constexpr uint32_t kSpecial[] = {0x00000000, 0x80000000, 0x00000001, 0x807FFFFF,
-                                                0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000,
-                                                0x7FC00000, 0x7F800001, 0xFFC00001, 0x3F800000,
-                                                0x33800000, 0x00800000};
-        if (pick < std::size(kSpecial)) v = kSpecial[pick];
-        else if (pick < 20) v = std::bit_cast<uint32_t>(static_cast<float>(v % 2001) - 1000.0f);
+        static constexpr uint32_t kSpecial[] = {
+            0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000,
+            0xFF800000, 0x7FC00000, 0x7F800001, 0xFFC00001, 0x3F800000, 0x33800000, 0x00800000};
+        if (pick < std::size(kSpecial))
+          v = kSpecial[pick];
+        else if (pick < 20)
+          v = std::bit_cast<uint32_t>(static_cast<float>(v % 2001) - 1000.0f);
         break;
       }
       case DType::kF64: {
-        static constexpr uint64_t kSpecial[] = {
-            0, 0x8000000000000000, 1, 0x800FFFFFFFFFFFFF, 0x7FEFFFFFFFFFFFFF,
-            0x7FF0000000000000, 0xFFF0000000000000, 0x7FF8000000000000, 0x7FF0000000000001,
-            0x3FF0000000000000, 0x3CA0000000000000};
-        if (pick < std::size(kSpecial)) v = kSpecial[pick];
-        else if (pick < 20) v = std::bit_cast<uint64_t>(static_cast<double>(v % 2001) - 1000.0);
+        static constexpr uint64_t kSpecial[] = {0,
+                                                0x8000000000000000,
+                                                1,
+                                                0x800FFFFFFFFFFFFF,
+                                                0x7FEFFFFFFFFFFFFF,
+                                                0x7FF0000000000000,
+                                                0xFFF0000000000000,
+                                                0x7FF8000000000000,
+                                                0x7FF0000000000001,
+                                                0x3FF0000000000000,
+                                                0x3CA0000000000000};
+        if (pick < std::size(kSpecial))
+          v = kSpecial[pick];
+        else if (pick < 20)
+          v = std::bit_cast<uint64_t>(static_cast<double>(v % 2001) - 1000.0);
         break;
       }
       case DType::kI32: {
-        static constexpr uint32_t kSpecial[] = {0, 1, 0xFFFFFFFF, 0x7FFFFFFF, 0x80000000,
-                                                0x7FFFFFFE, 0x80000001};
+        static constexpr uint32_t kSpecial[] = {0,          1,          0xFFFFFFFF, 0x7FFFFFFF,
+                                                0x80000000, 0x7FFFFFFE, 0x80000001};
         if (pick < std::size(kSpecial)) v = kSpecial[pick];
         break;
       }
       case DType::kI64: {
-        static constexpr uint64_t kSpecial[] = {0, 1, ~uint64_t{0}, 0x7FFFFFFFFFFFFFFF,
-                                                0x8000000000000000, 0x00000000FFFFFFFF,
+        static constexpr uint64_t kSpecial[] = {0,
+                                                1,
+                                                ~uint64_t{0},
+                                                0x7FFFFFFFFFFFFFFF,
+                                                0x8000000000000000,
+                                                0x00000000FFFFFFFF,
                                                 0xFFFFFFFF00000000};
         if (pick < std::size(kSpecial)) v = kSpecial[pick];
         break;
       }
-      case DType::kBytes: break;
+      case DType::kBytes:
+        break;
     }
     std::memcpy(p + i * es, &v, es);  // little-endian host: low bytes
   }
@@ -379,11 +403,28 @@ void FillRandom(DType t, std::byte* p, size_t n, std::mt19937_64& rng) {
 
 bool ElemIsNan(DType t, const std::byte* p) {
   switch (t) {
-    case DType::kF16: { uint16_t h; std::memcpy(&h, p, 2); return IsNanF16(h); }
-    case DType::kBF16: { uint16_t h; std::memcpy(&h, p, 2); return IsNanBF16(h); }
-    case DType::kF32: { float f; std::memcpy(&f, p, 4); return std::isnan(f); }
-    case DType::kF64: { double d; std::memcpy(&d, p, 8); return std::isnan(d); }
-    default: return false;
+    case DType::kF16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return IsNanF16(h);
+    }
+    case DType::kBF16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return IsNanBF16(h);
+    }
+    case DType::kF32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return std::isnan(f);
+    }
+    case DType::kF64: {
+      double d;
+      std::memcpy(&d, p, 8);
+      return std::isnan(d);
+    }
+    default:
+      return false;
   }
 }
 
@@ -437,8 +478,8 @@ class ReduceTarget : public ::testing::TestWithParam<int64_t> {
 
 TEST_P(ReduceTarget, AllTypesOpsSizes) {
   std::mt19937_64 rng(1234);
-  const size_t sizes[] = {0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33,
-                          63, 64, 65, 127, 128, 129, 1000, 2048, 2049, 16385};
+  const size_t sizes[] = {0,  1,  2,  3,  4,  5,   7,   8,   9,    15,   16,   17,   31,
+                          32, 33, 63, 64, 65, 127, 128, 129, 1000, 2048, 2049, 16385};
   for (DType t : kReducible) {
     for (RedOp op : kOps) {
       for (size_t n : sizes) {
@@ -521,9 +562,10 @@ std::vector<int64_t> TargetsToTest() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, ReduceTarget, ::testing::ValuesIn(TargetsToTest()),
-                         [](const ::testing::TestParamInfo<int64_t>& info) {
-                           return info.param == 0 ? std::string("Dispatched")
-                                                  : std::string(hwy::TargetName(info.param));
+                         [](const ::testing::TestParamInfo<int64_t>& param_info) {
+                           return param_info.param == 0
+                                      ? std::string("Dispatched")
+                                      : std::string(hwy::TargetName(param_info.param));
                          });
 
 TEST(Reduce, TargetName) {

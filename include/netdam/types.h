@@ -18,13 +18,20 @@ inline constexpr size_t kSegmentSize = 24;
 inline constexpr size_t kMaxSegments = 32;
 // Default path MTU is a 9000-byte jumbo frame: IPv4 (20) + UDP (8) leave
 // 8972 bytes of datagram, 8932 after our header; the largest power of two
-// that fits, 8192 B, is 2048 float32 and keeps blocks aligned.
+// that fits, 8192 B, is 2048 float32 and keeps blocks aligned. A chain
+// packet adds 8 + 24 per segment: up to 28 segments still fit a jumbo frame
+// with an 8192-byte payload.
 inline constexpr size_t kDefaultMaxPayload = 8192;
-// The largest UDP/IPv4 datagram is 65507 bytes; payloads are capped at
-// 65536 - 1024 so that a header and a full segment list always fit.
+// Payloads are capped at 65536 - 1024 so that a header and a full segment
+// list fit in a 64 KiB loopback datagram.
 inline constexpr size_t kMaxPayloadLimit = 64512;
+// The largest datagram netdam itself produces.
 inline constexpr size_t kMaxDatagram =
     kHeaderSize + kSrPreambleSize + kMaxSegments * kSegmentSize + kMaxPayloadLimit;
+// Receive buffers hold any UDP datagram (at most 65507 bytes of IPv4
+// payload), so a too-large request is seen, counted and refused, never
+// silently truncated by the kernel.
+inline constexpr size_t kRxBufferSize = 65536;
 
 enum class Opcode : uint8_t {
   kPing = 0x01,

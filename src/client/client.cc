@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
-#include <random>
 
 #include "core/endian.h"
 #include "core/engine.h"
@@ -54,8 +53,9 @@ struct Client::Packet {
 };
 
 namespace {
-// FILL and COPY carry a 32-bit length; bigger ranges become several requests.
-constexpr uint64_t kMaxRangePerRequest = 1ull << 30;
+// FILL and COPY carry a 32-bit length; ranges are split into 16 MiB
+// requests so that no single request occupies a device thread for long.
+constexpr uint64_t kMaxRangePerRequest = 16ull << 20;
 constexpr auto kMinRto = 5ms;
 constexpr auto kMaxRto = 1000ms;
 constexpr auto kInitialRto = 20ms;
@@ -69,11 +69,15 @@ Client::Client(std::unique_ptr<transport::Transport> t, const transport::Endpoin
     : transport_(std::move(t)),
       device_(std::make_unique<transport::Endpoint>(device)),
       opts_(opts),
-      rx_(kRxBatch * kMaxDatagram) {
-  // A random start makes txns of successive clients on the same port differ,
-  // so a device never mistakes a new client for a retransmitting old one.
-  std::random_device rd;
-  next_txn_ = ((uint64_t{rd()} << 32) | rd()) >> 2;
+      rx_(kRxBatch * kRxBufferSize) {
+  // Txns start at the wall clock in nanoseconds: a later client that gets
+  // the same source port as an earlier one starts above every txn the
+  // earlier one can have used (it would have needed more than one txn per
+  // nanosecond), so the device neither replays its answers to the new
+  // client nor refuses the new client's txns as stale.
+  next_txn_ = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::system_clock::now().time_since_epoch())
+                                        .count());
   if (next_txn_ == 0) next_txn_ = 1;
 }
 
@@ -198,8 +202,11 @@ Op Client::reduce_async(uint64_t addr, DType t, RedOp rop, std::span<const std::
     auto block = data.subspan(off, n);
     p.payload = block;
     const bool valid_type = t != DType::kBytes && n % dtype_size(t) == 0;
-    if (valid_type && (sparse == Sparse::kAlways ||
-                       (sparse == Sparse::kAuto && core::sparse_is_worth_it(t, block)))) {
+    // Sparse only when it fits the device's payload limit: (index, value)
+    // pairs of a dense block are larger than the block.
+    const bool fits = valid_type && core::sparse_encoded_size(t, block) <= opts_.max_payload;
+    if (fits && (sparse == Sparse::kAlways ||
+                 (sparse == Sparse::kAuto && core::sparse_is_worth_it(t, block)))) {
       p.owned.resize(core::sparse_encoded_size(t, block));
       core::sparse_encode(t, block, p.owned);
       p.payload = p.owned;
@@ -340,7 +347,7 @@ Error Client::fill(uint64_t addr, uint64_t len, std::span<const std::byte> patte
 Error Client::copy(uint64_t dst, uint64_t src, uint64_t len, uint32_t src_key, uint32_t rkey) {
   const bool overlap = dst < src + len && src < dst + len;
   if (overlap && len > kMaxRangePerRequest)
-    return Error::invalid("overlapping copies are limited to 1 GiB (one request)");
+    return Error::invalid("overlapping copies are limited to 16 MiB (one request)");
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kCopy;
   for (uint64_t off = 0; off < len; off += kMaxRangePerRequest) {
@@ -584,7 +591,7 @@ void Client::pump(bool block) {
   // Sleep no longer than the next retransmission could be due.
   auto timeout = block ? std::chrono::nanoseconds(kMinRto) / 2 : std::chrono::nanoseconds(0);
   std::array<transport::InMsg, kRxBatch> in;
-  for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kMaxDatagram, kMaxDatagram);
+  for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);
   const size_t n = transport_->recv_batch(in, timeout);
   for (size_t i = 0; i < n; ++i)
     if (!in[i].truncated) receive(in[i].buf.data(), in[i].len, in[i].from);

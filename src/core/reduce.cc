@@ -15,11 +15,11 @@
 //     (AVX2, AVX-512: _mm*_cvtps_ph with round-to-nearest-even). Elsewhere
 //     (SSSE3, SSE4, scalar) they truncate, clamp overflow to a finite value,
 //     flush tiny values to +0 and mishandle inf/NaN; there we use our own
-//     integer-op conversions below.
+//     conversions below (WidenF16Soft, NarrowF16Soft).
 //   - Min/Max on floats differ in NaN handling between targets, so min/max
 //     use a comparison and IfThenElse, which is the protocol's definition.
-//   - Integer sums are done on unsigned lanes (the scalar target would
-//     otherwise add int32_t in C++, where overflow is undefined).
+//   - (Not a bug, a precaution:) integer sums are done on unsigned lanes so
+//     that wrap-around never depends on how a target implements signed adds.
 //
 // Build: compile without -ffast-math; -ffp-contract=off is recommended (see
 // src/core/reduce.cmake). "src" must be on the include path for the
@@ -254,9 +254,10 @@ HWY_NOINLINE void ReduceLanes(std::byte* dst, const std::byte* src, size_t n) {
   reduce_detail::scalar_loop<t, op>(dst, src, i, n);
 }
 
-// f16 bits (zero-extended to u32 lanes) -> f32, exact, integer ops only.
+// f16 bits (zero-extended to u32 lanes) -> f32, exact; for targets without F16C.
+// Subnormals are mant * 2^-24 computed as int->float and an exact multiply.
 template <class DF, class VU>
-HWY_INLINE hn::Vec<DF> WidenF16Int(DF df, VU h) {
+HWY_INLINE hn::Vec<DF> WidenF16Soft(DF df, VU h) {
   const hn::RebindToUnsigned<DF> du;
   const hn::RebindToSigned<DF> di;
   const auto sign = hn::ShiftLeft<16>(hn::And(h, hn::Set(du, 0x8000u)));
@@ -274,16 +275,16 @@ HWY_INLINE hn::Vec<DF> WidenF16Int(DF df, VU h) {
   return hn::BitCast(df, hn::Or(bits, sign));
 }
 
-// f32 -> f16 bits in u32 lanes, round to nearest even. Same results as
-// f32_bits_to_f16_bits (tested exhaustively), but the f16-subnormal range uses
-// the classic magic addition instead of per-lane variable shifts (which
-// SSSE3/SSE4 lack): for |x| < 2^-14, 0.5f + |x| has an ulp of 2^-24, the f16
-// subnormal quantum, so the f32 addition itself rounds to nearest even and the
-// low mantissa bits are the f16 subnormal. This relies on the default
+// f32 -> f16 bits in u32 lanes, round to nearest even, for targets without
+// F16C. Same algorithm as f32_bits_to_f16_bits, except that the f16-subnormal
+// range uses the classic magic addition instead of per-lane variable shifts
+// (which SSSE3/SSE4 lack): for |x| < 2^-14, 0.5f + |x| has an ulp of 2^-24,
+// the f16 subnormal quantum, so the f32 addition itself rounds to nearest even
+// and the low mantissa bits are the f16 subnormal. This relies on the default
 // round-to-nearest MXCSR mode, as the f32 sum does; DAZ/FTZ cannot change the
 // result (an f32 subnormal rounds to f16 zero either way; 0.5 + |x| is normal).
 template <class DF>
-HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> NarrowF16Int(DF df, hn::Vec<DF> v) {
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> NarrowF16Soft(DF df, hn::Vec<DF> v) {
   const hn::RebindToUnsigned<DF> du;
   const hn::RebindToSigned<DF> di;
   const auto x = hn::BitCast(du, v);
@@ -331,8 +332,8 @@ HWY_INLINE hn::Vec<D16> Combine16(DF df, D16 d16, hn::Vec<D16> a16, hn::Vec<D16>
     fa = hn::PromoteTo(df, hn::BitCast(dh, a16));
     fb = hn::PromoteTo(df, hn::BitCast(dh, b16));
 #else
-    fa = WidenF16Int(df, hn::PromoteTo(du, a16));
-    fb = WidenF16Int(df, hn::PromoteTo(du, b16));
+    fa = WidenF16Soft(df, hn::PromoteTo(du, a16));
+    fb = WidenF16Soft(df, hn::PromoteTo(du, b16));
 #endif
   } else {
     fa = hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du, a16)));
@@ -345,7 +346,7 @@ HWY_INLINE hn::Vec<D16> Combine16(DF df, D16 d16, hn::Vec<D16> a16, hn::Vec<D16>
       const hn::Rebind<hwy::float16_t, DF> dh;
       return hn::BitCast(d16, hn::DemoteTo(dh, sum));
 #else
-      return hn::DemoteTo(d16, hn::BitCast(di, NarrowF16Int(df, sum)));
+      return hn::DemoteTo(d16, hn::BitCast(di, NarrowF16Soft(df, sum)));
 #endif
     } else {
       return hn::DemoteTo(d16, hn::BitCast(di, NarrowBF16(df, sum)));

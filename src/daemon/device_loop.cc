@@ -12,12 +12,12 @@ transport::Endpoint to_transport(const core::Address& a) { return {a.ip, a.port}
 DeviceLoop::DeviceLoop(core::Device& device, transport::Transport& transport)
     : engine_(device),
       transport_(transport),
-      rx_(kBatch * kMaxDatagram),
+      rx_(kBatch * kRxBufferSize),
       out_size_(core::Engine::out_buffer_size(device.config())),
       in_(kBatch) {
   out_.resize(kBatch * out_size_);
   for (size_t i = 0; i < kBatch; ++i)
-    in_[i].buf = std::span(rx_).subspan(i * kMaxDatagram, kMaxDatagram);
+    in_[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);
   send_.reserve(kBatch);
 }
 
@@ -26,7 +26,6 @@ size_t DeviceLoop::poll_once(transport::Duration timeout) {
   send_.clear();
   for (size_t i = 0; i < n; ++i) {
     auto& m = in_[i];
-    if (m.truncated) continue;  // cannot happen: buffers hold the largest datagram
     auto out = std::span(out_).subspan(i * out_size_, out_size_);
     core::Action a = engine_.handle(to_core(m.from), m.buf.first(m.len), out);
     if (a.kind != core::Action::Kind::kNone)

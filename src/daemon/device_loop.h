@@ -31,7 +31,7 @@ class DeviceLoop {
  private:
   core::Engine engine_;
   transport::Transport& transport_;
-  std::vector<std::byte> rx_;   // kBatch receive buffers of kMaxDatagram
+  std::vector<std::byte> rx_;   // kBatch receive buffers of kRxBufferSize
   std::vector<std::byte> out_;  // kBatch answer buffers
   size_t out_size_;
   std::vector<transport::InMsg> in_;

@@ -1,0 +1,103 @@
+// netdamd's configuration: the shipped example parses, and bad settings are
+// refused with messages that name the setting.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "common/units.h"
+#include "daemon/config.h"
+
+namespace netdam::device {
+namespace {
+
+std::string write_temp(const std::string& text) {
+  char path[] = "/tmp/netdam_config_XXXXXX";
+  int fd = mkstemp(path);
+  EXPECT_GE(fd, 0);
+  close(fd);
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(Config, ExampleFileParses) {
+  DaemonConfig cfg;
+  auto err = load_config_file(std::string(NETDAM_SOURCE_DIR) + "/docs/netdamd.example.toml", cfg);
+  ASSERT_FALSE(err) << *err;
+  EXPECT_EQ(cfg.listen.to_string(), "127.0.0.1:7000");
+  EXPECT_EQ(cfg.memory, 256ull << 20);
+  EXPECT_EQ(cfg.admin_key, 0xAD0u);
+  ASSERT_EQ(cfg.regions.size(), 2u);
+  EXPECT_EQ(cfg.regions[1].base, 192ull << 20);
+  EXPECT_EQ(cfg.regions[1].perms, core::kPermRead);
+  EXPECT_FALSE(validate(cfg));
+}
+
+TEST(Config, ErrorsNameTheSetting) {
+  struct Case {
+    const char* toml;
+    const char* expect;
+  } cases[] = {
+      {"memory = \"lots\"", "'memory'"},
+      {"threads = 0", "'threads'"},
+      {"listen = \"nohost\"", "'listen'"},
+      {"bogus = 1", "'bogus' is not a known setting"},
+      {"[[region]]\nbase = 0\nkey = 5", "'region.size'"},
+      {"[[region]]\nsize = 10\nkey = 0", "'region.key'"},
+      {"[[region]]\nsize = 10\nkey = 3\nperms = \"x\"", "'region.perms'"},
+      {"memory = [", "line"},
+  };
+  for (const auto& c : cases) {
+    DaemonConfig cfg;
+    auto path = write_temp(c.toml);
+    auto err = load_config_file(path, cfg);
+    std::remove(path.c_str());
+    ASSERT_TRUE(err) << c.toml;
+    EXPECT_NE(err->find(c.expect), std::string::npos) << *err;
+  }
+}
+
+TEST(Config, ValidateCatchesRegionsOutsideMemory) {
+  DaemonConfig cfg;
+  cfg.memory = 1 << 20;
+  cfg.regions.push_back({512 << 10, 1 << 20, 3, core::kPermAll});
+  auto err = validate(cfg);
+  ASSERT_TRUE(err);
+  EXPECT_NE(err->find("outside"), std::string::npos);
+  cfg.regions.clear();
+  cfg.max_payload = 100;
+  EXPECT_TRUE(validate(cfg));
+}
+
+TEST(Config, ParseRegionAndKey) {
+  std::string why;
+  auto r = parse_region("4KiB:1MiB:0x10:r", &why);
+  ASSERT_TRUE(r) << why;
+  EXPECT_EQ(r->base, 4096u);
+  EXPECT_EQ(r->size, 1u << 20);
+  EXPECT_EQ(r->key, 0x10u);
+  EXPECT_EQ(r->perms, core::kPermRead);
+  EXPECT_FALSE(parse_region("0:1MiB", &why));
+  EXPECT_FALSE(parse_region("0:1MiB:0", &why));
+  EXPECT_FALSE(parse_region("x:1MiB:1", &why));
+  EXPECT_EQ(parse_key("0xFFFFFFFF"), 0xFFFFFFFFu);
+  EXPECT_FALSE(parse_key("0x100000000"));
+  EXPECT_FALSE(parse_key("12ab"));
+}
+
+TEST(Units, ParseAndFormat) {
+  EXPECT_EQ(parse_size("4096"), 4096u);
+  EXPECT_EQ(parse_size("64KiB"), 65536u);
+  EXPECT_EQ(parse_size("1KB"), 1000u);
+  EXPECT_EQ(parse_size("4GiB"), 4ull << 30);
+  EXPECT_FALSE(parse_size("4XB"));
+  EXPECT_FALSE(parse_size(""));
+  EXPECT_FALSE(parse_size("99999999999999999999"));
+  EXPECT_FALSE(parse_size("20000000TiB"));  // overflows 64 bits
+  EXPECT_EQ(format_size(256ull << 20), "256MiB");
+  EXPECT_EQ(format_size(1536), "1.5KiB");
+  EXPECT_EQ(format_size(100), "100B");
+}
+
+}  // namespace
+}  // namespace netdam::device

@@ -1,0 +1,295 @@
+// Test helpers for running the real binaries: TestDaemon starts `netdamd` on
+// a free localhost port; run_process runs any program with given stdin and
+// environment and captures its stdout, stderr and exit code.
+//
+// Header-only and free of GoogleTest so that any test or tool may use it.
+//
+//   TestDaemon d;
+//   ASSERT_TRUE(d.start({"--memory", "16MiB", "--admin-key", "0xAD"})) << d.error();
+//   auto r = run_process({build_path("src/tools/netdam"), "--device", d.endpoint(), "ping"});
+//   EXPECT_EQ(r.exit_code, 0) << r.err;
+//
+// Binaries are found under $NETDAM_BUILD_DIR (ctest sets it), else in the
+// build tree the test binary lives in (<build>/tests/<test>).
+#pragma once
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace netdam::testing {
+
+// <build dir>/<relative>, e.g. build_path("src/daemon/netdamd").
+inline std::string build_path(const std::string& relative) {
+  namespace fs = std::filesystem;
+  if (const char* dir = std::getenv("NETDAM_BUILD_DIR"); dir != nullptr && *dir != '\0')
+    return (fs::path(dir) / relative).string();
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) return relative;
+  return (exe.parent_path().parent_path() / relative).string();  // <build>/tests/x -> <build>
+}
+
+inline std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// A fresh directory under $TMPDIR (or /tmp), removed with its contents on
+// destruction.
+class TempDir {
+ public:
+  TempDir() {
+    const char* base = std::getenv("TMPDIR");
+    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/netdam-test-XXXXXX";
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back('\0');
+    if (mkdtemp(buf.data()) != nullptr) path_ = buf.data();
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  bool ok() const { return !path_.empty(); }
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+namespace detail {
+
+// posix_spawn with stdin/stdout/stderr redirected to files ("" = /dev/null
+// for stdin, inherited for outputs). Returns the pid or -1 with `error` set.
+inline pid_t spawn(const std::vector<std::string>& argv, const std::vector<std::string>& env,
+                   const std::string& in, const std::string& out, const std::string& err,
+                   std::string* error) {
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  std::vector<char*> envp;
+  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 0, in.empty() ? "/dev/null" : in.c_str(), O_RDONLY, 0);
+  if (!out.empty()) posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (!err.empty()) posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  // The child starts with default signal handling and an empty mask, even
+  // if the test blocked signals in its own threads.
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none, all;
+  sigemptyset(&none);
+  sigfillset(&all);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &all);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv.at(0).c_str(), &fa, &attr, args.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0) {
+    if (error) *error = "cannot run " + argv[0] + ": " + std::strerror(rc);
+    return -1;
+  }
+  return pid;
+}
+
+// The current environment with `changes` applied: "NAME=VALUE" sets NAME,
+// a bare "NAME" removes it.
+inline std::vector<std::string> environment(const std::vector<std::string>& changes) {
+  std::vector<std::string> env;
+  auto name_of = [](const std::string& s) { return s.substr(0, s.find('=')); };
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string entry(*e);
+    bool replaced = false;
+    for (const auto& c : changes) replaced = replaced || name_of(c) == name_of(entry);
+    if (!replaced) env.push_back(std::move(entry));
+  }
+  for (const auto& c : changes)
+    if (c.find('=') != std::string::npos) env.push_back(c);
+  return env;
+}
+
+// Exit code of a waitpid status: the code, or 128 + signal number.
+inline int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return -1;
+}
+
+}  // namespace detail
+
+struct ProcessResult {
+  int exit_code = -1;  // 128 + N if killed by signal N; -1 if it could not run
+  std::string out, err;
+  bool timed_out = false;
+};
+
+// Runs argv[0] (a path) with `input` on stdin and the environment changed
+// as detail::environment describes; kills it after `limit`.
+inline ProcessResult run_process(const std::vector<std::string>& argv, const std::string& input = {},
+                                 const std::vector<std::string>& env_changes = {},
+                                 std::chrono::milliseconds limit = std::chrono::seconds(60)) {
+  ProcessResult r;
+  TempDir dir;
+  if (!dir.ok()) {
+    r.err = "cannot create a temporary directory";
+    return r;
+  }
+  const std::string in = dir.file("stdin"), out = dir.file("stdout"), err = dir.file("stderr");
+  {
+    std::ofstream f(in, std::ios::binary);
+    f.write(input.data(), static_cast<std::streamsize>(input.size()));
+  }
+  std::string why;
+  const pid_t pid = detail::spawn(argv, detail::environment(env_changes), in, out, err, &why);
+  if (pid < 0) {
+    r.err = why;
+    return r;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  int status = 0;
+  for (;;) {
+    const pid_t w = waitpid(pid, &status, WNOHANG);
+    if (w == pid) break;
+    if (w < 0 && errno != EINTR) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      r.timed_out = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  r.exit_code = detail::exit_code_of(status);
+  r.out = read_text_file(out);
+  r.err = read_text_file(err);
+  return r;
+}
+
+// A netdamd process on 127.0.0.1 with a kernel-chosen port. Stopped with
+// SIGTERM by stop(), killed with SIGKILL if still running on destruction.
+class TestDaemon {
+ public:
+  TestDaemon() = default;
+  ~TestDaemon() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      int status = 0;
+      waitpid(pid_, &status, 0);
+    }
+  }
+  TestDaemon(const TestDaemon&) = delete;
+  TestDaemon& operator=(const TestDaemon&) = delete;
+
+  // Runs `netdamd --listen 127.0.0.1:0 --port-file F <extra_args...>` and
+  // waits until it is serving. On failure returns false; error() says why
+  // (with the daemon's output).
+  bool start(const std::vector<std::string>& extra_args = {},
+             std::chrono::milliseconds wait = std::chrono::seconds(10)) {
+    if (pid_ > 0) return fail("already started");
+    if (!dir_.ok()) return fail("cannot create a temporary directory");
+    const std::string port_file = dir_.file("port");
+    std::remove(port_file.c_str());
+    std::vector<std::string> argv = {build_path("src/daemon/netdamd"), "--listen", "127.0.0.1:0",
+                                     "--port-file", port_file};
+    argv.insert(argv.end(), extra_args.begin(), extra_args.end());
+    std::string why;
+    pid_ = detail::spawn(argv, detail::environment({}), "", log_path(), log_path() + ".err", &why);
+    if (pid_ < 0) {
+      pid_ = 0;
+      return fail(why);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + wait;
+    while (std::chrono::steady_clock::now() < deadline) {
+      std::string text = read_text_file(port_file);
+      if (!text.empty() && text.back() == '\n') {
+        text.pop_back();
+        endpoint_ = text;
+        return true;
+      }
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = 0;
+        return fail("netdamd exited with code " + std::to_string(detail::exit_code_of(status)));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return fail("netdamd did not write its port file within " + std::to_string(wait.count()) + " ms");
+  }
+
+  // "127.0.0.1:PORT" once started.
+  const std::string& endpoint() const { return endpoint_; }
+  uint16_t port() const {
+    const size_t colon = endpoint_.rfind(':');
+    return colon == std::string::npos ? 0 : static_cast<uint16_t>(std::stoi(endpoint_.substr(colon + 1)));
+  }
+  pid_t pid() const { return pid_; }
+  bool running() const { return pid_ > 0; }
+
+  // SIGTERM, then waits; returns the exit code (-1 if not running). A
+  // daemon that ignores SIGTERM for `wait` is killed.
+  int stop(std::chrono::milliseconds wait = std::chrono::seconds(10)) {
+    if (pid_ <= 0) return -1;
+    kill(pid_, SIGTERM);
+    const auto deadline = std::chrono::steady_clock::now() + wait;
+    int status = 0;
+    for (;;) {
+      const pid_t w = waitpid(pid_, &status, WNOHANG);
+      if (w == pid_ || (w < 0 && errno != EINTR)) break;
+      if (std::chrono::steady_clock::now() > deadline) {
+        kill(pid_, SIGKILL);
+        waitpid(pid_, &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    pid_ = 0;
+    return detail::exit_code_of(status);
+  }
+
+  // What the daemon printed (stdout, then stderr).
+  std::string log() const { return read_text_file(log_path()) + read_text_file(log_path() + ".err"); }
+  const std::string& error() const { return error_; }
+
+ private:
+  std::string log_path() const { return dir_.file("netdamd.log"); }
+  bool fail(const std::string& why) {
+    error_ = why;
+    const std::string out = log();
+    if (!out.empty()) error_ += "\n--- netdamd output ---\n" + out;
+    return false;
+  }
+
+  TempDir dir_;
+  pid_t pid_ = 0;
+  std::string endpoint_;
+  std::string error_;
+};
+
+}  // namespace netdam::testing
