@@ -173,6 +173,22 @@ TEST(Client, NakCarriesStatus) {
   EXPECT_EQ(r.error().status(), Status::kMisaligned);
 }
 
+TEST(Client, WrappingRangesAreRefusedBeforeSending) {
+  Fabric fabric;
+  FabricDevice dev(fabric, kDeviceAddr, 7, 1 << 20);
+  auto c = connect(fabric);
+  ASSERT_TRUE(c);
+  std::vector<std::byte> buf(16384, std::byte{0x5a});
+  const uint64_t near_end = ~uint64_t{0} - 8191;
+  EXPECT_EQ(c->write(near_end, buf).code(), Error::Code::kInvalidArgument);
+  EXPECT_EQ(c->read(near_end, buf).code(), Error::Code::kInvalidArgument);
+  EXPECT_EQ(c->reduce(near_end, DType::kF32, RedOp::kSum, buf).code(), Error::Code::kInvalidArgument);
+  EXPECT_EQ(c->fill(near_end, 16384, std::span(buf).first(1)).code(), Error::Code::kInvalidArgument);
+  EXPECT_EQ(c->copy(0, near_end, 16384).code(), Error::Code::kInvalidArgument);
+  EXPECT_EQ(dev.memory[0], std::byte{0});  // nothing wrapped around to address 0
+  EXPECT_EQ(c->counters().packets_sent, 1u);  // only the PING of connect()
+}
+
 TEST(Client, SilentDeviceTimesOutInBoundedTime) {
   Fabric fabric;
   FabricDevice dev(fabric, kDeviceAddr, 7);

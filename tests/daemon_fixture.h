@@ -207,16 +207,18 @@ class TestDaemon {
   TestDaemon(const TestDaemon&) = delete;
   TestDaemon& operator=(const TestDaemon&) = delete;
 
-  // Runs `netdamd --listen 127.0.0.1:0 --port-file F <extra_args...>` and
-  // waits until it is serving. On failure returns false; error() says why
-  // (with the daemon's output).
+  // Runs `netdamd --listen LISTEN --port-file F <extra_args...>` and waits
+  // until it is serving. On failure returns false; error() says why (with
+  // the daemon's output).
   bool start(const std::vector<std::string>& extra_args = {},
+             const std::string& listen = "127.0.0.1:0",
              std::chrono::milliseconds wait = std::chrono::seconds(10)) {
     if (pid_ > 0) return fail("already started");
     if (!dir_.ok()) return fail("cannot create a temporary directory");
+    args_ = extra_args;
     const std::string port_file = dir_.file("port");
     std::remove(port_file.c_str());
-    std::vector<std::string> argv = {build_path("src/daemon/netdamd"), "--listen", "127.0.0.1:0",
+    std::vector<std::string> argv = {build_path("src/daemon/netdamd"), "--listen", listen,
                                      "--port-file", port_file};
     argv.insert(argv.end(), extra_args.begin(), extra_args.end());
     std::string why;
@@ -241,6 +243,15 @@ class TestDaemon {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     return fail("netdamd did not write its port file within " + std::to_string(wait.count()) + " ms");
+  }
+
+  // stop(), then start() again with the same arguments on the same port:
+  // the same endpoint, a new boot id and fresh memory.
+  bool restart() {
+    if (endpoint_.empty()) return fail("restart before start");
+    stop();
+    const std::string ep = endpoint_;
+    return start(std::vector<std::string>(args_), ep);
   }
 
   // "127.0.0.1:PORT" once started.
@@ -287,6 +298,7 @@ class TestDaemon {
   }
 
   TempDir dir_;
+  std::vector<std::string> args_;
   pid_t pid_ = 0;
   std::string endpoint_;
   std::string error_;

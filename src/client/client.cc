@@ -137,6 +137,16 @@ Client::Packet& Client::new_packet(const std::shared_ptr<detail::OpState>& op, O
   return *queue_.back();
 }
 
+namespace {
+// A range that wraps around 2^64 would make later packets land at low
+// addresses; refuse it before anything is sent.
+Error check_range(uint64_t addr, uint64_t len) {
+  if (len > UINT64_MAX - addr)
+    return Error::invalid(fmt::format("range {:#x} + {} wraps around 2^64", addr, len));
+  return {};
+}
+}  // namespace
+
 Op Client::start(std::shared_ptr<detail::OpState> op) {
   op->started = true;
   send_queued();
@@ -146,6 +156,7 @@ Op Client::start(std::shared_ptr<detail::OpState> op) {
 Op Client::read_async(uint64_t addr, std::span<std::byte> out, uint32_t rkey) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kRead;
+  if ((op->error = check_range(addr, out.size()))) return start(std::move(op));
   const size_t chunk = opts_.max_payload;
   for (size_t off = 0; off < out.size(); off += chunk) {
     const size_t n = std::min(chunk, out.size() - off);
@@ -158,6 +169,7 @@ Op Client::read_async(uint64_t addr, std::span<std::byte> out, uint32_t rkey) {
 Op Client::write_async(uint64_t addr, std::span<const std::byte> data, uint32_t rkey) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kWrite;
+  if ((op->error = check_range(addr, data.size()))) return start(std::move(op));
   const size_t chunk = opts_.max_payload;
   for (size_t off = 0; off < data.size(); off += chunk) {
     const size_t n = std::min(chunk, data.size() - off);
@@ -193,6 +205,7 @@ Op Client::reduce_async(uint64_t addr, DType t, RedOp rop, std::span<const std::
                         Sparse sparse, uint32_t rkey) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kReduceMem;
+  if ((op->error = check_range(addr, data.size()))) return start(std::move(op));
   const size_t chunk = chunk_size(t);
   for (size_t off = 0; off < data.size(); off += chunk) {
     const size_t n = std::min(chunk, data.size() - off);
@@ -220,6 +233,7 @@ Op Client::reduce_fetch_async(uint64_t addr, DType t, RedOp rop, std::span<std::
                               uint32_t rkey) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kReducePayload;
+  if ((op->error = check_range(addr, inout.size()))) return start(std::move(op));
   const size_t chunk = chunk_size(t);
   for (size_t off = 0; off < inout.size(); off += chunk) {
     const size_t n = std::min(chunk, inout.size() - off);
@@ -314,6 +328,7 @@ Error Client::write(uint64_t addr, std::span<const std::byte> data, uint32_t rke
 }
 
 Error Client::write_unacked(uint64_t addr, std::span<const std::byte> data, uint32_t rkey) {
+  if (Error e = check_range(addr, data.size())) return e;
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kWrite;
   const size_t chunk = opts_.max_payload;
@@ -330,6 +345,7 @@ Error Client::write_unacked(uint64_t addr, std::span<const std::byte> data, uint
 Error Client::fill(uint64_t addr, uint64_t len, std::span<const std::byte> pattern, uint32_t rkey) {
   if (pattern.empty() || pattern.size() > 256)
     return Error::invalid("fill pattern must be 1..256 bytes");
+  if (Error e = check_range(addr, len)) return e;
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kFill;
   // Each piece must start where the pattern would be, so the whole range
@@ -345,6 +361,8 @@ Error Client::fill(uint64_t addr, uint64_t len, std::span<const std::byte> patte
 }
 
 Error Client::copy(uint64_t dst, uint64_t src, uint64_t len, uint32_t src_key, uint32_t rkey) {
+  if (Error e = check_range(dst, len)) return e;
+  if (Error e = check_range(src, len)) return e;
   const bool overlap = dst < src + len && src < dst + len;
   if (overlap && len > kMaxRangePerRequest)
     return Error::invalid("overlapping copies are limited to 16 MiB (one request)");
