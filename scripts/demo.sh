@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-BUILD_DIR=build BUILD_TYPE=Release bash scripts/build.sh
+BUILD_DIR=build bash scripts/build.sh
 
 bin=build/src
 work=$(mktemp -d)
