@@ -71,6 +71,17 @@ struct RegionInfo {
 // When reduce() sends a block as (index, value) pairs.
 enum class Sparse : uint8_t { kAuto, kNever, kAlways };
 
+// One segment of a chain: the device that runs it and what it runs there.
+struct Hop {
+  uint32_t ip = 0;    // IPv4 of the device, host byte order
+  uint16_t port = 0;
+  Opcode op = Opcode::kWrite;  // READ, WRITE, REDUCE_MEM or REDUCE_PAYLOAD
+  uint8_t flags = 0;           // kSegGen, kSegSkipStale, kSegStamp
+  uint32_t rkey = 0;
+  uint32_t aux = 0;            // kSegStamp: region offset of the stamp
+  uint64_t addr = 0;
+};
+
 namespace detail {
 struct OpState;
 }
@@ -145,10 +156,27 @@ class Client {
   Op reduce_fetch_async(uint64_t addr, DType t, RedOp op, std::span<std::byte> inout,
                         uint32_t rkey = 0);
 
+  // Chains (docs/COLLECTIVES.md): sent to hops[0]; the last hop answers,
+  // with `length` bytes into `answer_to` if given. A NOT_READY answer is
+  // retried after a short delay until the deadline; other NAKs fail the Op.
+  Op chain_async(std::span<const Hop> hops, uint32_t generation, DType t, RedOp op,
+                 uint32_t length, std::span<const std::byte> payload,
+                 std::span<std::byte> answer_to = {});
+  // Sets the armed generation of a region of this client's device; returns
+  // the previous one.
+  Result<uint32_t> arm(uint32_t generation, uint32_t rkey = 0);
+  Op arm_async(uint32_t generation, uint32_t rkey = 0);
+
   // Drives the client until `op` is done; returns its error.
   Error wait(Op& op);
   // Does whatever can be done without blocking.
   void poll();
+  // Blocks until an answer arrives or a retransmission is due (at most a
+  // few milliseconds), then does what can be done.
+  void wait_any();
+
+  // The transport's clock (virtual on the test fabric): use it for timers.
+  std::chrono::steady_clock::time_point now() const;
 
   // Counters of this client, for benchmarks and tests.
   struct Counters {

@@ -13,14 +13,14 @@ namespace netdam {
 inline constexpr uint32_t kMagic = 0x4E44414D;  // "NDAM"
 inline constexpr uint8_t kVersion = 1;
 inline constexpr size_t kHeaderSize = 40;
-inline constexpr size_t kSrPreambleSize = 8;
+inline constexpr size_t kSrPreambleSize = 16;
 inline constexpr size_t kSegmentSize = 24;
 inline constexpr size_t kMaxSegments = 32;
 // Default path MTU is a 9000-byte jumbo frame: IPv4 (20) + UDP (8) leave
 // 8972 bytes of datagram, 8932 after our header; the largest power of two
 // that fits, 8192 B, is 2048 float32 and keeps blocks aligned. A chain
-// packet adds 8 + 24 per segment: up to 28 segments still fit a jumbo frame
-// with an 8192-byte payload.
+// packet adds 16 + 24 per segment: up to 28 segments still fit a jumbo
+// frame with an 8192-byte payload.
 inline constexpr size_t kDefaultMaxPayload = 8192;
 // Payloads are capped at 65536 - 1024 so that a header and a full segment
 // list fit in a 64 KiB loopback datagram.
@@ -40,6 +40,7 @@ enum class Opcode : uint8_t {
   kWrite = 0x11,
   kFill = 0x12,
   kCopy = 0x13,
+  kArm = 0x14,            // set a region's armed generation (collectives)
   kFetchAdd = 0x20,
   kCompareSwap = 0x21,
   kSwap = 0x22,
@@ -56,6 +57,12 @@ inline constexpr uint8_t kFlagResponse = 0x01;  // set on every device answer
 inline constexpr uint8_t kFlagAckReq = 0x02;    // WRITE: answer with an ACK
 inline constexpr uint8_t kFlagSparse = 0x04;    // payload is (index, value) pairs
 inline constexpr uint8_t kFlagsKnown = kFlagResponse | kFlagAckReq | kFlagSparse;
+
+// Flags byte of a segment (see docs/COLLECTIVES.md).
+inline constexpr uint8_t kSegGen = 0x01;        // run only if the region is armed at the chain's generation
+inline constexpr uint8_t kSegSkipStale = 0x02;  // region armed newer: skip the op, forward anyway
+inline constexpr uint8_t kSegStamp = 0x04;      // after a WRITE, store the generation at region base + aux
+inline constexpr uint8_t kSegFlagsKnown = kSegGen | kSegSkipStale | kSegStamp;
 
 enum class Status : uint8_t {
   kOk = 0,
@@ -74,8 +81,10 @@ enum class Status : uint8_t {
   kNoSpace = 13,
   kBadPayload = 14,
   kBadFlags = 15,
+  kNotReady = 16,         // chain hop: the region is armed at an older generation
+  kStaleGeneration = 17,  // chain hop: the region is armed at a newer generation
 };
-inline constexpr uint8_t kStatusCount = 16;
+inline constexpr uint8_t kStatusCount = 18;
 
 enum class DType : uint8_t {
   kBytes = 0,  // raw bytes: READ/WRITE/FILL/COPY only

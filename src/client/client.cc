@@ -44,12 +44,20 @@ struct Client::Packet {
   std::shared_ptr<detail::OpState> op;
   core::Header h;
   std::array<std::byte, kHeaderSize> wire{};
+  std::vector<std::byte> chain_head;  // CHAIN: header + routing preamble + segments
+  transport::Endpoint to{};           // CHAIN: the first hop (others: the device)
   std::span<const std::byte> payload;
   std::vector<std::byte> owned;     // payloads the client builds itself
   std::byte* answer_to = nullptr;   // READ / REDUCE_PAYLOAD: where the answer goes
   bool expect_answer = true;
   TimePoint first_sent{}, last_sent{};
+  TimePoint due{};  // NOT_READY: send again at this time
   int sends = 0;
+
+  bool is_chain() const { return !chain_head.empty(); }
+  std::span<const std::byte> head() const {
+    return is_chain() ? std::span<const std::byte>(chain_head) : std::span<const std::byte>(wire);
+  }
 };
 
 namespace {
@@ -60,6 +68,9 @@ constexpr auto kMinRto = 5ms;
 constexpr auto kMaxRto = 1000ms;
 constexpr auto kInitialRto = 20ms;
 constexpr size_t kRxBatch = 32;
+// A chain refused as NOT_READY waits this long before it is sent again: the
+// host of that device has not armed its buffer yet.
+constexpr auto kNotReadyDelay = 100us;
 }  // namespace
 
 // ---------------------------------------------------------------- setup
@@ -247,6 +258,54 @@ Op Client::reduce_fetch_async(uint64_t addr, DType t, RedOp rop, std::span<std::
   return start(std::move(op));
 }
 
+Op Client::chain_async(std::span<const Hop> hops, uint32_t generation, DType t, RedOp rop,
+                       uint32_t length, std::span<const std::byte> payload,
+                       std::span<std::byte> answer_to) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kChain;
+  if (hops.empty() || hops.size() > kMaxSegments) {
+    op->error = Error::invalid(fmt::format("a chain has 1..{} hops, not {}", kMaxSegments, hops.size()));
+    return start(std::move(op));
+  }
+  if (!answer_to.empty() && answer_to.size() != length) {
+    op->error = Error::invalid("the answer buffer of a chain must be `length` bytes");
+    return start(std::move(op));
+  }
+  Packet& p = new_packet(op, Opcode::kChain, 0, 0, length);
+  p.h.dtype = t;
+  p.h.redop = rop;
+  p.h.seg_count = static_cast<uint8_t>(hops.size());
+  p.chain_head.resize(core::payload_offset(hops.size()));
+  core::SrPreamble sr;
+  sr.generation = generation;
+  core::encode_preamble(sr, p.chain_head.data() + kHeaderSize);
+  for (size_t i = 0; i < hops.size(); ++i) {
+    const Hop& hop = hops[i];
+    core::encode_segment(core::Segment{hop.ip, hop.port, hop.op, hop.flags, hop.rkey, hop.aux, hop.addr},
+                         p.chain_head.data() + kHeaderSize + kSrPreambleSize + i * kSegmentSize);
+  }
+  p.to = transport::Endpoint{hops[0].ip, hops[0].port};
+  p.payload = payload;
+  p.answer_to = answer_to.empty() ? nullptr : answer_to.data();
+  return start(std::move(op));
+}
+
+Op Client::arm_async(uint32_t generation, uint32_t rkey) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kArm;
+  Packet& p = new_packet(op, Opcode::kArm, key(rkey), 0, 4);
+  p.owned.resize(4);
+  store_be<uint32_t>(p.owned.data(), generation);
+  p.payload = p.owned;
+  return start(std::move(op));
+}
+
+Result<uint32_t> Client::arm(uint32_t generation, uint32_t rkey) {
+  Op op = arm_async(generation, rkey);
+  if (Error e = wait(op)) return e;
+  return static_cast<uint32_t>(op.value());
+}
+
 // ---------------------------------------------------------------- sync calls
 
 Error Client::wait(Op& op) {
@@ -256,6 +315,8 @@ Error Client::wait(Op& op) {
 }
 
 void Client::poll() { pump(false); }
+std::chrono::steady_clock::time_point Client::now() const { return transport_->now(); }
+void Client::wait_any() { pump(true); }
 
 Result<DeviceInfo> Client::ping() {
   auto op = std::make_shared<detail::OpState>();
@@ -501,10 +562,10 @@ void Client::send_queued() {
     queue_.pop_front();
     p->h.txn = next_txn_++;
     p->h.boot = opts_.detect_restart ? info_.boot_id : 0;
-    core::encode_header(p->h, p->wire.data());
+    core::encode_header(p->h, p->is_chain() ? p->chain_head.data() : p->wire.data());
     p->first_sent = p->last_sent = transport_->now();
     p->sends = 1;
-    batch[n++] = transport::OutMsg{*device_, {std::span<const std::byte>(p->wire), p->payload}};
+    batch[n++] = transport::OutMsg{p->is_chain() ? p->to : *device_, {p->head(), p->payload}};
     ++counters_.packets_sent;
     if (p->expect_answer) {
       inflight_bytes_ += p->payload.size();
@@ -528,9 +589,14 @@ void Client::check_timers() {
       expired.push_back(txn);
       continue;
     }
-    auto rto = std::min<std::chrono::nanoseconds>(base * (1 << std::min(p->sends - 1, 6)), kMaxRto);
-    if (now - p->last_sent < rto) continue;
-    transport::OutMsg m{*device_, {std::span<const std::byte>(p->wire), p->payload}};
+    // A chain crosses 2p links and is retried end to end, so under loss it
+    // needs many tries: back off less.
+    const int max_shift = p->is_chain() ? 2 : 6;
+    auto rto = std::min<std::chrono::nanoseconds>(base * (1 << std::min(p->sends - 1, max_shift)), kMaxRto);
+    const bool due = p->due != TimePoint{} && now >= p->due;
+    if (!due && now - p->last_sent < rto) continue;
+    p->due = {};
+    transport::OutMsg m{p->is_chain() ? p->to : *device_, {p->head(), p->payload}};
     transport_->send_batch({&m, 1});
     p->last_sent = now;
     ++p->sends;
@@ -547,13 +613,15 @@ void Client::check_timers() {
 }
 
 void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from) {
-  if (len < kHeaderSize || load_be<uint32_t>(buf) != kMagic || !(from == *device_)) {
+  if (len < kHeaderSize || load_be<uint32_t>(buf) != kMagic) {
     ++counters_.ignored;
     return;
   }
   core::Header h = core::decode_header(buf);
   auto it = inflight_.find(h.txn);
-  if (!h.is_response() || it == inflight_.end() || it->second->h.opcode != h.opcode) {
+  // A chain's answer comes from its last hop, any other answer from the device.
+  if (!h.is_response() || it == inflight_.end() || it->second->h.opcode != h.opcode ||
+      (!it->second->is_chain() && !(from == *device_))) {
     ++counters_.ignored;  // a late duplicate, or not for us
     return;
   }
@@ -571,8 +639,12 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
     }
   }
   auto what = [&] { return fmt::format("{} at {:#x} on {}", to_string(h.opcode), p.h.addr, device_address()); };
+  if (p.is_chain() && h.status == Status::kNotReady) {
+    p.due = transport_->now() + kNotReadyDelay;  // the deadline still runs from first_sent
+    return;
+  }
   if (h.status == Status::kBootMismatch ||
-      (opts_.detect_restart && info_.boot_id != 0 && h.boot != info_.boot_id))
+      (opts_.detect_restart && !p.is_chain() && info_.boot_id != 0 && h.boot != info_.boot_id))
     return finish(p, Error::restarted(fmt::format("{}: device restarted (boot id {:#x} -> {:#x}); its memory is gone",
                                                   what(), info_.boot_id, h.boot)));
   if (h.status != Status::kOk)
@@ -582,6 +654,9 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
     return finish(p, Error::protocol(what() + ": answer length disagrees with its datagram"));
   detail::OpState& op = *p.op;
   switch (h.opcode) {
+    case Opcode::kChain:
+      if (p.answer_to == nullptr) break;
+      [[fallthrough]];
     case Opcode::kRead:
     case Opcode::kReducePayload:
       if (payload.size() != p.h.length)
@@ -594,6 +669,10 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
     case Opcode::kSwap:
       if (payload.size() != 8) return finish(p, Error::protocol(what() + ": atomic answer is not 8 bytes"));
       op.value = load_le<uint64_t>(payload.data());
+      break;
+    case Opcode::kArm:
+      if (payload.size() != 4) return finish(p, Error::protocol(what() + ": ARM answer is not 4 bytes"));
+      op.value = load_be<uint32_t>(payload.data());
       break;
     case Opcode::kPing:
     case Opcode::kStats:
@@ -608,6 +687,11 @@ void Client::pump(bool block) {
   if (inflight_.empty()) return;
   // Sleep no longer than the next retransmission could be due.
   auto timeout = block ? std::chrono::nanoseconds(kMinRto) / 2 : std::chrono::nanoseconds(0);
+  if (block) {
+    const TimePoint now = transport_->now();
+    for (const auto& [txn, p] : inflight_)
+      if (p->due != TimePoint{}) timeout = std::min<std::chrono::nanoseconds>(timeout, std::max(p->due - now, std::chrono::nanoseconds(0)));
+  }
   std::array<transport::InMsg, kRxBatch> in;
   for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);
   const size_t n = transport_->recv_batch(in, timeout);

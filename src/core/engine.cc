@@ -25,7 +25,8 @@ bool is_mutation(Opcode op) {
     case Opcode::kSwap:
     case Opcode::kReduceMem:
     case Opcode::kRegionAdd:
-    case Opcode::kRegionDel: return true;
+    case Opcode::kRegionDel:
+    case Opcode::kArm: return true;  // a late duplicate must never roll back a newer ARM
     default: return false;
   }
 }
@@ -135,61 +136,124 @@ Action Engine::handle(Address from, std::span<std::byte> d, std::span<std::byte>
   }
   Stats::inc(stats_.requests[static_cast<uint8_t>(p.h.opcode)]);
 
-  Request q{p.h, p.h.opcode, p.h.rkey, p.h.addr, p.payload, from.key(), false};
-  Address reply_to = from;
-  const bool chain = p.h.seg_count > 0;
-  bool last_hop = true;
-  Address next;
-  if (chain) {
-    if (p.h.opcode != Opcode::kChain) return answer(p.h, from, Status::kBadSegment, {}, out);
-    if (p.sr.reply_ip != 0) reply_to = Address{p.sr.reply_ip, p.sr.reply_port};
-    Segment s = decode_segment(p.segments.data() + size_t{p.h.seg_index} * kSegmentSize);
-    if (!allowed_in_chain(s.opcode)) return answer(p.h, reply_to, Status::kBadSegment, {}, out);
-    last_hop = p.h.seg_index + 1 == p.h.seg_count;
-    if (!last_hop) {
-      Segment n = decode_segment(p.segments.data() + (size_t{p.h.seg_index} + 1) * kSegmentSize);
-      next = Address{n.ip, n.port};
-      if (n.ip == 0 || n.port == 0) return answer(p.h, reply_to, Status::kBadSegment, {}, out);
-    }
-    q.op = s.opcode;
-    q.rkey = s.rkey;
-    q.addr = s.addr;
-    q.requester = reply_to.key();
-    q.in_chain = true;
-  } else if (p.h.opcode == Opcode::kChain) {
-    return answer(p.h, from, Status::kBadSegment, {}, out);
-  }
+  if (p.h.seg_count > 0) return run_chain(from, d, p, out);
+  if (p.h.opcode == Opcode::kChain) return answer(p.h, from, Status::kBadSegment, {}, out);
 
+  Request q{p.h, p.h.opcode, p.h.rkey, p.h.addr, p.payload, from.key(), false};
   if ((p.h.flags & ~kFlagsKnown) || ((p.h.flags & kFlagSparse) && !takes_sparse(q.op)))
-    return answer(p.h, reply_to, Status::kBadFlags, {}, out);
-  // A chain crosses devices with different boot ids; its hops do not check.
-  if (!chain && p.h.boot != 0 && p.h.boot != device_.config().boot_id)
-    return answer(p.h, reply_to, Status::kBootMismatch, {}, out);
+    return answer(p.h, from, Status::kBadFlags, {}, out);
+  if (p.h.boot != 0 && p.h.boot != device_.config().boot_id)
+    return answer(p.h, from, Status::kBootMismatch, {}, out);
   if (p.h.flags & kFlagSparse) Stats::inc(stats_.sparse);
 
   Result r = execute(q, out);
-  if (r.status != Status::kOk) return answer(p.h, reply_to, r.status, {}, out);
-  if (last_hop) {
-    if (r.silent) return {};
-    return answer(p.h, reply_to, Status::kOk, r.data, out);
-  }
+  if (r.status != Status::kOk) return answer(p.h, from, r.status, {}, out);
+  if (r.silent) return {};
+  return answer(p.h, from, Status::kOk, r.data, out);
+}
 
-  // Pass the packet on: advance the segment pointer, record who gets the
-  // final answer, and carry the new payload if this hop produced one.
-  const size_t off = payload_offset(p.h.seg_count);
-  store_be<uint8_t>(d.data() + hdr::kSegIndex, static_cast<uint8_t>(p.h.seg_index + 1));
-  if (p.sr.reply_ip == 0)
-    encode_preamble(SrPreamble{reply_to.ip, reply_to.port, 0}, d.data() + kHeaderSize);
-  std::span<const std::byte> data = p.payload;
-  if (r.data.data() != nullptr && r.data.data() != p.payload.data()) {
-    data = r.data;
-    store_be<uint32_t>(d.data() + hdr::kLength, static_cast<uint32_t>(data.size()));
-    store_be<uint8_t>(d.data() + hdr::kFlags, static_cast<uint8_t>(p.h.flags & ~kFlagSparse));
+// A chain packet: run the current segment, then every following segment
+// that names this same device, then pass the packet on (or answer the
+// initiator after the last segment). docs/COLLECTIVES.md explains the
+// generation checks and stamps.
+Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
+                         std::span<std::byte> out) {
+  Header h = p.h;
+  if (h.opcode != Opcode::kChain) return answer(h, from, Status::kBadSegment, {}, out);
+  const Address reply_to = p.sr.reply_ip ? Address{p.sr.reply_ip, p.sr.reply_port} : from;
+  // A chain crosses devices with different boot ids; its hops do not check.
+  if (h.flags & ~kFlagsKnown) return answer(h, reply_to, Status::kBadFlags, {}, out);
+  if (h.flags & kFlagSparse) Stats::inc(stats_.sparse);
+  auto segment = [&](size_t i) { return decode_segment(p.segments.data() + i * kSegmentSize); };
+
+  std::span<std::byte> payload = p.payload;
+  bool payload_moved = false;  // payload no longer the request's bytes
+  for (size_t i = h.seg_index;; ++i) {
+    h.seg_index = static_cast<uint8_t>(i);
+    const Segment s = segment(i);
+    const bool last = i + 1 == h.seg_count;
+    Segment n;
+    if (!last) n = segment(i + 1);
+    if (!allowed_in_chain(s.opcode) || (s.flags & ~kSegFlagsKnown) ||
+        (!last && (n.ip == 0 || n.port == 0)))
+      return answer(h, reply_to, Status::kBadSegment, {}, out);
+    if ((h.flags & kFlagSparse) && !takes_sparse(s.opcode))
+      return answer(h, reply_to, Status::kBadFlags, {}, out);
+
+    Result r;
+    {
+      // ARM takes this exclusively: no hop of an older generation is
+      // still running once ARM has answered.
+      std::shared_lock gen_lock(device_.generation_mu_, std::defer_lock);
+      bool skip = false;
+      std::optional<Region> region;
+      if (s.flags & (kSegGen | kSegStamp)) {
+        region = device_.regions().find(s.rkey);
+        if (!region) return answer(h, reply_to, Status::kBadKey, {}, out);
+      }
+      if (s.flags & kSegGen) {
+        gen_lock.lock();
+        region = device_.regions().find(s.rkey);
+        if (!region) return answer(h, reply_to, Status::kBadKey, {}, out);
+        // Serial-number comparison: generations may wrap around 2^32.
+        const auto ahead = static_cast<int32_t>(region->generation - p.sr.generation);
+        if (ahead < 0) return answer(h, reply_to, Status::kNotReady, {}, out);
+        if (ahead > 0 && !(s.flags & kSegSkipStale))
+          return answer(h, reply_to, Status::kStaleGeneration, {}, out);
+        skip = ahead > 0;
+      }
+      if (skip) {
+        Stats::inc(stats_.skipped);
+      } else {
+        Request q{h, s.opcode, s.rkey, s.addr, payload, reply_to.key(), true};
+        r = execute(q, out);
+        if (r.status != Status::kOk) return answer(h, reply_to, r.status, {}, out);
+        if ((s.flags & kSegStamp) && s.opcode == Opcode::kWrite) {
+          const uint64_t at = region->base + s.aux;
+          Status st = device_.regions().check(s.rkey, at, 4, kPermWrite);
+          if (st != Status::kOk || at % 4) return answer(h, reply_to, Status::kBadSegment, {}, out);
+          // Data first, then its stamp: a host that sees the stamp (acquire)
+          // sees the data.
+          std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(device_.memory().data() + at))
+              .store(p.sr.generation, std::memory_order_release);
+        }
+      }
+    }
+    if (r.data.data() != nullptr && r.data.data() != payload.data()) {
+      // This hop produced a new payload (READ, or a sparse operand expanded
+      // and reduced). Later segments carry it, dense.
+      if (!last && n.ip == s.ip && n.port == s.port && r.data.data() != out.data() + kHeaderSize) {
+        std::memcpy(out.data() + kHeaderSize, r.data.data(), r.data.size());
+        payload = out.subspan(kHeaderSize, r.data.size());
+      } else {
+        payload = std::span<std::byte>(const_cast<std::byte*>(r.data.data()), r.data.size());
+      }
+      h.length = static_cast<uint32_t>(payload.size());
+      h.flags &= static_cast<uint8_t>(~kFlagSparse);
+      payload_moved = true;
+    }
+    if (last) return answer(h, reply_to, Status::kOk, r.data.data() ? r.data : payload, out);
+    if (n.ip == s.ip && n.port == s.port) continue;  // the next segment runs here too
+
+    // Pass the packet on: advance the segment pointer, record who gets the
+    // final answer, and carry the payload this device produced.
+    const size_t off = payload_offset(h.seg_count);
+    store_be<uint8_t>(d.data() + hdr::kSegIndex, static_cast<uint8_t>(i + 1));
+    if (p.sr.reply_ip == 0) {
+      SrPreamble sr = p.sr;
+      sr.reply_ip = reply_to.ip;
+      sr.reply_port = reply_to.port;
+      encode_preamble(sr, d.data() + kHeaderSize);
+    }
+    if (payload_moved) {
+      store_be<uint32_t>(d.data() + hdr::kLength, h.length);
+      store_be<uint8_t>(d.data() + hdr::kFlags, h.flags);
+    }
+    Stats::inc(stats_.forwarded);
+    Stats::inc(stats_.tx_packets);
+    Stats::inc(stats_.tx_bytes, off + payload.size());
+    return Action{Action::Kind::kForward, Address{n.ip, n.port}, d.first(off), payload};
   }
-  Stats::inc(stats_.forwarded);
-  Stats::inc(stats_.tx_packets);
-  Stats::inc(stats_.tx_bytes, off + data.size());
-  return Action{Action::Kind::kForward, next, d.first(off), data};
 }
 
 Action Engine::answer(const Header& req, Address to, Status status,
@@ -216,8 +280,13 @@ Engine::Result Engine::execute(const Request& q, std::span<std::byte> out) {
   if (verdict == ReplayWindow::Verdict::kReplayed) Stats::inc(stats_.replayed);
   Result r{o.status};
   if (o.status == Status::kOk && o.has_value) {
-    store_le<uint64_t>(out.data() + kHeaderSize, o.value);
-    r.data = out.subspan(kHeaderSize, 8);
+    if (q.op == Opcode::kArm) {  // the previous generation: a protocol field
+      store_be<uint32_t>(out.data() + kHeaderSize, static_cast<uint32_t>(o.value));
+      r.data = out.subspan(kHeaderSize, 4);
+    } else {  // an atomic's old value: memory data
+      store_le<uint64_t>(out.data() + kHeaderSize, o.value);
+      r.data = out.subspan(kHeaderSize, 8);
+    }
   }
   return r;
 }
@@ -346,6 +415,13 @@ Outcome Engine::run_mutation(const Request& q, std::span<std::byte> out) {
       if (s != Status::kOk) return {s};
       std::memmove(mem.data() + q.addr, mem.data() + src, q.h.length);
       return {Status::kOk};
+    }
+    case Opcode::kArm: {
+      if (q.payload.size() != 4) return {Status::kBadLength};
+      std::unique_lock lock(device_.generation_mu_);
+      uint32_t previous = 0;
+      Status s = regions.arm(q.rkey, load_be<uint32_t>(q.payload.data()), &previous);
+      return {s, s == Status::kOk, previous};
     }
     case Opcode::kRegionAdd:
     case Opcode::kRegionDel: {

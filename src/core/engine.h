@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <shared_mutex>
 #include <optional>
 #include <span>
 #include <vector>
@@ -82,6 +83,7 @@ class Device {
   RegionTable regions_;
   ReplayWindow replay_;
   std::array<std::mutex, 64> stripes_;
+  std::shared_mutex generation_mu_;  // ARM exclusive, generation-checked hops shared
   mutable std::mutex engines_mu_;
   std::vector<const Stats*> engines_;
 };
@@ -121,6 +123,8 @@ class Engine {
  private:
   struct Request;
   struct Result;
+  Action run_chain(Address from, std::span<std::byte> datagram, Packet& p,
+                   std::span<std::byte> out);
   Result execute(const Request& q, std::span<std::byte> out);
   Result execute_once(const Request& q, std::span<std::byte> out);
   Outcome run_mutation(const Request& q, std::span<std::byte> out);

@@ -32,6 +32,23 @@ Status RegionTable::check(uint32_t key, uint64_t addr, uint64_t len, uint32_t pe
   return Status::kOk;
 }
 
+std::optional<Region> RegionTable::find(uint32_t key) const {
+  std::shared_lock lock(mu_);
+  auto it = by_key_.find(key);
+  if (it == by_key_.end()) return std::nullopt;
+  return it->second;
+}
+
+Status RegionTable::arm(uint32_t key, uint32_t generation, uint32_t* previous) {
+  std::unique_lock lock(mu_);
+  auto it = by_key_.find(key);
+  if (it == by_key_.end()) return Status::kBadKey;
+  if (!(it->second.perms & kPermWrite)) return Status::kNotPermitted;
+  *previous = it->second.generation;
+  it->second.generation = generation;
+  return Status::kOk;
+}
+
 std::vector<Region> RegionTable::list(size_t index, size_t max) const {
   std::vector<Region> all;
   {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <shared_mutex>
 #include <unordered_map>
 #include <vector>
@@ -24,6 +25,7 @@ struct Region {
   uint64_t size = 0;
   uint32_t key = 0;
   uint32_t perms = kPermAll;
+  uint32_t generation = 0;  // armed generation (ARM), for generation-checked chain hops
 };
 
 class RegionTable {
@@ -38,6 +40,12 @@ class RegionTable {
   // Checks that [addr, addr+len) lies inside `key`'s region with `perm`.
   // Safe for any 64-bit addr/len: no overflow.
   Status check(uint32_t key, uint64_t addr, uint64_t len, uint32_t perm) const;
+
+  // A copy of `key`'s region, if registered.
+  std::optional<Region> find(uint32_t key) const;
+  // Sets the armed generation; `previous` receives the old one. kBadKey,
+  // or kNotPermitted without write permission.
+  Status arm(uint32_t key, uint32_t generation, uint32_t* previous);
 
   // Regions sorted by key, starting at the index-th; at most `max` of them.
   std::vector<Region> list(size_t index, size_t max) const;

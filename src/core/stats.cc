@@ -28,7 +28,7 @@ StatList collect(const std::vector<const Stats*>& all) {
       {"rx_packets", sum(all, &Stats::rx_packets)}, {"rx_bytes", sum(all, &Stats::rx_bytes)},
       {"tx_packets", sum(all, &Stats::tx_packets)}, {"tx_bytes", sum(all, &Stats::tx_bytes)},
       {"forwarded", sum(all, &Stats::forwarded)},   {"replayed", sum(all, &Stats::replayed)},
-      {"sparse", sum(all, &Stats::sparse)},
+      {"sparse", sum(all, &Stats::sparse)},     {"skipped", sum(all, &Stats::skipped)},
   };
   uint64_t dropped_total = 0;
   for (size_t i = 1; i < kParseErrorCount; ++i) {

@@ -12,6 +12,7 @@ std::string_view to_string(Opcode op) {
     case Opcode::kWrite: return "WRITE";
     case Opcode::kFill: return "FILL";
     case Opcode::kCopy: return "COPY";
+    case Opcode::kArm: return "ARM";
     case Opcode::kFetchAdd: return "FETCH_ADD";
     case Opcode::kCompareSwap: return "COMPARE_SWAP";
     case Opcode::kSwap: return "SWAP";
@@ -45,6 +46,8 @@ std::string_view to_string(Status s) {
     case Status::kNoSpace: return "NO_SPACE";
     case Status::kBadPayload: return "BAD_PAYLOAD";
     case Status::kBadFlags: return "BAD_FLAGS";
+    case Status::kNotReady: return "NOT_READY";
+    case Status::kStaleGeneration: return "STALE_GENERATION";
   }
   return "UNKNOWN_STATUS";
 }

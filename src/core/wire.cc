@@ -44,11 +44,14 @@ Header decode_header(const std::byte* in) {
 void encode_preamble(const SrPreamble& p, std::byte* out) {
   store_be<uint32_t>(out, p.reply_ip);
   store_be<uint16_t>(out + 4, p.reply_port);
-  store_be<uint16_t>(out + 6, p.reserved);
+  store_be<uint16_t>(out + 6, p.flags);
+  store_be<uint32_t>(out + 8, p.generation);
+  store_be<uint32_t>(out + 12, p.reserved);
 }
 
 SrPreamble decode_preamble(const std::byte* in) {
-  return SrPreamble{load_be<uint32_t>(in), load_be<uint16_t>(in + 4), load_be<uint16_t>(in + 6)};
+  return SrPreamble{load_be<uint32_t>(in), load_be<uint16_t>(in + 4), load_be<uint16_t>(in + 6),
+                    load_be<uint32_t>(in + 8), load_be<uint32_t>(in + 12)};
 }
 
 void encode_segment(const Segment& s, std::byte* out) {

@@ -47,7 +47,9 @@ static_assert(hdr::kBoot + 4 == kHeaderSize, "header layout and kHeaderSize disa
 struct SrPreamble {
   uint32_t reply_ip = 0;  // IPv4, host order here
   uint16_t reply_port = 0;
-  uint16_t reserved = 0;
+  uint16_t flags = 0;       // reserved, 0
+  uint32_t generation = 0;  // checked by segments with kSegGen
+  uint32_t reserved = 0;
 };
 
 struct Segment {

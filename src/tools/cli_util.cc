@@ -68,6 +68,8 @@ std::string_view explain(Status s, std::string_view op) {
       if (region_add) return "bad region record (unknown permission bits)";
       return "the request's data is malformed";
     case Status::kBadFlags: return "the device does not support the request's flags";
+    case Status::kNotReady: return "the region is armed at an older generation (its host is not ready)";
+    case Status::kStaleGeneration: return "the region is armed at a newer generation (its host moved on)";
   }
   return "unknown status";
 }

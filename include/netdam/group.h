@@ -1,0 +1,153 @@
+// netdam::Group: collectives executed by the devices (docs/COLLECTIVES.md).
+//
+// A group has p ranks; rank r is a host with its device r. Every rank
+// creates a Group with the same device list and options and calls the same
+// collectives in the same order (like MPI and Gloo). There is no barrier
+// before a collective: a chain that reaches a device whose host is not ready
+// yet is refused and retried.
+//
+// Contract
+// - Results are exact: the reduction order is fixed (the ring order), so
+//   every rank gets the same bits, and they do not depend on loss,
+//   duplication, reordering or delay of packets.
+// - A collective fails with an Error within `timeout` (per chain, from its
+//   first send) if a device does not answer; it never hangs.
+// - Buffers of an asynchronous collective must stay alive until its Work is
+//   done. Collectives on one slot run one at a time, in call order; with
+//   `slots` > 1 that many run at once.
+// Threading: like Client, one thread drives a Group.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "netdam/client.h"
+#include "netdam/error.h"
+#include "netdam/types.h"
+
+namespace netdam {
+
+namespace transport {
+class Transport;
+}
+
+enum class Reduction : uint8_t { kSum, kMin, kMax, kAvg };
+std::string_view to_string(Reduction r);
+
+enum class Algorithm : uint8_t {
+  kAuto,  // chosen by size and p
+  kRing,  // ring by chains: one chain per block reduces and distributes it
+};
+std::string_view to_string(Algorithm a);
+
+struct GroupOptions {
+  int rank = 0;
+  std::vector<std::string> devices;  // every rank's device, "IPv4:PORT", in rank order
+  std::string shm;             // this rank's device memory if co-located (netdamd --shm)
+  uint32_t admin_key = 0;      // registers the slots on this rank's device (0: already there)
+  uint64_t capacity = 64ull << 20;  // largest collective buffer, bytes
+  uint64_t base = 0;           // device address of the first slot, the same on every device
+  int slots = 2;
+  uint32_t key_base = 0x4E440100;  // slot s is region key key_base + s on every device
+  std::chrono::milliseconds timeout{5000};
+  Algorithm algorithm = Algorithm::kAuto;
+  ClientOptions client;
+};
+
+namespace detail {
+struct WorkState;
+}
+
+// Handle of an asynchronous collective.
+class Work {
+ public:
+  Work() = default;
+  bool valid() const { return s_ != nullptr; }
+  bool done() const;
+  const Error& error() const;
+
+ private:
+  friend class Group;
+  explicit Work(std::shared_ptr<detail::WorkState> s) : s_(std::move(s)) {}
+  std::shared_ptr<detail::WorkState> s_;
+};
+
+class Group {
+ public:
+  // Connects to this rank's device over UDP, registers the slots (if
+  // admin_key) and waits until every device has them.
+  static Result<std::unique_ptr<Group>> create(const GroupOptions& opts);
+  // Same over any transport; `local_memory`, if not empty, is this rank's
+  // device memory (the in-process test fabric, or a mapping).
+  static Result<std::unique_ptr<Group>> create(const GroupOptions& opts,
+                                               std::unique_ptr<transport::Transport> t,
+                                               std::span<std::byte> local_memory);
+  ~Group();
+
+  int rank() const { return opts_.rank; }
+  int size() const { return static_cast<int>(devices_.size()); }
+  // Largest payload of one chain packet for this group.
+  size_t block_bytes() const { return block_; }
+
+  // AllReduce: out[i] = in_0[i] OP ... OP in_{p-1}[i]. `out` may be `in`.
+  Work allreduce_async(std::span<const std::byte> in, std::span<std::byte> out, DType t,
+                       Reduction op);
+  // ReduceScatter: `in` has p*n elements; rank r gets block r (n elements).
+  Work reduce_scatter_async(std::span<const std::byte> in, std::span<std::byte> out, DType t,
+                            Reduction op);
+  // AllGather: every rank's `in` (n bytes) lands at out[r*n, (r+1)*n).
+  Work allgather_async(std::span<const std::byte> in, std::span<std::byte> out);
+  // Broadcast: the root's `buf` to everyone's `buf`.
+  Work broadcast_async(std::span<std::byte> buf, int root);
+  // Reduce: the AllReduce result, delivered at the root only.
+  Work reduce_async(std::span<const std::byte> in, std::span<std::byte> out, DType t,
+                    Reduction op, int root);
+  Work barrier_async();
+
+  Error allreduce(std::span<const std::byte> in, std::span<std::byte> out, DType t, Reduction op);
+  Error reduce_scatter(std::span<const std::byte> in, std::span<std::byte> out, DType t,
+                       Reduction op);
+  Error allgather(std::span<const std::byte> in, std::span<std::byte> out);
+  Error broadcast(std::span<std::byte> buf, int root);
+  Error reduce(std::span<const std::byte> in, std::span<std::byte> out, DType t, Reduction op,
+               int root);
+  Error barrier();
+
+  // Advances every collective in progress without blocking; true if any
+  // made progress.
+  bool progress();
+  // Drives the group until `w` is done; returns its error.
+  Error wait(Work& w);
+
+  Client& client() { return *client_; }
+
+ public:
+  struct Slot;  // internal; public only so that the Work state can name it
+
+ private:
+  Group(const GroupOptions& opts, std::unique_ptr<Client> client, std::span<std::byte> local);
+  Error setup();
+  Work submit(std::shared_ptr<detail::WorkState> w);
+  bool step(detail::WorkState& w);
+  bool start(detail::WorkState& w);
+  bool stamps_complete(detail::WorkState& w);
+  void finish(detail::WorkState& w, Error e);
+
+  GroupOptions opts_;
+  std::vector<Hop> devices_;  // ip/port of every rank's device
+  std::unique_ptr<Client> client_;
+  std::unique_ptr<class LocalMemory> mapping_;
+  std::span<std::byte> local_;  // this rank's device memory, if co-located
+  size_t block_ = 0;
+  uint64_t slot_bytes_ = 0;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  size_t next_slot_ = 0;
+  std::deque<std::shared_ptr<detail::WorkState>> active_;
+};
+
+}  // namespace netdam

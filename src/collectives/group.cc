@@ -1,0 +1,540 @@
+// Group: sets up the slots and runs plans (docs/COLLECTIVES.md, section 3,
+// "host r's schedule").
+#include "netdam/group.h"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "collectives/plan.h"
+#include "core/reduce.h"
+#include "netdam/local_memory.h"
+#include "transport/transport.h"
+
+namespace netdam {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+std::string_view to_string(Reduction r) {
+  switch (r) {
+    case Reduction::kSum: return "sum";
+    case Reduction::kMin: return "min";
+    case Reduction::kMax: return "max";
+    case Reduction::kAvg: return "avg";
+  }
+  return "unknown";
+}
+
+std::string_view to_string(Algorithm a) {
+  switch (a) {
+    case Algorithm::kAuto: return "auto";
+    case Algorithm::kRing: return "ring";
+  }
+  return "unknown";
+}
+
+struct Group::Slot {
+  collectives::SlotLayout layout;
+  uint32_t generation = 0;
+  detail::WorkState* owner = nullptr;  // the collective using the slot
+};
+
+namespace detail {
+struct WorkState {
+  enum class Phase : uint8_t { kQueued, kWriting, kArming, kChains, kStamps, kReading, kDone };
+  Phase phase = Phase::kQueued;
+  Error error;
+  std::function<collectives::Plan(const collectives::Context&)> make_plan;
+  bool average = false;
+  Group::Slot* slot = nullptr;
+  uint32_t generation = 0;
+  collectives::Plan plan;
+  Op pending;  // the write, ARM or read in progress
+  std::vector<Op> chains;
+  std::vector<bool> fell_back;
+  size_t chains_left = 0;
+  size_t stamps_seen = 0;  // plan.stamps[0, stamps_seen) are known complete
+  Clock::time_point deadline;
+  std::vector<std::byte> stamp_copy;  // stamps read over the network
+};
+}  // namespace detail
+
+bool Work::done() const { return s_ && s_->phase == detail::WorkState::Phase::kDone; }
+const Error& Work::error() const {
+  static const Error kNone;
+  return s_ ? s_->error : kNone;
+}
+
+// ---------------------------------------------------------------- setup
+
+Group::Group(const GroupOptions& opts, std::unique_ptr<Client> client, std::span<std::byte> local)
+    : opts_(opts), client_(std::move(client)), local_(local) {}
+
+Group::~Group() = default;
+
+Result<std::unique_ptr<Group>> Group::create(const GroupOptions& opts) {
+  auto client = Client::connect(opts.devices.at(static_cast<size_t>(opts.rank)), opts.client);
+  if (!client) return client.error();
+  std::unique_ptr<LocalMemory> mapping;
+  std::span<std::byte> local;
+  if (!opts.shm.empty()) {
+    auto m = LocalMemory::open(opts.shm);
+    if (!m) return m.error();
+    mapping = std::move(m.value());
+    local = mapping->bytes();
+  }
+  std::unique_ptr<Group> g(new Group(opts, std::move(client.value()), local));
+  g->mapping_ = std::move(mapping);
+  if (Error e = g->setup()) return e;
+  return g;
+}
+
+Result<std::unique_ptr<Group>> Group::create(const GroupOptions& opts,
+                                             std::unique_ptr<transport::Transport> t,
+                                             std::span<std::byte> local_memory) {
+  std::string why;
+  auto ep = transport::parse_endpoint(opts.devices.at(static_cast<size_t>(opts.rank)), &why);
+  if (!ep) return Error::invalid(why);
+  auto client = Client::connect(std::move(t), *ep, opts.client);
+  if (!client) return client.error();
+  std::unique_ptr<Group> g(new Group(opts, std::move(client.value()), local_memory));
+  if (Error e = g->setup()) return e;
+  return g;
+}
+
+Error Group::setup() {
+  const size_t p = opts_.devices.size();
+  if (p == 0 || opts_.rank < 0 || static_cast<size_t>(opts_.rank) >= p)
+    return Error::invalid(fmt::format("rank {} of a group of {}", opts_.rank, p));
+  if (2 * p > kMaxSegments)
+    return Error::invalid(fmt::format("ring chains take 2p segments: at most {} ranks", kMaxSegments / 2));
+  if (opts_.slots < 1) return Error::invalid("a group needs at least one slot");
+  for (const auto& d : opts_.devices) {
+    std::string why;
+    auto ep = transport::parse_endpoint(d, &why);
+    if (!ep) return Error::invalid("device '" + d + "': " + why);
+    Hop h;
+    h.ip = ep->ip;
+    h.port = ep->port;
+    devices_.push_back(h);
+  }
+  // A chain packet carries 2p segments next to its payload; keep the whole
+  // datagram within the device's payload limit, in whole 64-byte units.
+  const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
+  const size_t max_payload = client_->options().max_payload;
+  if (max_payload < route + 64) return Error::invalid("device max payload too small for chains");
+  block_ = (max_payload - route) / 64 * 64;
+  slot_bytes_ = collectives::SlotLayout::bytes(opts_.capacity, block_, p);
+  for (int s = 0; s < opts_.slots; ++s) {
+    auto slot = std::make_unique<Slot>();
+    slot->layout = {opts_.base + static_cast<uint64_t>(s) * slot_bytes_, opts_.capacity,
+                    opts_.key_base + static_cast<uint32_t>(s)};
+    slots_.push_back(std::move(slot));
+  }
+  if (opts_.admin_key != 0) {
+    for (const auto& slot : slots_) {
+      // A fresh region starts at generation 0: old packets of an earlier
+      // group on these addresses can never match.
+      client_->region_del(opts_.admin_key, slot->layout.key);
+      RegionInfo r{slot->layout.base, slot_bytes_, slot->layout.key, 3};
+      if (Error e = client_->region_add(opts_.admin_key, r)) return e;
+    }
+  }
+  // Wait until every device has every slot: a one-byte READ through each
+  // slot's key, from this rank's client, sent to each device in turn.
+  const auto deadline = client_->now() + opts_.timeout;
+  for (size_t r = 0; r < p; ++r) {
+    for (const auto& slot : slots_) {
+      for (;;) {
+        std::byte probe[1];
+        std::vector<Hop> hops = {devices_[r]};
+        hops[0].op = Opcode::kRead;
+        hops[0].rkey = slot->layout.key;
+        hops[0].addr = slot->layout.base;
+        Op op = client_->chain_async(hops, 0, DType::kBytes, RedOp::kNone, 1, {}, probe);
+        Error e = client_->wait(op);
+        if (!e) break;
+        if (e.code() != Error::Code::kNak || e.status() != Status::kBadKey || client_->now() > deadline)
+          return Error::timeout(fmt::format("device {} of rank {} has no slot key {:#x}: {}",
+                                            opts_.devices[r], r, slot->layout.key, e.to_string()));
+        std::this_thread::sleep_for(1ms);
+      }
+    }
+  }
+  return {};
+}
+
+// ---------------------------------------------------------------- submitting
+
+Work Group::submit(std::shared_ptr<detail::WorkState> w) {
+  w->slot = slots_[next_slot_++ % slots_.size()].get();
+  active_.push_back(w);
+  progress();
+  return Work(std::move(w));
+}
+
+namespace {
+std::shared_ptr<detail::WorkState> failed(Error e) {
+  auto w = std::make_shared<detail::WorkState>();
+  w->error = std::move(e);
+  w->phase = detail::WorkState::Phase::kDone;
+  return w;
+}
+
+RedOp device_op(Reduction r) {
+  switch (r) {
+    case Reduction::kSum:
+    case Reduction::kAvg: return RedOp::kSum;
+    case Reduction::kMin: return RedOp::kMin;
+    case Reduction::kMax: return RedOp::kMax;
+  }
+  return RedOp::kNone;
+}
+
+bool is_float(DType t) {
+  return t == DType::kF32 || t == DType::kF64 || t == DType::kF16 || t == DType::kBF16;
+}
+
+// x /= p for every element, in the element's own type.
+void divide(std::span<std::byte> buf, DType t, int p) {
+  const size_t n = buf.size() / dtype_size(t);
+  std::byte* b = buf.data();
+  for (size_t i = 0; i < n; ++i) {
+    switch (t) {
+      case DType::kF32: {
+        float v;
+        std::memcpy(&v, b + 4 * i, 4);
+        v /= static_cast<float>(p);
+        std::memcpy(b + 4 * i, &v, 4);
+        break;
+      }
+      case DType::kF64: {
+        double v;
+        std::memcpy(&v, b + 8 * i, 8);
+        v /= p;
+        std::memcpy(b + 8 * i, &v, 8);
+        break;
+      }
+      case DType::kF16:
+      case DType::kBF16: {
+        uint16_t h;
+        std::memcpy(&h, b + 2 * i, 2);
+        const bool half = t == DType::kF16;
+        uint32_t bits = half ? core::f16_bits_to_f32_bits(h) : core::bf16_bits_to_f32_bits(h);
+        float v;
+        std::memcpy(&v, &bits, 4);
+        v /= static_cast<float>(p);
+        std::memcpy(&bits, &v, 4);
+        h = half ? core::f32_bits_to_f16_bits(bits) : core::f32_bits_to_bf16_bits(bits);
+        std::memcpy(b + 2 * i, &h, 2);
+        break;
+      }
+      default: return;
+    }
+  }
+}
+}  // namespace
+
+Work Group::allreduce_async(std::span<const std::byte> in, std::span<std::byte> out, DType t,
+                            Reduction op) {
+  if (t == DType::kBytes || !is_valid_dtype(static_cast<uint8_t>(t)))
+    return Work(failed(Error::invalid("allreduce needs an element type")));
+  if (in.size() != out.size() || in.size() % dtype_size(t))
+    return Work(failed(Error::invalid(fmt::format(
+        "allreduce: input {} and output {} bytes must be equal and whole {} elements", in.size(),
+        out.size(), to_string(t)))));
+  if (in.size() > opts_.capacity)
+    return Work(failed(Error::invalid(fmt::format("allreduce of {} bytes exceeds the group capacity {}",
+                                                  in.size(), opts_.capacity))));
+  if (op == Reduction::kAvg && !is_float(t))
+    return Work(failed(Error::invalid("avg needs a floating-point type")));
+  auto w = std::make_shared<detail::WorkState>();
+  w->average = op == Reduction::kAvg;
+  w->make_plan = [=](const collectives::Context& c) {
+    return collectives::ring_allreduce(c, in, out, t, device_op(op));
+  };
+  return submit(std::move(w));
+}
+
+Work Group::reduce_scatter_async(std::span<const std::byte> in, std::span<std::byte> out,
+                                 DType t, Reduction op) {
+  const size_t p = devices_.size();
+  if (t == DType::kBytes || out.size() % dtype_size(t) || in.size() != out.size() * p)
+    return Work(failed(Error::invalid(fmt::format(
+        "reduce_scatter: input must be {} x output ({} bytes of whole elements), got {}", p,
+        out.size(), in.size()))));
+  if (in.size() > opts_.capacity)
+    return Work(failed(Error::invalid("reduce_scatter exceeds the group capacity")));
+  if (op == Reduction::kAvg && !is_float(t))
+    return Work(failed(Error::invalid("avg needs a floating-point type")));
+  auto w = std::make_shared<detail::WorkState>();
+  w->average = op == Reduction::kAvg;
+  w->make_plan = [=](const collectives::Context& c) {
+    return collectives::ring_reduce_scatter(c, in, out, t, device_op(op));
+  };
+  return submit(std::move(w));
+}
+
+Work Group::allgather_async(std::span<const std::byte> in, std::span<std::byte> out) {
+  if (out.size() != in.size() * devices_.size())
+    return Work(failed(Error::invalid(fmt::format("allgather: output must be {} x input bytes",
+                                                  devices_.size()))));
+  if (out.size() > opts_.capacity)
+    return Work(failed(Error::invalid("allgather exceeds the group capacity")));
+  auto w = std::make_shared<detail::WorkState>();
+  w->make_plan = [=](const collectives::Context& c) { return collectives::ring_allgather(c, in, out); };
+  return submit(std::move(w));
+}
+
+Work Group::broadcast_async(std::span<std::byte> buf, int root) {
+  if (root < 0 || root >= size()) return Work(failed(Error::invalid("broadcast: no such root")));
+  if (buf.size() > opts_.capacity)
+    return Work(failed(Error::invalid("broadcast exceeds the group capacity")));
+  auto w = std::make_shared<detail::WorkState>();
+  w->make_plan = [=](const collectives::Context& c) { return collectives::ring_broadcast(c, buf, root); };
+  return submit(std::move(w));
+}
+
+Work Group::reduce_async(std::span<const std::byte> in, std::span<std::byte> out, DType t,
+                         Reduction op, int root) {
+  if (root < 0 || root >= size()) return Work(failed(Error::invalid("reduce: no such root")));
+  if (t == DType::kBytes || (rank() == root && out.size() != in.size()) || in.size() % dtype_size(t))
+    return Work(failed(Error::invalid("reduce: bad buffers")));
+  if (in.size() > opts_.capacity) return Work(failed(Error::invalid("reduce exceeds the group capacity")));
+  if (op == Reduction::kAvg && !is_float(t))
+    return Work(failed(Error::invalid("avg needs a floating-point type")));
+  auto w = std::make_shared<detail::WorkState>();
+  w->average = op == Reduction::kAvg && rank() == root;
+  const bool mine = rank() == root;
+  // The AllReduce chains; only the root takes the result out (see
+  // ring_reduce_scatter for why a reduction half alone is not enough).
+  w->make_plan = [=](const collectives::Context& c) {
+    auto plan = collectives::ring_allreduce(c, in, {}, t, device_op(op));
+    if (mine) plan.output = out;
+    return plan;
+  };
+  return submit(std::move(w));
+}
+
+Work Group::barrier_async() {
+  // An AllGather of one stamp-sized block per rank: nobody passes until
+  // every rank's chain has reached every device.
+  auto w = std::make_shared<detail::WorkState>();
+  w->make_plan = [](const collectives::Context& c) {
+    static const std::byte kToken[8] = {};
+    return collectives::ring_allgather(c, std::span(kToken), {});
+  };
+  return submit(std::move(w));
+}
+
+Error Group::allreduce(std::span<const std::byte> in, std::span<std::byte> out, DType t, Reduction op) {
+  Work w = allreduce_async(in, out, t, op);
+  return wait(w);
+}
+Error Group::reduce_scatter(std::span<const std::byte> in, std::span<std::byte> out, DType t, Reduction op) {
+  Work w = reduce_scatter_async(in, out, t, op);
+  return wait(w);
+}
+Error Group::allgather(std::span<const std::byte> in, std::span<std::byte> out) {
+  Work w = allgather_async(in, out);
+  return wait(w);
+}
+Error Group::broadcast(std::span<std::byte> buf, int root) {
+  Work w = broadcast_async(buf, root);
+  return wait(w);
+}
+Error Group::reduce(std::span<const std::byte> in, std::span<std::byte> out, DType t, Reduction op, int root) {
+  Work w = reduce_async(in, out, t, op, root);
+  return wait(w);
+}
+Error Group::barrier() {
+  Work w = barrier_async();
+  return wait(w);
+}
+
+// ---------------------------------------------------------------- running
+
+void Group::finish(detail::WorkState& w, Error e) {
+  if (e && w.error.is_ok()) w.error = std::move(e);
+  w.phase = detail::WorkState::Phase::kDone;
+  if (w.slot && w.slot->owner == &w) w.slot->owner = nullptr;
+}
+
+// Copies the input in and arms the slot (steps 1 and 2).
+bool Group::start(detail::WorkState& w) {
+  if (w.slot->owner != nullptr) return false;  // an earlier collective holds the slot
+  w.slot->owner = &w;
+  w.generation = ++w.slot->generation;
+  collectives::Context ctx{devices_, opts_.rank, w.slot->layout, w.generation, block_};
+  w.plan = w.make_plan(ctx);
+  const uint64_t in_addr = w.slot->layout.in(w.generation) + w.plan.in_offset;
+  if (!local_.empty() && !w.plan.input.empty()) {
+    std::memcpy(local_.data() + in_addr, w.plan.input.data(), w.plan.input.size());
+    LocalMemory::publish();
+  } else if (!w.plan.input.empty()) {
+    w.pending = client_->write_async(in_addr, w.plan.input, w.slot->layout.key);
+    w.phase = detail::WorkState::Phase::kWriting;
+    return true;
+  }
+  w.pending = client_->arm_async(w.generation, w.slot->layout.key);
+  w.phase = detail::WorkState::Phase::kArming;
+  return true;
+}
+
+bool Group::stamps_complete(detail::WorkState& w) {
+  const auto& layout = w.slot->layout;
+  auto stamp = [&](uint32_t index) -> uint32_t {
+    if (!local_.empty()) {
+      auto* word = reinterpret_cast<uint32_t*>(local_.data() + layout.stamp_addr(index));
+      return std::atomic_ref<uint32_t>(*word).load(std::memory_order_acquire);
+    }
+    uint32_t v;
+    std::memcpy(&v, w.stamp_copy.data() + 4 * index, 4);
+    return v;
+  };
+  if (local_.empty()) {
+    // A host without the mapping reads the stamps over the network.
+    if (w.pending.valid() && !w.pending.done()) return false;
+    const bool fresh = w.pending.valid();
+    w.pending = Op();
+    if (!fresh) {
+      const size_t n = w.plan.stamps.empty() ? 0 : *std::max_element(w.plan.stamps.begin(), w.plan.stamps.end()) + 1;
+      w.stamp_copy.resize(4 * n);
+      w.pending = client_->read_async(layout.stamp_addr(0), w.stamp_copy, layout.key);
+      return false;
+    }
+  }
+  while (w.stamps_seen < w.plan.stamps.size() && stamp(w.plan.stamps[w.stamps_seen]) == w.generation)
+    ++w.stamps_seen;
+  return w.stamps_seen == w.plan.stamps.size();
+}
+
+// One step of a collective; true if it advanced.
+bool Group::step(detail::WorkState& w) {
+  using Phase = detail::WorkState::Phase;
+  switch (w.phase) {
+    case Phase::kQueued: return start(w);
+    case Phase::kWriting:
+      if (!w.pending.done()) return false;
+      if (w.pending.error()) return finish(w, w.pending.error()), true;
+      w.pending = client_->arm_async(w.generation, w.slot->layout.key);
+      w.phase = Phase::kArming;
+      return true;
+    case Phase::kArming: {
+      if (!w.pending.done()) return false;
+      if (w.pending.error()) return finish(w, w.pending.error()), true;
+      w.pending = Op();
+      // Step 3: every chain of this rank at once; the client windows them.
+      for (const auto& c : w.plan.chains)
+        w.chains.push_back(client_->chain_async(c.hops, w.generation, w.plan.dtype, w.plan.redop,
+                                                c.length, {}));
+      w.fell_back.assign(w.chains.size(), false);
+      w.chains_left = w.chains.size();
+      w.phase = Phase::kChains;
+      return true;
+    }
+    case Phase::kChains: {
+      bool advanced = false;
+      for (size_t i = 0; i < w.chains.size(); ++i) {
+        Op& op = w.chains[i];
+        if (!op.valid() || !op.done()) continue;
+        advanced = true;
+        const Error e = op.error();
+        op = Op();
+        if (!e) {
+          --w.chains_left;
+          continue;
+        }
+        const auto& c = w.plan.chains[i];
+        if (e.code() == Error::Code::kNak && e.status() == Status::kStaleGeneration &&
+            !w.fell_back[i] && !c.fallback.empty()) {
+          w.fell_back[i] = true;
+          op = client_->chain_async(c.fallback, w.generation, w.plan.dtype, w.plan.redop, c.length, {});
+          continue;
+        }
+        finish(w, Error(e));
+        return true;
+      }
+      if (w.chains_left == 0) {
+        w.chains.clear();
+        w.phase = Phase::kStamps;
+        w.deadline = client_->now() + opts_.timeout;
+      }
+      return advanced;
+    }
+    case Phase::kStamps: {
+      if (w.pending.valid() && w.pending.done() && w.pending.error()) {
+        finish(w, w.pending.error());
+        return true;
+      }
+      if (!stamps_complete(w)) {
+        if (client_->now() > w.deadline) {
+          finish(w, Error::timeout(fmt::format(
+                        "rank {}: {} of {} result blocks of generation {} did not arrive within {} ms",
+                        opts_.rank, w.plan.stamps.size() - w.stamps_seen, w.plan.stamps.size(),
+                        w.generation, opts_.timeout.count())));
+          return true;
+        }
+        return false;
+      }
+      const uint64_t out_addr = w.slot->layout.out() + w.plan.out_offset;
+      if (!local_.empty() || w.plan.output.empty()) {
+        if (!w.plan.output.empty())
+          std::memcpy(w.plan.output.data(), local_.data() + out_addr, w.plan.output.size());
+      } else {
+        w.pending = client_->read_async(out_addr, w.plan.output, w.slot->layout.key);
+        w.phase = Phase::kReading;
+        return true;
+      }
+      if (w.average) divide(w.plan.output, w.plan.dtype, size());
+      finish(w, {});
+      return true;
+    }
+    case Phase::kReading:
+      if (!w.pending.done()) return false;
+      if (!w.pending.error() && w.average) divide(w.plan.output, w.plan.dtype, size());
+      finish(w, w.pending.error());
+      return true;
+    case Phase::kDone: return false;
+  }
+  return false;
+}
+
+bool Group::progress() {
+  client_->poll();
+  bool advanced = false;
+  for (auto& w : active_)
+    while (step(*w)) advanced = true;
+  while (!active_.empty() && active_.front()->phase == detail::WorkState::Phase::kDone)
+    active_.pop_front();
+  return advanced;
+}
+
+Error Group::wait(Work& w) {
+  if (!w.valid()) return Error::invalid("wait on an empty Work");
+  auto idle = 1us;
+  while (!w.done()) {
+    if (progress()) {
+      idle = 1us;
+      continue;
+    }
+    // Nothing to do but wait: for answers (the client blocks in its
+    // socket), or for stamps that other ranks' chains write (back off).
+    bool waiting_on_network = false;
+    for (auto& a : active_)
+      waiting_on_network |= a->phase != detail::WorkState::Phase::kStamps || a->pending.valid();
+    if (waiting_on_network) {
+      client_->wait_any();
+    } else {
+      std::this_thread::sleep_for(idle);
+      idle = std::min(idle * 2, std::chrono::microseconds(200));
+    }
+  }
+  return w.error();
+}
+
+}  // namespace netdam

@@ -1,0 +1,71 @@
+// A collective as one rank sees it: what it puts into its device, which
+// chains it initiates, which result blocks it waits for, and what it takes
+// out. The algorithm files build plans; group.cc executes them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "netdam/client.h"
+#include "netdam/types.h"
+
+namespace netdam::collectives {
+
+// Addresses of one slot, the same on every device (docs/COLLECTIVES.md):
+// IN0 | IN1 | OUT | STAMPS, each buffer `cap` bytes.
+struct SlotLayout {
+  uint64_t base = 0;
+  uint64_t cap = 0;
+  uint32_t key = 0;
+  uint64_t in(uint32_t generation) const { return base + (generation % 2) * cap; }
+  uint64_t out() const { return base + 2 * cap; }
+  uint64_t stamp_addr(size_t block) const { return base + 3 * cap + 4 * block; }
+  // The stamp's offset inside the slot's region (a segment's aux).
+  uint32_t stamp_aux(size_t block) const { return static_cast<uint32_t>(3 * cap + 4 * block); }
+  static uint64_t stamps_needed(uint64_t cap, size_t block, size_t ranks) {
+    return (cap + block - 1) / block + ranks;
+  }
+  static uint64_t bytes(uint64_t cap, size_t block, size_t ranks) {
+    const uint64_t raw = 3 * cap + 4 * stamps_needed(cap, block, ranks);
+    return (raw + 4095) / 4096 * 4096;
+  }
+};
+
+struct ChainPlan {
+  std::vector<Hop> hops;
+  std::vector<Hop> fallback;  // sent if a reduction hop answers STALE_GENERATION
+  uint32_t length = 0;
+};
+
+struct Plan {
+  DType dtype = DType::kBytes;
+  RedOp redop = RedOp::kNone;
+  std::span<const std::byte> input;  // copied to IN[g % 2] + in_offset
+  uint64_t in_offset = 0;
+  std::vector<ChainPlan> chains;     // initiated by this rank
+  std::vector<uint32_t> stamps;      // result blocks this rank waits for
+  std::span<std::byte> output;       // copied from OUT + out_offset
+  uint64_t out_offset = 0;
+};
+
+// What every algorithm needs to know to build a plan.
+struct Context {
+  const std::vector<Hop>& devices;  // ip/port of every rank's device
+  int rank;
+  SlotLayout slot;
+  uint32_t generation;
+  size_t block;  // payload bytes per chain packet (a multiple of 8)
+  int ranks() const { return static_cast<int>(devices.size()); }
+};
+
+// ring_chain.cc
+Plan ring_allreduce(const Context& c, std::span<const std::byte> in, std::span<std::byte> out,
+                    DType t, RedOp op);
+Plan ring_reduce_scatter(const Context& c, std::span<const std::byte> in,
+                         std::span<std::byte> out, DType t, RedOp op);
+Plan ring_allgather(const Context& c, std::span<const std::byte> in, std::span<std::byte> out);
+Plan ring_broadcast(const Context& c, std::span<std::byte> buf, int root);
+
+}  // namespace netdam::collectives

@@ -1,0 +1,176 @@
+// Ring by chains (docs/COLLECTIVES.md, section 3).
+//
+// The buffer is cut into p shards and every shard into blocks of at most
+// one packet. Rank k initiates one chain per block of shard k. The chain
+// starts at device k+1, which loads its block of IN into the payload; each
+// following device adds its own block (REDUCE_PAYLOAD); device k adds the
+// last one and stores the sum in its OUT, stamped with the generation; then
+// the packet visits k+1, ..., k-1 again, storing and stamping the sum at
+// each. No device memory is written until the sum is complete, and every
+// device hears every block once in each half, so the ring is balanced:
+// every device loads and sends (2(p-1)/p) of the data, as a host ring does.
+//
+// Nomenclature: p ranks, k the shard (= initiating rank), b a block,
+// "reduction half" and "gather half" of a chain.
+#include <algorithm>
+
+#include "collectives/plan.h"
+
+namespace netdam::collectives {
+
+namespace {
+
+Hop hop(const Context& c, int rank, Opcode op, uint8_t flags, uint64_t addr, uint32_t aux = 0) {
+  Hop h = c.devices[static_cast<size_t>(rank)];
+  h.op = op;
+  h.flags = flags;
+  h.rkey = c.slot.key;
+  h.addr = addr;
+  h.aux = aux;
+  return h;
+}
+
+constexpr uint8_t kStore = kSegGen | kSegStamp;
+constexpr uint8_t kStoreElsewhere = kSegGen | kSegSkipStale | kSegStamp;
+
+struct Block {
+  uint64_t offset;  // bytes from the start of the buffer
+  uint32_t length;
+  uint32_t index;  // stamp index
+};
+
+// Blocks of [begin, end) bytes, numbered from `first_index`.
+std::vector<Block> blocks(uint64_t begin, uint64_t end, size_t block, uint32_t first_index) {
+  std::vector<Block> out;
+  for (uint64_t off = begin; off < end; off += block)
+    out.push_back({off, static_cast<uint32_t>(std::min<uint64_t>(block, end - off)),
+                   first_index + static_cast<uint32_t>(out.size())});
+  return out;
+}
+
+// Byte range of shard k of `count` elements of size `esize`, split evenly.
+std::pair<uint64_t, uint64_t> shard(uint64_t count, size_t esize, int k, int p) {
+  return {count * k / p * esize, count * (k + 1) / p * esize};
+}
+
+// The gather half: store the block at every device after `owner`, in ring
+// order, skipping devices whose host has moved on (they have the block).
+void gather_after(const Context& c, int owner, const Block& b, uint64_t out_base,
+                  std::vector<Hop>& hops) {
+  const int p = c.ranks();
+  for (int j = 1; j < p; ++j)
+    hops.push_back(hop(c, (owner + j) % p, Opcode::kWrite, kStoreElsewhere, out_base + b.offset,
+                       c.slot.stamp_aux(b.index)));
+}
+
+}  // namespace
+
+Plan ring_allreduce(const Context& c, std::span<const std::byte> in, std::span<std::byte> out,
+                    DType t, RedOp op) {
+  const int p = c.ranks();
+  const size_t esize = dtype_size(t);
+  const uint64_t count = in.size() / esize;
+  const uint64_t src = c.slot.in(c.generation);
+  const uint64_t dst = c.slot.out();
+  Plan plan;
+  plan.dtype = t;
+  plan.redop = op;
+  plan.input = in;
+  plan.output = out;
+  const size_t block = c.block / esize * esize;
+  uint32_t index = 0;
+  for (int k = 0; k < p; ++k) {
+    auto [begin, end] = shard(count, esize, k, p);
+    for (const Block& b : blocks(begin, end, block, index)) {
+      plan.stamps.push_back(b.index);
+      if (k != c.rank) continue;
+      ChainPlan chain;
+      chain.length = b.length;
+      // Reduction half: k+1 loads, k+2 .. k add, k stores (same device:
+      // no datagram between the last add and the store).
+      for (int j = 1; j <= p; ++j) {
+        const int r = (k + j) % p;
+        chain.hops.push_back(
+            hop(c, r, j == 1 ? Opcode::kRead : Opcode::kReducePayload, kSegGen, src + b.offset));
+      }
+      chain.hops.push_back(hop(c, k, Opcode::kWrite, kStore, dst + b.offset, c.slot.stamp_aux(b.index)));
+      gather_after(c, k, b, dst, chain.hops);
+      // If a reduction hop finds its host moved on, that host has the whole
+      // result, so the sum is already in device k's OUT: send it from there.
+      chain.fallback.push_back(hop(c, k, Opcode::kRead, kSegGen, dst + b.offset));
+      gather_after(c, k, b, dst, chain.fallback);
+      plan.chains.push_back(std::move(chain));
+    }
+    index += static_cast<uint32_t>((end - begin + block - 1) / block);
+  }
+  return plan;
+}
+
+// The AllReduce chains, each rank taking out its own shard. (A reduction
+// half alone would end at the shard's owner, and a host could then no
+// longer tell from its own device when others are done with its input.)
+Plan ring_reduce_scatter(const Context& c, std::span<const std::byte> in,
+                         std::span<std::byte> out, DType t, RedOp op) {
+  Plan plan = ring_allreduce(c, in, {}, t, op);
+  plan.output = out;
+  plan.out_offset = static_cast<uint64_t>(c.rank) * out.size();
+  return plan;
+}
+
+Plan ring_allgather(const Context& c, std::span<const std::byte> in, std::span<std::byte> out) {
+  const int p = c.ranks();
+  const uint64_t n = in.size();
+  const uint64_t src = c.slot.in(c.generation);
+  const uint64_t dst = c.slot.out();
+  Plan plan;
+  plan.input = in;
+  plan.output = out;
+  const uint32_t per_rank = static_cast<uint32_t>((n + c.block - 1) / c.block);
+  for (int k = 0; k < p; ++k) {
+    for (Block b : blocks(0, n, c.block, per_rank * static_cast<uint32_t>(k))) {
+      plan.stamps.push_back(b.index);
+      if (k != c.rank) continue;
+      ChainPlan chain;
+      chain.length = b.length;
+      chain.hops.push_back(hop(c, k, Opcode::kRead, kSegGen, src + b.offset));
+      Block placed = b;
+      placed.offset += static_cast<uint64_t>(k) * n;
+      chain.hops.push_back(hop(c, k, Opcode::kWrite, kStore, dst + placed.offset, c.slot.stamp_aux(b.index)));
+      gather_after(c, k, placed, dst, chain.hops);
+      plan.chains.push_back(std::move(chain));
+    }
+  }
+  return plan;
+}
+
+// Rank k sends shard k of the root's buffer from the root to everyone.
+Plan ring_broadcast(const Context& c, std::span<std::byte> buf, int root) {
+  const int p = c.ranks();
+  const uint64_t src = c.slot.in(c.generation);
+  const uint64_t dst = c.slot.out();
+  Plan plan;
+  if (c.rank == root) plan.input = buf;
+  plan.output = buf;
+  uint32_t index = 0;
+  for (int k = 0; k < p; ++k) {
+    auto [begin, end] = shard(buf.size(), 1, k, p);
+    for (const Block& b : blocks(begin, end, c.block, index)) {
+      plan.stamps.push_back(b.index);
+      if (k != c.rank) continue;
+      ChainPlan chain;
+      chain.length = b.length;
+      chain.hops.push_back(hop(c, root, Opcode::kRead, kSegGen, src + b.offset));
+      chain.hops.push_back(hop(c, root, Opcode::kWrite, kStore, dst + b.offset, c.slot.stamp_aux(b.index)));
+      gather_after(c, root, b, dst, chain.hops);
+      // The root moved on only after its OUT held every block, and no newer
+      // result can land there while another host still lacks this one.
+      chain.fallback.push_back(hop(c, root, Opcode::kRead, 0, dst + b.offset));
+      gather_after(c, root, b, dst, chain.fallback);
+      plan.chains.push_back(std::move(chain));
+    }
+    index += static_cast<uint32_t>((end - begin + c.block - 1) / c.block);
+  }
+  return plan;
+}
+
+}  // namespace netdam::collectives
