@@ -425,10 +425,10 @@ bool Group::step(detail::WorkState& w) {
       w.phase = Phase::kArming;
       return true;
     case Phase::kArming: {
-      if (!w.pending.done()) return false;
-      if (w.pending.error()) return finish(w, w.pending.error()), true;
-      w.pending = Op();
-      // Step 3: every chain of this rank at once; the client windows them.
+      // Step 3 starts without waiting for ARM's answer: the ARM datagram
+      // left first, and a chain that still overtakes it at this device is
+      // answered NOT_READY and retried. ARM's answer is checked below.
+      // Every chain of this rank goes at once; the client windows them.
       for (const auto& c : w.plan.chains)
         w.chains.push_back(client_->chain_async(c.hops, w.generation, w.plan.dtype, w.plan.redop,
                                                 c.length, {}));
@@ -439,6 +439,11 @@ bool Group::step(detail::WorkState& w) {
     }
     case Phase::kChains: {
       bool advanced = false;
+      if (w.pending.valid() && w.pending.done()) {  // ARM
+        if (w.pending.error()) return finish(w, w.pending.error()), true;
+        w.pending = Op();
+        advanced = true;
+      }
       for (size_t i = 0; i < w.chains.size(); ++i) {
         Op& op = w.chains[i];
         if (!op.valid() || !op.done()) continue;
@@ -459,7 +464,7 @@ bool Group::step(detail::WorkState& w) {
         finish(w, Error(e));
         return true;
       }
-      if (w.chains_left == 0) {
+      if (w.chains_left == 0 && !w.pending.valid()) {
         w.chains.clear();
         w.phase = Phase::kStamps;
         w.deadline = client_->now() + opts_.timeout;
