@@ -205,7 +205,10 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
       if (skip) {
         Stats::inc(stats_.skipped);
       } else {
-        Request q{h, s.opcode, s.rkey, s.addr, payload, reply_to.key(), true};
+        // A chain may visit a device more than once with the same txn: each
+        // segment is its own request in the replay window.
+        const uint64_t requester = reply_to.key() | (uint64_t{h.seg_index} << 48);
+        Request q{h, s.opcode, s.rkey, s.addr, payload, requester, true};
         r = execute(q, out);
         if (r.status != Status::kOk) return answer(h, reply_to, r.status, {}, out);
         if ((s.flags & kSegStamp) && s.opcode == Opcode::kWrite) {
@@ -232,7 +235,9 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
       h.flags &= static_cast<uint8_t>(~kFlagSparse);
       payload_moved = true;
     }
-    if (last) return answer(h, reply_to, Status::kOk, r.data.data() ? r.data : payload, out);
+    // The initiator gets data back only from a last hop that produced some
+    // (READ, REDUCE_PAYLOAD); a chain that ends in a store is acknowledged.
+    if (last) return answer(h, reply_to, Status::kOk, r.data, out);
     if (n.ip == s.ip && n.port == s.port) continue;  // the next segment runs here too
 
     // Pass the packet on: advance the segment pointer, record who gets the
@@ -274,6 +279,10 @@ Action Engine::answer(const Header& req, Address to, Status status,
 Engine::Result Engine::execute(const Request& q, std::span<std::byte> out) {
   if (!is_mutation(q.op)) return execute_once(q, out);
   Outcome o;
+  // Lock order: the generation lock before the replay window's (a
+  // generation-checked REDUCE_MEM hop holds it shared while it runs).
+  std::unique_lock<std::shared_mutex> arm_lock(device_.generation_mu_, std::defer_lock);
+  if (q.op == Opcode::kArm) arm_lock.lock();
   auto verdict =
       device_.replay().run(q.requester, q.h.txn, q.op, [&] { return run_mutation(q, out); }, o);
   if (verdict == ReplayWindow::Verdict::kStale) return {Status::kStaleTxn};
@@ -418,8 +427,7 @@ Outcome Engine::run_mutation(const Request& q, std::span<std::byte> out) {
     }
     case Opcode::kArm: {
       if (q.payload.size() != 4) return {Status::kBadLength};
-      std::unique_lock lock(device_.generation_mu_);
-      uint32_t previous = 0;
+      uint32_t previous = 0;  // execute() holds the generation lock
       Status s = regions.arm(q.rkey, load_be<uint32_t>(q.payload.data()), &previous);
       return {s, s == Status::kOk, previous};
     }
