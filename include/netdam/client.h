@@ -29,7 +29,7 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <unordered_map>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -209,7 +209,7 @@ class Client {
   DeviceInfo info_;
   uint64_t next_txn_;
   std::deque<std::unique_ptr<Packet>> queue_;
-  std::unordered_map<uint64_t, std::unique_ptr<Packet>> inflight_;
+  std::map<uint64_t, std::unique_ptr<Packet>> inflight_;  // by txn: oldest first
   size_t inflight_bytes_ = 0;
   std::chrono::nanoseconds srtt_{0}, rttvar_{0};
   std::vector<std::byte> rx_;

@@ -19,7 +19,7 @@ inline constexpr size_t kMaxSegments = 32;
 // Default path MTU is a 9000-byte jumbo frame: IPv4 (20) + UDP (8) leave
 // 8972 bytes of datagram, 8932 after our header; the largest power of two
 // that fits, 8192 B, is 2048 float32 and keeps blocks aligned. A chain
-// packet adds 16 + 24 per segment: up to 28 segments still fit a jumbo
+// packet adds 16 + 24 per segment: up to 30 segments still fit a jumbo
 // frame with an 8192-byte payload.
 inline constexpr size_t kDefaultMaxPayload = 8192;
 // Payloads are capped at 65536 - 1024 so that a header and a full segment

@@ -64,9 +64,12 @@ namespace {
 // FILL and COPY carry a 32-bit length; ranges are split into 16 MiB
 // requests so that no single request occupies a device thread for long.
 constexpr uint64_t kMaxRangePerRequest = 16ull << 20;
-constexpr auto kMinRto = 5ms;
+// Loopback RTTs are tens of microseconds, but on a loaded machine a process
+// can wait milliseconds for a CPU: a lower bound keeps that from looking
+// like loss and resending a whole window.
+constexpr auto kMinRto = 20ms;
 constexpr auto kMaxRto = 1000ms;
-constexpr auto kInitialRto = 20ms;
+constexpr auto kInitialRto = 50ms;
 constexpr size_t kRxBatch = 32;
 // A chain refused as NOT_READY waits this long before it is sent again: the
 // host of that device has not armed its buffer yet.
@@ -552,8 +555,7 @@ void Client::send_queued() {
     n = 0;
   };
   const uint64_t txn_span = std::max<uint64_t>(info_.replay_window / 2, 1);
-  uint64_t oldest = next_txn_;
-  for (const auto& [txn, p] : inflight_) oldest = std::min(oldest, txn);
+  const uint64_t oldest = inflight_.empty() ? next_txn_ : inflight_.begin()->first;
   std::vector<std::unique_ptr<Packet>> unacked;  // alive until the batch is flushed
   while (!queue_.empty() && inflight_.size() < opts_.window_packets &&
          (inflight_.empty() || inflight_bytes_ + queue_.front()->payload.size() <= opts_.window_bytes) &&
@@ -561,7 +563,8 @@ void Client::send_queued() {
     auto p = std::move(queue_.front());
     queue_.pop_front();
     p->h.txn = next_txn_++;
-    p->h.boot = opts_.detect_restart ? info_.boot_id : 0;
+    // A chain crosses devices with different boot ids: it carries none.
+    p->h.boot = opts_.detect_restart && !p->is_chain() ? info_.boot_id : 0;
     core::encode_header(p->h, p->is_chain() ? p->chain_head.data() : p->wire.data());
     p->first_sent = p->last_sent = transport_->now();
     p->sends = 1;

@@ -175,6 +175,7 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
     Segment n;
     if (!last) n = segment(i + 1);
     if (!allowed_in_chain(s.opcode) || (s.flags & ~kSegFlagsKnown) ||
+        ((s.flags & kSegStamp) && s.opcode != Opcode::kWrite) ||
         (!last && (n.ip == 0 || n.port == 0)))
       return answer(h, reply_to, Status::kBadSegment, {}, out);
     if ((h.flags & kFlagSparse) && !takes_sparse(s.opcode))
@@ -191,6 +192,11 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
         region = device_.regions().find(s.rkey);
         if (!region) return answer(h, reply_to, Status::kBadKey, {}, out);
       }
+      // Check where the stamp goes before anything is written.
+      const uint64_t stamp_at = region ? region->base + s.aux : 0;
+      if ((s.flags & kSegStamp) &&
+          (stamp_at % 4 || device_.regions().check(s.rkey, stamp_at, 4, kPermWrite) != Status::kOk))
+        return answer(h, reply_to, Status::kBadSegment, {}, out);
       if (s.flags & kSegGen) {
         gen_lock.lock();
         region = device_.regions().find(s.rkey);
@@ -211,13 +217,10 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
         Request q{h, s.opcode, s.rkey, s.addr, payload, requester, true};
         r = execute(q, out);
         if (r.status != Status::kOk) return answer(h, reply_to, r.status, {}, out);
-        if ((s.flags & kSegStamp) && s.opcode == Opcode::kWrite) {
-          const uint64_t at = region->base + s.aux;
-          Status st = device_.regions().check(s.rkey, at, 4, kPermWrite);
-          if (st != Status::kOk || at % 4) return answer(h, reply_to, Status::kBadSegment, {}, out);
+        if (s.flags & kSegStamp) {
           // Data first, then its stamp: a host that sees the stamp (acquire)
           // sees the data.
-          std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(device_.memory().data() + at))
+          std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(device_.memory().data() + stamp_at))
               .store(p.sr.generation, std::memory_order_release);
         }
       }

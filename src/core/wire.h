@@ -1,6 +1,6 @@
 // The netdam wire format (docs/PROTOCOL.md is the specification).
 //
-// A datagram is: fixed header (40 B) | [segment-routing preamble (8 B) |
+// A datagram is: fixed header (40 B) | [segment-routing preamble (16 B) |
 // segments (24 B each)] | payload. All header and segment fields are
 // big-endian. The structs below are host-order views; encode/decode are the
 // only code that touches the byte layout.
@@ -58,7 +58,7 @@ struct Segment {
   Opcode opcode = Opcode::kWrite;
   uint8_t flags = 0;
   uint32_t rkey = 0;
-  uint32_t aux = 0;  // reserved for the collectives (generation, slot)
+  uint32_t aux = 0;  // kSegStamp: region offset of the stamp
   uint64_t addr = 0;
 };
 
