@@ -1,0 +1,157 @@
+#include "process.h"
+
+#include <sched.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <fcntl.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <thread>
+
+namespace netdam::bench {
+
+namespace {
+// Plain array so the signal handler can read it without locks.
+constexpr int kMaxChildren = 8;
+volatile pid_t g_children[kMaxChildren] = {};
+volatile sig_atomic_t g_count = 0;
+
+void on_signal(int sig) {
+  for (int i = 0; i < g_count; ++i)
+    if (g_children[i] > 0) kill(g_children[i], SIGTERM);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+}  // namespace
+
+void stop_children() {
+  for (int i = 0; i < g_count; ++i) {
+    const pid_t pid = g_children[i];
+    if (pid <= 0) continue;
+    kill(pid, SIGTERM);
+    int status = 0;
+    // Give it 3 s to stop cleanly, then SIGKILL.
+    for (int t = 0; t < 300; ++t) {
+      if (waitpid(pid, &status, WNOHANG) == pid) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      if (t == 299) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+      }
+    }
+    g_children[i] = 0;
+  }
+}
+
+void install_child_reaper() {
+  static bool done = false;
+  if (done) return;
+  done = true;
+  std::atexit(stop_children);
+  signal(SIGINT, on_signal);
+  signal(SIGTERM, on_signal);
+  signal(SIGHUP, on_signal);
+}
+
+std::string self_exe() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string() : p.string();
+}
+
+std::string self_dir() {
+  return std::filesystem::path(self_exe()).parent_path().string();
+}
+
+std::string make_temp_dir() {
+  const char* base = std::getenv("TMPDIR");
+  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/netdam-bench.XXXXXX";
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  if (mkdtemp(buf.data()) == nullptr) return {};
+  return std::string(buf.data());
+}
+
+bool pin_self(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  return sched_setaffinity(0, sizeof set, &set) == 0;
+}
+
+bool start_server(const std::vector<std::string>& argv_in, const std::string& log_path, Child& out,
+                  std::string& error, int cpu) {
+  install_child_reaper();
+  if (g_count >= kMaxChildren) {
+    error = "too many child processes";
+    return false;
+  }
+  const std::string port_file = log_path + ".port";
+  std::filesystem::remove(port_file);
+  std::vector<std::string> args = argv_in;
+  args.push_back("--port-file");
+  args.push_back(port_file);
+  std::vector<char*> cargv;
+  for (auto& a : args) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) {
+    error = std::string("fork: ") + std::strerror(errno);
+    return false;
+  }
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (cpu >= 0) pin_self(cpu);
+    if (getppid() != parent) _exit(127);
+    const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    // Undo the parent's handlers: the child gets default dispositions.
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGHUP, SIG_DFL);
+    execv(cargv[0], cargv.data());
+    std::fprintf(stderr, "exec %s: %s\n", cargv[0], std::strerror(errno));
+    _exit(127);
+  }
+  g_children[g_count] = pid;
+  g_count = g_count + 1;
+  out.pid = pid;
+  out.log_path = log_path;
+
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < deadline) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      for (int i = 0; i < g_count; ++i)
+        if (g_children[i] == pid) g_children[i] = 0;
+      std::ifstream log(log_path);
+      std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+      error = args[0] + " exited before serving (see " + log_path + "):\n" + text;
+      return false;
+    }
+    std::ifstream pf(port_file);
+    std::string addr;
+    if (pf && std::getline(pf, addr) && !addr.empty()) {
+      out.address = addr;
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  error = args[0] + " did not write its port file within 10 s (see " + log_path + ")";
+  return false;
+}
+
+}  // namespace netdam::bench
