@@ -44,8 +44,11 @@ struct Cluster {
     std::vector<std::byte> out;
   };
 
-  Cluster(int p, FaultModel faults, uint64_t capacity, int slots = 2) : fabric(faults) {
+  Cluster(int p, FaultModel faults, uint64_t capacity, int slots = 2,
+          Algorithm algorithm = Algorithm::kAuto)
+      : fabric(faults) {
     GroupOptions o;
+    o.algorithm = algorithm;
     o.capacity = capacity;
     o.slots = slots;
     o.key_base = kKeyBase;
@@ -138,10 +141,17 @@ RedOp device_op(Reduction r) {
 }
 
 // The ring order: element i of shard k is in_{k+1} OP in_{k+2} ... OP in_k.
-std::vector<std::byte> reference(const std::vector<std::vector<std::byte>>& in, DType t, RedOp op) {
+// The direct order: in_0 OP in_1 ... OP in_{p-1} for every element.
+std::vector<std::byte> reference(const std::vector<std::vector<std::byte>>& in, DType t, RedOp op,
+                                 Algorithm a = Algorithm::kRing) {
   const int p = static_cast<int>(in.size());
   const size_t e = dtype_size(t), count = in[0].size() / e;
   std::vector<std::byte> out(in[0].size());
+  if (a == Algorithm::kDirect) {
+    out = in[0];
+    for (int r = 1; r < p; ++r) core::reduce_reference(t, op, out.data(), in[r].data(), count);
+    return out;
+  }
   for (int k = 0; k < p; ++k) {
     const size_t begin = count * k / p, end = count * (k + 1) / p;
     if (begin == end) continue;
@@ -159,19 +169,20 @@ struct Case {
   DType t;
   Reduction op;
   double loss;
+  Algorithm algorithm;
 };
 
 std::string name(const Case& c) {
   return "p" + std::to_string(c.p) + "_n" + std::to_string(c.count) + "_" +
          std::string(to_string(c.t)) + "_" + std::string(to_string(c.op)) + "_loss" +
-         std::to_string(static_cast<int>(c.loss * 100));
+         std::to_string(static_cast<int>(c.loss * 100)) + "_" + std::string(to_string(c.algorithm));
 }
 
 void check_allreduce(const Case& c) {
   SCOPED_TRACE(name(c));
   FaultModel f{c.loss, c.loss, c.loss, 0us, 30us, 1234 + static_cast<uint64_t>(c.p)};
   const size_t bytes = c.count * dtype_size(c.t);
-  Cluster cl(c.p, f, std::max<size_t>(bytes, 64));
+  Cluster cl(c.p, f, std::max<size_t>(bytes, 64), 2, c.algorithm);
   ASSERT_EQ(cl.groups.size(), static_cast<size_t>(c.p));
   std::vector<std::vector<std::byte>> in, out(c.p, std::vector<std::byte>(bytes));
   for (int r = 0; r < c.p; ++r) in.push_back(random_elements(c.t, c.count, 77 * r + c.count));
@@ -180,7 +191,7 @@ void check_allreduce(const Case& c) {
     for (int r = 0; r < c.p; ++r)
       works.push_back(cl.groups[r]->allreduce_async(in[r], out[r], c.t, c.op));
     cl.run(works);
-    auto want = reference(in, c.t, device_op(c.op));
+    auto want = reference(in, c.t, device_op(c.op), c.algorithm);
     if (c.op == Reduction::kAvg) {
       // avg = the sum divided on the host, in the element type.
       std::vector<std::byte> scratch = want;
@@ -211,7 +222,8 @@ class RanksAndSizes : public ::testing::TestWithParam<std::tuple<int, size_t, do
 
 TEST_P(RanksAndSizes, AllReduceF32SumIsExact) {
   auto [p, count, loss] = GetParam();
-  check_allreduce({p, count, DType::kF32, Reduction::kSum, loss});
+  for (Algorithm a : {Algorithm::kRing, Algorithm::kDirect})
+    check_allreduce({p, count, DType::kF32, Reduction::kSum, loss, a});
 }
 
 // Sizes: empty, one element, odd, exactly one block, one block + 1, and
@@ -241,7 +253,9 @@ TEST_P(TypesAndOps, AllReduceIsExactUnderLoss) {
   auto [t, op] = GetParam();
   if (op == Reduction::kAvg && (t == DType::kI32 || t == DType::kI64 || t == DType::kF16 || t == DType::kBF16))
     GTEST_SKIP() << "avg reference here covers f32/f64 (f16/bf16 avg divides in f32 on the host)";
-  for (double loss : {0.0, 0.1}) check_allreduce({3, 5000, t, op, loss});
+  for (double loss : {0.0, 0.1})
+    for (Algorithm a : {Algorithm::kRing, Algorithm::kDirect})
+      check_allreduce({3, 5000, t, op, loss, a});
 }
 
 INSTANTIATE_TEST_SUITE_P(

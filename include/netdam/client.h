@@ -94,6 +94,7 @@ class Op {
   bool done() const;
   const Error& error() const;  // meaningful once done()
   uint64_t value() const;      // atomics: the previous value of the word
+  int failed_segment() const;  // a refused chain: the refusing segment, else -1
 
  private:
   friend class Client;

@@ -41,8 +41,11 @@ std::string_view to_string(Reduction r);
 
 enum class Algorithm : uint8_t {
   kAuto,  // chosen by size and p
-  kRing,  // ring by chains: one chain per block reduces and distributes it
+  kRing,    // ring by chains: one chain per block reduces and distributes it
+  kDirect,  // every rank reduces the whole buffer itself: fewest hops, small buffers
 };
+// kAuto picks kDirect for AllReduce (and Reduce) buffers up to this size.
+inline constexpr size_t kDirectMaxBytes = 16 * 1024;
 std::string_view to_string(Algorithm a);
 
 struct GroupOptions {

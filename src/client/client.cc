@@ -29,6 +29,7 @@ struct OpState {
   bool started = false;
   Error error;
   uint64_t value = 0;
+  int failed_segment = -1;        // CHAIN: the segment whose device refused it
   std::vector<std::byte> answer;  // PING / STATS / REGION_LIST payloads
 };
 }  // namespace detail
@@ -39,6 +40,7 @@ const Error& Op::error() const {
   return s_ ? s_->error : kNone;
 }
 uint64_t Op::value() const { return s_ ? s_->value : 0; }
+int Op::failed_segment() const { return s_ ? s_->failed_segment : -1; }
 
 struct Client::Packet {
   std::shared_ptr<detail::OpState> op;
@@ -650,8 +652,12 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
       (opts_.detect_restart && !p.is_chain() && info_.boot_id != 0 && h.boot != info_.boot_id))
     return finish(p, Error::restarted(fmt::format("{}: device restarted (boot id {:#x} -> {:#x}); its memory is gone",
                                                   what(), info_.boot_id, h.boot)));
-  if (h.status != Status::kOk)
-    return finish(p, Error::nak(h.status, fmt::format("{}: {}", what(), to_string(h.status))));
+  if (h.status != Status::kOk) {
+    if (p.is_chain()) p.op->failed_segment = h.seg_index;
+    return finish(p, Error::nak(h.status, fmt::format("{}: {} (segment {}, device {})", what(),
+                                                      to_string(h.status), h.seg_index,
+                                                      from.to_string())));
+  }
   std::span<const std::byte> payload(buf + kHeaderSize, len - kHeaderSize);
   if (h.length != payload.size())
     return finish(p, Error::protocol(what() + ": answer length disagrees with its datagram"));

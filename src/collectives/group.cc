@@ -33,6 +33,7 @@ std::string_view to_string(Algorithm a) {
   switch (a) {
     case Algorithm::kAuto: return "auto";
     case Algorithm::kRing: return "ring";
+    case Algorithm::kDirect: return "direct";
   }
   return "unknown";
 }
@@ -254,8 +255,11 @@ Work Group::allreduce_async(std::span<const std::byte> in, std::span<std::byte> 
     return Work(failed(Error::invalid("avg needs a floating-point type")));
   auto w = std::make_shared<detail::WorkState>();
   w->average = op == Reduction::kAvg;
+  const bool direct = opts_.algorithm == Algorithm::kDirect ||
+                      (opts_.algorithm == Algorithm::kAuto && in.size() <= kDirectMaxBytes);
   w->make_plan = [=](const collectives::Context& c) {
-    return collectives::ring_allreduce(c, in, out, t, device_op(op));
+    return direct ? collectives::direct_allreduce(c, in, out, t, device_op(op))
+                  : collectives::ring_allreduce(c, in, out, t, device_op(op));
   };
   return submit(std::move(w));
 }
@@ -449,6 +453,7 @@ bool Group::step(detail::WorkState& w) {
         if (!op.valid() || !op.done()) continue;
         advanced = true;
         const Error e = op.error();
+        const int op_failed_segment = op.failed_segment();
         op = Op();
         if (!e) {
           --w.chains_left;
@@ -458,7 +463,17 @@ bool Group::step(detail::WorkState& w) {
         if (e.code() == Error::Code::kNak && e.status() == Status::kStaleGeneration &&
             !w.fell_back[i] && !c.fallback.empty()) {
           w.fell_back[i] = true;
-          op = client_->chain_async(c.fallback, w.generation, w.plan.dtype, w.plan.redop, c.length, {});
+          std::vector<Hop> hops = c.fallback;
+          if (hops[0].ip == 0) {  // read the result from the device that refused
+            const int seg = op_failed_segment;
+            if (seg < 0 || static_cast<size_t>(seg) >= c.hops.size()) {
+              finish(w, Error(e));
+              return true;
+            }
+            hops[0].ip = c.hops[static_cast<size_t>(seg)].ip;
+            hops[0].port = c.hops[static_cast<size_t>(seg)].port;
+          }
+          op = client_->chain_async(hops, w.generation, w.plan.dtype, w.plan.redop, c.length, {});
           continue;
         }
         finish(w, Error(e));

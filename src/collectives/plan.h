@@ -35,7 +35,9 @@ struct SlotLayout {
 
 struct ChainPlan {
   std::vector<Hop> hops;
-  std::vector<Hop> fallback;  // sent if a reduction hop answers STALE_GENERATION
+  // Sent if a reduction hop answers STALE_GENERATION. A first hop with ip 0
+  // stands for the device that refused the chain.
+  std::vector<Hop> fallback;
   uint32_t length = 0;
 };
 
@@ -59,6 +61,10 @@ struct Context {
   size_t block;  // payload bytes per chain packet (a multiple of 8)
   int ranks() const { return static_cast<int>(devices.size()); }
 };
+
+// direct_chain.cc
+Plan direct_allreduce(const Context& c, std::span<const std::byte> in, std::span<std::byte> out,
+                      DType t, RedOp op);
 
 // ring_chain.cc
 Plan ring_allreduce(const Context& c, std::span<const std::byte> in, std::span<std::byte> out,
