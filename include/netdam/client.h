@@ -160,9 +160,10 @@ class Client {
   // Chains (docs/COLLECTIVES.md): sent to hops[0]; the last hop answers,
   // with `length` bytes into `answer_to` if given. A NOT_READY answer is
   // retried after a short delay until the deadline; other NAKs fail the Op.
+  // `header_flags` may hold kFlagSparseOk.
   Op chain_async(std::span<const Hop> hops, uint32_t generation, DType t, RedOp op,
                  uint32_t length, std::span<const std::byte> payload,
-                 std::span<std::byte> answer_to = {});
+                 std::span<std::byte> answer_to = {}, uint8_t header_flags = 0);
   // Sets the armed generation of a region of this client's device; returns
   // the previous one.
   Result<uint32_t> arm(uint32_t generation, uint32_t rkey = 0);

@@ -59,6 +59,9 @@ struct GroupOptions {
   uint32_t key_base = 0x4E440100;  // slot s is region key key_base + s on every device
   std::chrono::milliseconds timeout{5000};
   Algorithm algorithm = Algorithm::kAuto;
+  // Let devices pass blocks that are more than half zero as (index, value)
+  // pairs; results stay bit-identical to dense.
+  bool sparse = false;
   ClientOptions client;
 };
 
@@ -139,6 +142,7 @@ class Group {
   bool step(detail::WorkState& w);
   bool start(detail::WorkState& w);
   bool stamps_complete(detail::WorkState& w);
+  uint8_t chain_flags() const { return opts_.sparse ? kFlagSparseOk : 0; }
   void finish(detail::WorkState& w, Error e);
 
   GroupOptions opts_;

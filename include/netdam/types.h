@@ -56,7 +56,8 @@ enum class Opcode : uint8_t {
 inline constexpr uint8_t kFlagResponse = 0x01;  // set on every device answer
 inline constexpr uint8_t kFlagAckReq = 0x02;    // WRITE: answer with an ACK
 inline constexpr uint8_t kFlagSparse = 0x04;    // payload is (index, value) pairs
-inline constexpr uint8_t kFlagsKnown = kFlagResponse | kFlagAckReq | kFlagSparse;
+inline constexpr uint8_t kFlagSparseOk = 0x08;  // CHAIN: hops may forward the payload sparse
+inline constexpr uint8_t kFlagsKnown = kFlagResponse | kFlagAckReq | kFlagSparse | kFlagSparseOk;
 
 // Flags byte of a segment (see docs/COLLECTIVES.md).
 inline constexpr uint8_t kSegGen = 0x01;        // run only if the region is armed at the chain's generation

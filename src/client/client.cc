@@ -265,7 +265,7 @@ Op Client::reduce_fetch_async(uint64_t addr, DType t, RedOp rop, std::span<std::
 
 Op Client::chain_async(std::span<const Hop> hops, uint32_t generation, DType t, RedOp rop,
                        uint32_t length, std::span<const std::byte> payload,
-                       std::span<std::byte> answer_to) {
+                       std::span<std::byte> answer_to, uint8_t header_flags) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kChain;
   if (hops.empty() || hops.size() > kMaxSegments) {
@@ -277,6 +277,7 @@ Op Client::chain_async(std::span<const Hop> hops, uint32_t generation, DType t, 
     return start(std::move(op));
   }
   Packet& p = new_packet(op, Opcode::kChain, 0, 0, length);
+  p.h.flags = header_flags & kFlagSparseOk;
   p.h.dtype = t;
   p.h.redop = rop;
   p.h.seg_count = static_cast<uint8_t>(hops.size());

@@ -435,7 +435,7 @@ bool Group::step(detail::WorkState& w) {
       // Every chain of this rank goes at once; the client windows them.
       for (const auto& c : w.plan.chains)
         w.chains.push_back(client_->chain_async(c.hops, w.generation, w.plan.dtype, w.plan.redop,
-                                                c.length, {}));
+                                                c.length, {}, {}, chain_flags()));
       w.fell_back.assign(w.chains.size(), false);
       w.chains_left = w.chains.size();
       w.phase = Phase::kChains;
@@ -473,7 +473,8 @@ bool Group::step(detail::WorkState& w) {
             hops[0].ip = c.hops[static_cast<size_t>(seg)].ip;
             hops[0].port = c.hops[static_cast<size_t>(seg)].port;
           }
-          op = client_->chain_async(hops, w.generation, w.plan.dtype, w.plan.redop, c.length, {});
+          op = client_->chain_async(hops, w.generation, w.plan.dtype, w.plan.redop, c.length, {}, {},
+                                    chain_flags());
           continue;
         }
         finish(w, Error(e));

@@ -140,7 +140,8 @@ Action Engine::handle(Address from, std::span<std::byte> d, std::span<std::byte>
   if (p.h.opcode == Opcode::kChain) return answer(p.h, from, Status::kBadSegment, {}, out);
 
   Request q{p.h, p.h.opcode, p.h.rkey, p.h.addr, p.payload, from.key(), false};
-  if ((p.h.flags & ~kFlagsKnown) || ((p.h.flags & kFlagSparse) && !takes_sparse(q.op)))
+  if ((p.h.flags & ~kFlagsKnown) || (p.h.flags & kFlagSparseOk) ||  // SPARSE_OK: chains only
+      ((p.h.flags & kFlagSparse) && !takes_sparse(q.op)))
     return answer(p.h, from, Status::kBadFlags, {}, out);
   if (p.h.boot != 0 && p.h.boot != device_.config().boot_id)
     return answer(p.h, from, Status::kBootMismatch, {}, out);
@@ -252,6 +253,17 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
       sr.reply_ip = reply_to.ip;
       sr.reply_port = reply_to.port;
       encode_preamble(sr, d.data() + kHeaderSize);
+    }
+    // More than half zeros: the next hop gets (index, value) pairs, which
+    // it expands before use, so results are bit-identical to dense.
+    if ((h.flags & kFlagSparseOk) && !(h.flags & kFlagSparse) && h.dtype != DType::kBytes &&
+        is_valid_dtype(static_cast<uint8_t>(h.dtype)) && core::sparse_is_worth_it(h.dtype, payload)) {
+      sparse_buf_.resize(device_.config().max_payload);
+      const size_t n = sparse_encode(h.dtype, payload, sparse_buf_);
+      payload = std::span(sparse_buf_).first(n);
+      h.flags |= kFlagSparse;
+      payload_moved = true;
+      Stats::inc(stats_.sparse_forwarded);
     }
     if (payload_moved) {
       store_be<uint32_t>(d.data() + hdr::kLength, h.length);

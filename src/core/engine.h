@@ -139,6 +139,7 @@ class Engine {
 
   Device& device_;
   Stats stats_;
+  std::vector<std::byte> sparse_buf_;  // a chain payload forwarded in sparse form
 };
 
 }  // namespace netdam::core

@@ -29,6 +29,7 @@ StatList collect(const std::vector<const Stats*>& all) {
       {"tx_packets", sum(all, &Stats::tx_packets)}, {"tx_bytes", sum(all, &Stats::tx_bytes)},
       {"forwarded", sum(all, &Stats::forwarded)},   {"replayed", sum(all, &Stats::replayed)},
       {"sparse", sum(all, &Stats::sparse)},     {"skipped", sum(all, &Stats::skipped)},
+      {"sparse_forwarded", sum(all, &Stats::sparse_forwarded)},
   };
   uint64_t dropped_total = 0;
   for (size_t i = 1; i < kParseErrorCount; ++i) {
