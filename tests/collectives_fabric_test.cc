@@ -91,7 +91,8 @@ struct Cluster {
       }
       if (!advanced) {
         std::array<std::byte, 16> sink;
-        transport::InMsg m{sink};
+        transport::InMsg m;
+        m.buf = sink;
         idle->recv_batch({&m, 1}, 20us);  // let the network move
       }
     }
@@ -405,7 +406,8 @@ TEST(Collectives, LateRankIsWaitedFor) {
   for (int r = 0; r < 3; ++r)
     works.push_back(cl.groups[r]->allreduce_async(in[r], out[r], DType::kF32, Reduction::kSum));
   std::vector<std::byte> sink(16);
-  transport::InMsg m{sink};
+  transport::InMsg m;
+  m.buf = sink;
   for (int i = 0; i < 100; ++i) {  // 100 x 20 us of virtual time without rank 3
     for (int r = 0; r < 3; ++r) cl.groups[r]->progress();
     cl.idle->recv_batch({&m, 1}, 20us);
