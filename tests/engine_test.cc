@@ -1735,7 +1735,9 @@ TEST_F(EngineTest, GenerationCheckedHops) {
     return ChainDatagram(ChainHeader(txn, DType::kBytes, RedOp::kNone, 8), sr, {s}, Le64(0x77));
   };
   Bytes snap = mem();
-  EXPECT_EQ(n().Send(kClient, chain(11, kSegGen, 1)).status(), Status::kNotReady);
+  // Not ready: parked until the next ARM (no answer now).
+  EXPECT_TRUE(n().Send(kClient, chain(11, kSegGen, 1)).none());
+  EXPECT_EQ(n().Stat("parked"), 1u);
   EXPECT_EQ(n().Send(kClient, chain(9, kSegGen, 2)).status(), Status::kStaleGeneration);
   EXPECT_TRUE(mem() == snap);
   // SKIP_STALE: a stale hop is skipped, and the chain goes on (here: ends).
@@ -1744,7 +1746,7 @@ TEST_F(EngineTest, GenerationCheckedHops) {
   EXPECT_TRUE(mem() == snap);
   EXPECT_EQ(n().Stat("skipped"), 1u);
   // Not ready is not skipped.
-  EXPECT_EQ(n().Send(kClient, chain(11, kSegGen | kSegSkipStale, 4)).status(), Status::kNotReady);
+  EXPECT_TRUE(n().Send(kClient, chain(11, kSegGen | kSegSkipStale, 4)).none());
   // The armed generation runs.
   EXPECT_EQ(n().Send(kClient, chain(10, kSegGen, 5)).status(), Status::kOk);
   EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x100), 0x77u);
@@ -1754,7 +1756,8 @@ TEST_F(EngineTest, GenerationCheckedHops) {
   Arm(n(), kKeyRW, 1);
   EXPECT_EQ(n().Send(kClient, chain(0xFFFFFFFF, kSegGen, 7)).status(), Status::kStaleGeneration);
   Arm(n(), kKeyRW, 0xFFFFFFFF);
-  EXPECT_EQ(n().Send(kClient, chain(1, kSegGen, 8)).status(), Status::kNotReady);
+  EXPECT_TRUE(n().Send(kClient, chain(1, kSegGen, 8)).none());
+  EXPECT_EQ(n().Stat("parked"), 3u);
   // GEN on an unknown key.
   Segment s = Seg(kDev0, Opcode::kWrite, 0x100, 4242);
   s.flags = kSegGen;
@@ -1762,6 +1765,25 @@ TEST_F(EngineTest, GenerationCheckedHops) {
                                             {s}, Le64(1)))
                 .status(),
             Status::kBadKey);
+}
+
+TEST_F(EngineTest, ParkedChainsRunAfterTheNextArm) {
+  Arm(n(), kKeyRW, 1);
+  Segment s = Seg(kDev0, Opcode::kWrite, 0x180);
+  s.flags = kSegGen;
+  SrPreamble sr;
+  sr.generation = 2;
+  EXPECT_TRUE(n().Send(kClient, ChainDatagram(ChainHeader(1, DType::kBytes, RedOp::kNone, 8), sr,
+                                              {s}, Le64(0x99))).none());
+  EXPECT_TRUE(n().dev->unpark().empty());  // no ARM yet: nothing to run
+  EXPECT_EQ(Do(Req(Opcode::kArm, 0, 0, kKeyRW), Be32(2)).status(), Status::kOk);
+  auto parked = n().dev->unpark();
+  ASSERT_EQ(parked.size(), 1u);
+  EXPECT_TRUE(n().dev->unpark().empty());  // taken once
+  Bytes out(Engine::out_buffer_size(n().dev->config()));
+  Action a = n().eng->handle(parked[0].from, parked[0].datagram, out);
+  EXPECT_EQ(a.kind, Action::Kind::kReply);
+  EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x180), 0x99u);
 }
 
 TEST_F(EngineTest, SkippedHopForwardsThePacketUnchanged) {

@@ -183,6 +183,7 @@ class Client {
   // Counters of this client, for benchmarks and tests.
   struct Counters {
     uint64_t packets_sent = 0, retransmits = 0, answers = 0, ignored = 0;
+    uint64_t not_ready_resends = 0;  // chains sent again after NOT_READY
   };
   const Counters& counters() const { return counters_; }
 

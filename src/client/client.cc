@@ -55,6 +55,7 @@ struct Client::Packet {
   TimePoint first_sent{}, last_sent{};
   TimePoint due{};  // NOT_READY: send again at this time
   int sends = 0;
+  int not_ready = 0;  // NOT_READY answers so far (they are not losses)
 
   bool is_chain() const { return !chain_head.empty(); }
   std::span<const std::byte> head() const {
@@ -605,13 +606,28 @@ void Client::check_timers() {
     transport::OutMsg m{p->is_chain() ? p->to : *device_, {p->head(), p->payload}};
     transport_->send_batch({&m, 1});
     p->last_sent = now;
-    ++p->sends;
-    ++counters_.retransmits;
+    if (due) {
+      ++counters_.not_ready_resends;  // asked to come back later: not a loss
+    } else {
+      ++p->sends;
+      ++counters_.retransmits;
+    }
   }
   for (uint64_t txn : expired) {
     auto it = inflight_.find(txn);
     if (it == inflight_.end()) continue;  // gone with an earlier failure of its op
     Packet& p = *it->second;
+    if (p.is_chain()) {
+      std::string route;
+      for (size_t i = 0; i < p.h.seg_count; ++i) {
+        auto seg = core::decode_segment(p.chain_head.data() + kHeaderSize + kSrPreambleSize + i * kSegmentSize);
+        route += (i ? " -> " : "") + transport::Endpoint{seg.ip, seg.port}.to_string();
+      }
+      finish(p, Error::timeout(fmt::format("CHAIN {}: no answer within {} ms ({} sends); a device on "
+                                           "the route is not answering",
+                                           route, opts_.timeout.count(), p.sends)));
+      continue;
+    }
     finish(p, Error::timeout(fmt::format("{} to {} at {:#x}: no answer within {} ms ({} sends)",
                                          to_string(p.h.opcode), device_address(), p.h.addr,
                                          opts_.timeout.count(), p.sends)));
@@ -646,7 +662,8 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
   }
   auto what = [&] { return fmt::format("{} at {:#x} on {}", to_string(h.opcode), p.h.addr, device_address()); };
   if (p.is_chain() && h.status == Status::kNotReady) {
-    p.due = transport_->now() + kNotReadyDelay;  // the deadline still runs from first_sent
+    // Back off from 100 us to 3.2 ms; the deadline still runs from first_sent.
+    p.due = transport_->now() + kNotReadyDelay * (1 << std::min(p.not_ready++, 5));
     return;
   }
   if (h.status == Status::kBootMismatch ||

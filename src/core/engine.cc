@@ -4,6 +4,7 @@
 #include <atomic>
 #include <bit>
 #include <cstring>
+#include <utility>
 
 #include "core/endian.h"
 #include "core/reduce.h"
@@ -92,6 +93,22 @@ void Device::detach(const Stats* s) {
 StatList Device::stats() const {
   std::lock_guard lock(engines_mu_);
   return collect(engines_);
+}
+
+bool Device::park(Address from, std::span<const std::byte> datagram) {
+  std::lock_guard lock(park_mu_);
+  if (parked_.size() >= kMaxParked || parked_bytes_ + datagram.size() > kMaxParkedBytes) return false;
+  parked_.push_back({from, {datagram.begin(), datagram.end()}});
+  parked_bytes_ += datagram.size();
+  return true;
+}
+
+std::vector<Device::Parked> Device::unpark() {
+  std::lock_guard lock(park_mu_);
+  if (!armed_since_unpark_) return {};
+  armed_since_unpark_ = false;
+  parked_bytes_ = 0;
+  return std::exchange(parked_, {});
 }
 
 Device::StripeLock::StripeLock(Device& d, uint64_t addr, uint64_t len) {
@@ -204,7 +221,15 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
         if (!region) return answer(h, reply_to, Status::kBadKey, {}, out);
         // Serial-number comparison: generations may wrap around 2^32.
         const auto ahead = static_cast<int32_t>(region->generation - p.sr.generation);
-        if (ahead < 0) return answer(h, reply_to, Status::kNotReady, {}, out);
+        if (ahead < 0) {
+          // Park only what has not started here (a continuation would run
+          // its earlier segments twice).
+          if (i == p.h.seg_index && device_.park(from, d)) {
+            Stats::inc(stats_.parked);
+            return {};
+          }
+          return answer(h, reply_to, Status::kNotReady, {}, out);
+        }
         if (ahead > 0 && !(s.flags & kSegSkipStale))
           return answer(h, reply_to, Status::kStaleGeneration, {}, out);
         skip = ahead > 0;
@@ -444,6 +469,10 @@ Outcome Engine::run_mutation(const Request& q, std::span<std::byte> out) {
       if (q.payload.size() != 4) return {Status::kBadLength};
       uint32_t previous = 0;  // execute() holds the generation lock
       Status s = regions.arm(q.rkey, load_be<uint32_t>(q.payload.data()), &previous);
+      if (s == Status::kOk) {
+        std::lock_guard lock(device_.park_mu_);
+        device_.armed_since_unpark_ = true;
+      }
       return {s, s == Status::kOk, previous};
     }
     case Opcode::kRegionAdd:

@@ -58,6 +58,20 @@ class Device {
   // Counters of every engine of this device, added up.
   StatList stats() const;
 
+  // A chain that reaches a region armed at an older generation (its host is
+  // not ready yet) waits here until the next ARM, instead of being refused
+  // and resent by its initiator. Bounded: when full, it is refused.
+  struct Parked {
+    Address from;
+    std::vector<std::byte> datagram;
+  };
+  static constexpr size_t kMaxParked = 4096;
+  static constexpr size_t kMaxParkedBytes = 32u << 20;
+  bool park(Address from, std::span<const std::byte> datagram);
+  // The parked chains, to be run again, if an ARM happened since the last
+  // call; otherwise none.
+  std::vector<Parked> unpark();
+
   // REDUCE_MEM is a read-modify-write of many elements; concurrent ones on
   // the same bytes (from different threads) are serialised by address
   // stripes. Any request covers at most two 64 KiB stripes.
@@ -84,6 +98,10 @@ class Device {
   ReplayWindow replay_;
   std::array<std::mutex, 64> stripes_;
   std::shared_mutex generation_mu_;  // ARM exclusive, generation-checked hops shared
+  std::mutex park_mu_;
+  std::vector<Parked> parked_;
+  size_t parked_bytes_ = 0;
+  bool armed_since_unpark_ = false;
   mutable std::mutex engines_mu_;
   std::vector<const Stats*> engines_;
 };
@@ -119,6 +137,7 @@ class Engine {
   Action handle(Address from, std::span<std::byte> datagram, std::span<std::byte> out);
 
   const Stats& stats() const { return stats_; }
+  Device& device() { return device_; }
 
  private:
   struct Request;

@@ -30,6 +30,7 @@ StatList collect(const std::vector<const Stats*>& all) {
       {"forwarded", sum(all, &Stats::forwarded)},   {"replayed", sum(all, &Stats::replayed)},
       {"sparse", sum(all, &Stats::sparse)},     {"skipped", sum(all, &Stats::skipped)},
       {"sparse_forwarded", sum(all, &Stats::sparse_forwarded)},
+      {"parked", sum(all, &Stats::parked)},
   };
   uint64_t dropped_total = 0;
   for (size_t i = 1; i < kParseErrorCount; ++i) {

@@ -25,6 +25,7 @@ struct Stats {
   Counter sparse{0};        // requests with a sparse payload
   Counter skipped{0};       // chain hops skipped as stale (kSegSkipStale)
   Counter sparse_forwarded{0};  // chain payloads passed on in sparse form
+  Counter parked{0};        // chains held until their region was armed
   std::array<Counter, 256> requests{};        // by opcode value
   std::array<Counter, kStatusCount> naks{};   // NAKs sent, by status
   std::array<Counter, kParseErrorCount> dropped{};  // silent drops, by ParseError

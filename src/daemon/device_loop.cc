@@ -34,6 +34,7 @@ size_t DeviceLoop::poll_once(transport::Duration timeout) {
   // Answers point into rx_, out_ and device memory: send before the next recv.
   for (size_t sent = 0; sent < send_.size();)
     sent += transport_.send_batch(std::span(send_).subspan(sent));
+  release_parked(engine_, transport_, parked_out_);
   return n;
 }
 
@@ -44,9 +45,24 @@ void DeviceLoop::run(const std::atomic<bool>& stop) {
 void DeviceLoop::serve_one(core::Engine& engine, transport::InMsg& msg, transport::Transport& self,
                            std::vector<std::byte>& out) {
   core::Action a = engine.handle(to_core(msg.from), msg.buf.first(msg.len), out);
-  if (a.kind == core::Action::Kind::kNone) return;
-  transport::OutMsg m{to_transport(a.to), {a.head, a.data}};
-  self.send_batch({&m, 1});
+  if (a.kind != core::Action::Kind::kNone) {
+    transport::OutMsg m{to_transport(a.to), {a.head, a.data}};
+    self.send_batch({&m, 1});
+  }
+  release_parked(engine, self, out);
+}
+
+void DeviceLoop::release_parked(core::Engine& engine, transport::Transport& self,
+                                std::vector<std::byte>& out) {
+  auto parked = engine.device().unpark();
+  if (parked.empty()) return;
+  out.resize(core::Engine::out_buffer_size(engine.device().config()));
+  for (auto& p : parked) {  // one at a time: each answer is sent before the next runs
+    core::Action a = engine.handle(p.from, p.datagram, out);
+    if (a.kind == core::Action::Kind::kNone) continue;
+    transport::OutMsg m{to_transport(a.to), {a.head, a.data}};
+    self.send_batch({&m, 1});
+  }
 }
 
 }  // namespace netdam::device

@@ -27,6 +27,9 @@ class DeviceLoop {
   // Runs one datagram and sends its answer at once: the fabric's handler.
   static void serve_one(core::Engine& engine, transport::InMsg& msg, transport::Transport& self,
                         std::vector<std::byte>& out);
+  // Runs the chains the device parked until an ARM, if one happened.
+  static void release_parked(core::Engine& engine, transport::Transport& self,
+                             std::vector<std::byte>& out);
 
  private:
   core::Engine engine_;
@@ -36,6 +39,7 @@ class DeviceLoop {
   size_t out_size_;
   std::vector<transport::InMsg> in_;
   std::vector<transport::OutMsg> send_;
+  std::vector<std::byte> parked_out_;
 };
 
 }  // namespace netdam::device

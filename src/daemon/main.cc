@@ -16,6 +16,7 @@
 #include "core/reduce.h"
 #include "daemon/config.h"
 #include "daemon/device_loop.h"
+#include "transport/faulty.h"
 #include "transport/udp.h"
 
 using namespace netdam;
@@ -53,6 +54,19 @@ int main(int argc, char** argv) {
   app.add_option("--admin-key", admin_key, "key that authorises region admin over the network (default: admin disabled)");
   app.add_option("--port-file", port_file, "write the bound HOST:PORT to this file once serving");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error (default info)");
+  // Fault injection on the device's own sends (the kernel may have no netem):
+  // for tests and benchmarks only, never for a device in real use.
+  transport::FaultModel inject;
+  const char* kInjectGroup = "Fault injection (test/benchmark aids; never in production)";
+  app.add_option("--inject-drop", inject.drop, "drop each datagram the device sends with probability P")
+      ->check(CLI::Range(0.0, 1.0))->group(kInjectGroup);
+  app.add_option("--inject-dup", inject.duplicate, "send each datagram twice with probability P")
+      ->check(CLI::Range(0.0, 1.0))->group(kInjectGroup);
+  app.add_option("--inject-reorder", inject.reorder,
+                 "hold each datagram back behind the next one with probability P")
+      ->check(CLI::Range(0.0, 1.0))->group(kInjectGroup);
+  app.add_option("--inject-seed", inject.seed, "seed of the fault draws (thread i uses N + i; default 1)")
+      ->group(kInjectGroup);
   CLI11_PARSE(app, argc, argv);
 
   device::DaemonConfig cfg;
@@ -141,10 +155,36 @@ int main(int argc, char** argv) {
   }
   const auto bound = sockets.front()->local();
 
+  // Each socket, wrapped in a FaultyTransport if faults are injected (the
+  // UdpTransports above stay alive underneath).
+  const bool injecting = inject.drop > 0 || inject.duplicate > 0 || inject.reorder > 0;
+  std::vector<std::unique_ptr<transport::FaultyTransport>> faulty;
+  std::vector<transport::Transport*> loops;
+  for (size_t i = 0; i < sockets.size(); ++i) {
+    if (!injecting) {
+      loops.push_back(sockets[i].get());
+      continue;
+    }
+    transport::FaultModel f = inject;
+    f.seed = inject.seed + i;
+    faulty.push_back(std::make_unique<transport::FaultyTransport>(*sockets[i], f));
+    loops.push_back(faulty.back().get());
+  }
+  if (injecting) {
+    const std::string msg = fmt::format(
+        "!!! FAULT INJECTION ENABLED: every datagram this device sends is dropped with p={}, "
+        "duplicated with p={}, reordered with p={} (seed {}). Test/benchmark aid: do not use this "
+        "device for real work !!!",
+        inject.drop, inject.duplicate, inject.reorder, inject.seed);
+    spdlog::warn("{}", msg);
+    // Said even when the log level hides warnings.
+    if (spdlog::get_level() > spdlog::level::warn) std::fprintf(stderr, "netdamd: %s\n", msg.c_str());
+  }
+
   std::atomic<bool> stop{false};
   std::vector<std::thread> workers;
-  for (auto& s : sockets)
-    workers.emplace_back([&dev, &stop, sock = s.get()] { device::DeviceLoop(dev, *sock).run(stop); });
+  for (transport::Transport* t : loops)
+    workers.emplace_back([&dev, &stop, t] { device::DeviceLoop(dev, *t).run(stop); });
 
   spdlog::info("netdamd listening on {} with {} of memory{} ({} thread{}, max payload {} B, "
                "boot id {:#010x}, SIMD {})",
@@ -162,6 +202,11 @@ int main(int argc, char** argv) {
   spdlog::info("received {}, stopping", sig == SIGINT ? "SIGINT" : "SIGTERM");
   stop = true;
   for (auto& t : workers) t.join();
+  for (const auto& f : faulty) {
+    const auto c = f->counters();
+    spdlog::info("fault injection: {} datagrams sent, {} dropped, {} duplicated, {} reordered", c.sent,
+                 c.dropped, c.duplicated, c.reordered);
+  }
   for (const auto& [name, value] : dev.stats())
     if (value) spdlog::debug("  {} = {}", name, value);
   spdlog::info("stopped");

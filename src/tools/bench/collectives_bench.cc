@@ -1,0 +1,237 @@
+// netdam-bench-collectives: in-network collectives (netdam::Group) measured
+// the nccl-tests way.
+//
+//   netdam-bench-collectives [allreduce|reducescatter|allgather|broadcast]
+//       [-b 8] [-e 64M] [-f 2] [--type f32] [--redop sum] [-n 20] [-w 5]
+//       (--local P [--drop P --dup P --reorder P --seed N]
+//        | --devices A,B,... --rank R [--shm NAME] [--admin-key K])
+//       [--csv FILE]
+//
+// --local P starts P netdamd devices (the binary next to this one in the
+// build tree: <build>/src/daemon/netdamd, or --netdamd PATH) on 127.0.0.1
+// with kernel-chosen ports, each with /dev/shm memory big enough for the
+// group's slots, and P rank processes, each co-located with its device
+// (it maps the device's memory). --drop/--dup/--reorder make the devices
+// inject faults into everything they send (netdamd --inject-*), each with
+// its own seed. Everything started is stopped at exit, also on Ctrl-C.
+// --devices runs one rank by hand against running devices (start one
+// process per rank with the same arguments and its own --rank).
+//
+// For every size (from -b to -e, times -f) every rank: runs one warm-up
+// collective and the ranks agree on the slowest time; runs up to -w - 1
+// more warm-ups and up to -n timed collectives, fewer where that would take
+// longer than --time-per-size; with --check 1 (default) fills a fresh input
+// before every iteration (element i of rank r in iteration k is a small
+// integer function of (r, i, k), so every reduction is exact in every
+// type), passes a barrier, times the collective alone and verifies the
+// whole result (untimed); with --check 0 runs the timed collectives back to
+// back and verifies the last. Rank 0 prints one row per size:
+//   size (B)  nccl-tests' size: the buffer (for reducescatter the input,
+//             for allgather the output, i.e. p x the per-rank block)
+//   count     elements (per rank block for reducescatter/allgather)
+//   time (us) the mean time of one collective, the max over ranks
+//   algbw     size / time in GB/s (1e9 B/s)
+//   busbw     algbw x 2(p-1)/p (allreduce), (p-1)/p (reducescatter,
+//             allgather), 1 (broadcast)
+//   #wrong    wrong elements, all ranks and iterations
+// The exit status is 1 if any element was wrong or anything failed (130
+// after Ctrl-C; command-line syntax errors: CLI11's codes).
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#include "common/units.h"
+#include "tools/bench/collectives_process.h"
+#include "tools/bench/collectives_rank.h"
+
+using namespace netdam;
+using namespace netdam::bench::coll;
+
+namespace {
+
+int usage_error(const std::string& msg) {
+  std::fprintf(stderr, "netdam-bench-collectives: %s\n", msg.c_str());
+  return 1;
+}
+
+std::optional<CollOp> parse_op(std::string s) {
+  std::erase(s, '_');
+  if (s == "allreduce") return CollOp::kAllReduce;
+  if (s == "reducescatter") return CollOp::kReduceScatter;
+  if (s == "allgather") return CollOp::kAllGather;
+  if (s == "broadcast" || s == "bcast") return CollOp::kBroadcast;
+  return std::nullopt;
+}
+
+std::optional<Reduction> parse_reduction(const std::string& s) {
+  if (s == "sum") return Reduction::kSum;
+  if (s == "min") return Reduction::kMin;
+  if (s == "max") return Reduction::kMax;
+  if (s == "avg") return Reduction::kAvg;
+  return std::nullopt;
+}
+
+std::string fmt_prob(double p) { return fmt::format("{}", p); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"netdam-bench-collectives: in-network collectives measured the nccl-tests way"};
+  std::string op_pos, op_flag, min_s = "8", max_s = "64M", type_s = "f32", redop_s = "sum", algo_s = "auto";
+  std::string admin_s = "0xAD", netdamd, csv, shm;
+  std::vector<std::string> devices;
+  BenchConfig c;
+  int local = 0, check = 1;
+  unsigned timeout_ms = 5000;
+  double drop = 0, dup = 0, reorder = 0;
+  uint64_t seed = 1;
+  app.add_option("op", op_pos, "allreduce | reducescatter | allgather | broadcast (default allreduce)");
+  app.add_option("--op", op_flag, "the collective, as the positional argument");
+  app.add_option("-b,--minbytes", min_s, "smallest size, e.g. 8, 1K, 4M (default 8)");
+  app.add_option("-e,--maxbytes", max_s, "largest size (default 64M)");
+  app.add_option("-f,--stepfactor", c.factor, "size multiplier between rows (default 2)")->check(CLI::Range(1.01, 1e6));
+  app.add_option("-d,--type,--datatype", type_s, "f32 | f16 | bf16 | f64 | i32 | i64 (default f32)");
+  app.add_option("--redop", redop_s, "sum | min | max | avg (default sum)");
+  app.add_option("-n,--iters", c.iters, "timed iterations per size, at most (default 20)")->check(CLI::Range(1, 1000000));
+  app.add_option("-w,--warmup_iters", c.warmup, "warm-up iterations per size, at most (default 5; the first 2 (at least 1) always run)")
+      ->check(CLI::Range(0, 1000000));
+  app.add_option("-c,--check", check, "1: verify every iteration (default), 0: back to back, verify the last");
+  app.add_option("--time-per-size", c.time_per_size, "seconds of timed iterations per size, about (default 2)")
+      ->check(CLI::Range(0.001, 3600.0));
+  app.add_option("-r,--root", c.root, "broadcast root (default 0)");
+  app.add_option("--algo", algo_s, "auto | ring | direct (default auto; direct applies to allreduce only)");
+  app.add_flag("--sparse", c.sparse, "let devices send mostly-zero blocks as (index, value) pairs");
+  app.add_option("--local", local, "start P devices and P ranks on this machine")->check(CLI::Range(1, 16));
+  app.add_option("--devices", devices, "every rank's device HOST:PORT, in rank order (comma-separated)")
+      ->delimiter(',');
+  app.add_option("--rank", c.rank, "this process's rank (with --devices)");
+  app.add_option("--shm", shm, "this rank's device memory name, if co-located (with --devices)");
+  app.add_option("--admin-key", admin_s, "devices' admin key, registers the slots (default 0xAD; 0: already there)");
+  app.add_option("--slots", c.slots, "collectives slots (default 2)")->check(CLI::Range(1, 64));
+  app.add_option("--timeout", timeout_ms, "group and client timeout in ms (default 5000)");
+  app.add_option("--window", c.window, "packets (chains) in flight per rank's client (default: the client's, 64)");
+  app.add_option("--drop", drop, "--local: devices drop each datagram they send with probability P")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--dup", dup, "--local: devices duplicate each datagram with probability P")->check(CLI::Range(0.0, 1.0));
+  app.add_option("--reorder", reorder, "--local: devices reorder each datagram with probability P")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--seed", seed, "--local: seed of the injected faults (device r uses N + r; default 1)");
+  app.add_option("--netdamd", netdamd, "--local: the netdamd binary (default: the build tree's)");
+  app.add_flag("-v,--verbose", c.verbose, "every rank prints the time of every iteration (stderr)");
+  app.add_flag("--device-stats", c.device_stats, "every rank prints its device's counters at the end (stderr)");
+  app.add_option("--csv", csv, "write rows impl,algo,op,size,time_us,algbw,busbw,wrong to FILE");
+  CLI11_PARSE(app, argc, argv);
+
+  const std::string op_name = !op_flag.empty() ? op_flag : !op_pos.empty() ? op_pos : "allreduce";
+  auto op = parse_op(op_name);
+  if (!op) return usage_error("unknown collective '" + op_name + "'");
+  c.op = *op;
+  auto mn = parse_size(min_s), mx = parse_size(max_s);
+  if (!mn || !mx || *mn == 0 || *mn > *mx) return usage_error("bad size range -b " + min_s + " -e " + max_s);
+  c.min_bytes = *mn;
+  c.max_bytes = *mx;
+  auto t = parse_dtype(type_s);
+  if (!t || *t == DType::kBytes) return usage_error("unknown --type '" + type_s + "'");
+  c.type = *t;
+  auto rd = parse_reduction(redop_s);
+  if (!rd) return usage_error("unknown --redop '" + redop_s + "'");
+  c.redop = *rd;
+  if (c.redop == Reduction::kAvg && (c.type == DType::kI32 || c.type == DType::kI64))
+    return usage_error("--redop avg needs a floating-point --type");
+  if (algo_s == "auto") c.algorithm = Algorithm::kAuto;
+  else if (algo_s == "ring") c.algorithm = Algorithm::kRing;
+  else if (algo_s == "direct") c.algorithm = Algorithm::kDirect;
+  else return usage_error("unknown --algo '" + algo_s + "'");
+  c.check = check != 0;
+  c.timeout = std::chrono::milliseconds(timeout_ms);
+  c.csv = csv;
+  char* end = nullptr;
+  c.admin_key = static_cast<uint32_t>(std::strtoul(admin_s.c_str(), &end, 0));
+  if (end == admin_s.c_str() || *end != '\0') return usage_error("bad --admin-key '" + admin_s + "'");
+
+  const bool faults = drop > 0 || dup > 0 || reorder > 0;
+  if (faults)
+    c.faults_note = fmt::format("drop {}, dup {}, reorder {} (seeds {}..)", fmt_prob(drop), fmt_prob(dup),
+                                fmt_prob(reorder), seed);
+
+  // ---- one rank by hand
+  if (local == 0) {
+    if (devices.empty()) return usage_error("give --local P, or --devices and --rank");
+    if (faults) return usage_error("--drop/--dup/--reorder need --local (start the devices with --inject-*)");
+    if (c.rank < 0 || static_cast<size_t>(c.rank) >= devices.size())
+      return usage_error(fmt::format("--rank {} is not in 0..{}", c.rank, devices.size() - 1));
+    c.devices = devices;
+    c.shm = shm;
+    if (c.root < 0 || static_cast<size_t>(c.root) >= devices.size()) return usage_error("--root out of range");
+    return run_rank(c);
+  }
+
+  // ---- --local P: devices and ranks on this machine
+  if (!devices.empty()) return usage_error("--local and --devices exclude each other");
+  if (c.root < 0 || c.root >= local) return usage_error("--root out of range");
+  if (c.admin_key == 0) return usage_error("--local needs a nonzero --admin-key");
+  if (netdamd.empty())
+    netdamd = (std::filesystem::path(self_dir()) / ".." / ".." / "daemon" / "netdamd").lexically_normal().string();
+  if (access(netdamd.c_str(), X_OK) != 0) return usage_error("cannot run " + netdamd + " (give --netdamd PATH)");
+
+  install_stop_handler();
+  const std::string dir = make_temp_dir();
+  if (dir.empty()) return usage_error("cannot create a temporary directory");
+  const uint64_t memory = device_memory_needed(c, static_cast<size_t>(local));
+  std::vector<Daemon> daemons(static_cast<size_t>(local));
+  auto cleanup = [&] {
+    for (auto& d : daemons) stop_daemon(d);
+    remove_tree(dir);
+  };
+  for (int r = 0; r < local; ++r) {
+    Daemon& d = daemons[static_cast<size_t>(r)];
+    d.shm = fmt::format("netdam-bench-{}-{}", getpid(), r);
+    std::vector<std::string> args = {netdamd, "--listen", "127.0.0.1:0", "--memory", std::to_string(memory),
+                                     "--shm", d.shm, "--admin-key", "0xAD", "--log-level", "warn"};
+    args[8] = fmt::format("{:#x}", c.admin_key);
+    if (faults) {
+      args.insert(args.end(), {"--inject-drop", fmt_prob(drop), "--inject-dup", fmt_prob(dup), "--inject-reorder",
+                               fmt_prob(reorder), "--inject-seed", std::to_string(seed + static_cast<uint64_t>(r))});
+    }
+    std::string why;
+    if (!start_daemon(args, dir, fmt::format("netdamd-{}", r), d, why)) {
+      cleanup();
+      return usage_error("device " + std::to_string(r) + ": " + why);
+    }
+    c.devices.push_back(d.address);
+  }
+  fmt::print("# started {} netdamd ({} of /dev/shm memory each{}): {}\n", local, format_size(memory),
+             faults ? ", injecting faults" : "", fmt::join(c.devices, " "));
+  std::fflush(stdout);
+
+  std::vector<pid_t> ranks;
+  for (int r = 0; r < local && !stop_requested(); ++r) {
+    BenchConfig rc = c;
+    rc.rank = r;
+    rc.shm = daemons[static_cast<size_t>(r)].shm;
+    const pid_t pid = fork_child([rc] { return run_rank(rc); });
+    if (pid < 0) {
+      std::fprintf(stderr, "netdam-bench-collectives: fork failed\n");
+      break;
+    }
+    ranks.push_back(pid);
+  }
+  const std::vector<int> codes = wait_children(ranks);
+  int status = static_cast<int>(ranks.size()) == local ? 0 : 1;
+  for (size_t r = 0; r < codes.size(); ++r) {
+    if (codes[r] == 0) continue;
+    status = 1;
+    std::fprintf(stderr, "netdam-bench-collectives: rank %zu exited with status %d\n", r, codes[r]);
+  }
+  if (status != 0 || stop_requested()) {
+    for (size_t r = 0; r < daemons.size(); ++r)
+      std::fprintf(stderr, "--- netdamd %zu (%s) log tail ---\n%s", r, daemons[r].address.c_str(),
+                   tail_file(daemons[r].log_path, 8).c_str());
+  }
+  cleanup();
+  if (stop_requested()) return 130;
+  return status;
+}

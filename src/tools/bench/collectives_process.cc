@@ -1,0 +1,215 @@
+#include "tools/bench/collectives_process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+namespace netdam::bench::coll {
+
+namespace {
+
+volatile sig_atomic_t g_stop = 0;
+void on_stop(int) { g_stop = 1; }
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+int code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return -1;
+}
+
+// In a freshly forked child: die with `sig` when the parent dies (checking
+// for the race where it already has).
+void die_with_parent(int sig, pid_t parent) {
+  prctl(PR_SET_PDEATHSIG, sig);
+  if (getppid() != parent) _exit(127);
+}
+
+}  // namespace
+
+bool start_daemon(const std::vector<std::string>& argv_in, const std::string& dir, const std::string& name,
+                  Daemon& out, std::string& error) {
+  const std::string port_file = dir + "/" + name + ".port";
+  out.log_path = dir + "/" + name + ".log";
+  std::remove(port_file.c_str());
+  std::vector<std::string> argv = argv_in;
+  argv.push_back("--port-file");
+  argv.push_back(port_file);
+  std::vector<char*> args;
+  for (auto& a : argv) args.push_back(a.data());
+  args.push_back(nullptr);
+
+  std::fflush(nullptr);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) {
+    error = std::string("fork: ") + std::strerror(errno);
+    return false;
+  }
+  if (pid == 0) {
+    // SIGTERM, not SIGKILL: netdamd then exits cleanly and unlinks its shm.
+    die_with_parent(SIGTERM, parent);
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    const int fd = open(out.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    const int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (null >= 0) dup2(null, 0);
+    execv(args[0], args.data());
+    std::fprintf(stderr, "cannot run %s: %s\n", args[0], std::strerror(errno));
+    _exit(127);
+  }
+  out.pid = pid;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::string text = read_file(port_file);
+    if (!text.empty() && text.back() == '\n') {
+      text.pop_back();
+      out.address = text;
+      return true;
+    }
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      out.pid = -1;
+      error = argv[0] + " exited with code " + std::to_string(code_of(status)) + ":\n" + tail_file(out.log_path);
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  error = argv[0] + " wrote no port file within 10 s:\n" + tail_file(out.log_path);
+  return false;
+}
+
+int stop_daemon(Daemon& d) {
+  int code = -1;
+  if (d.pid > 0) {
+    kill(d.pid, SIGTERM);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    int status = 0;
+    for (;;) {
+      const pid_t w = waitpid(d.pid, &status, WNOHANG);
+      if (w == d.pid || (w < 0 && errno != EINTR)) break;
+      if (std::chrono::steady_clock::now() > deadline) {
+        kill(d.pid, SIGKILL);
+        waitpid(d.pid, &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    code = code_of(status);
+    d.pid = -1;
+  }
+  if (!d.shm.empty()) {
+    std::error_code ec;
+    std::filesystem::remove("/dev/shm/" + d.shm, ec);  // netdamd unlinks on a clean exit
+  }
+  return code;
+}
+
+pid_t fork_child(const std::function<int()>& body) {
+  std::fflush(nullptr);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid != 0) return pid;
+  die_with_parent(SIGKILL, parent);
+  signal(SIGINT, SIG_DFL);
+  signal(SIGTERM, SIG_DFL);
+  int code = 1;
+  try {
+    code = body();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+  }
+  std::fflush(nullptr);
+  _exit(code);
+}
+
+void install_stop_handler() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
+bool stop_requested() { return g_stop != 0; }
+
+std::vector<int> wait_children(const std::vector<pid_t>& pids) {
+  std::vector<int> codes(pids.size(), -1);
+  size_t left = pids.size();
+  bool killed = false;
+  while (left > 0) {
+    if (g_stop && !killed) {
+      for (size_t i = 0; i < pids.size(); ++i)
+        if (codes[i] == -1) kill(pids[i], SIGKILL);
+      killed = true;
+    }
+    // Only our rank processes: the devices are children too.
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (codes[i] != -1) continue;
+      int status = 0;
+      const pid_t w = waitpid(pids[i], &status, WNOHANG);
+      if (w == pids[i] || (w < 0 && errno != EINTR)) {
+        codes[i] = w == pids[i] ? code_of(status) : 127;
+        --left;
+      }
+    }
+    if (left > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return codes;
+}
+
+std::string self_dir() {
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? "." : exe.parent_path().string();
+}
+
+std::string make_temp_dir() {
+  const char* base = std::getenv("TMPDIR");
+  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/netdam-bench-coll-XXXXXX";
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  return mkdtemp(buf.data()) ? std::string(buf.data()) : std::string();
+}
+
+void remove_tree(const std::string& dir) {
+  std::error_code ec;
+  if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+}
+
+std::string tail_file(const std::string& path, size_t lines) {
+  std::istringstream in(read_file(path));
+  std::deque<std::string> last;
+  for (std::string line; std::getline(in, line);) {
+    last.push_back(line);
+    if (last.size() > lines) last.pop_front();
+  }
+  std::string out;
+  for (const auto& l : last) out += "  | " + l + "\n";
+  return out;
+}
+
+}  // namespace netdam::bench::coll

@@ -1,0 +1,488 @@
+#include "tools/bench/collectives_rank.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+
+#include "collectives/plan.h"
+#include "core/reduce.h"
+
+namespace netdam::bench::coll {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// nccl-tests' names for the types.
+std::string_view nccl_type_name(DType t) {
+  switch (t) {
+    case DType::kF32: return "float";
+    case DType::kF16: return "half";
+    case DType::kBF16: return "bfloat16";
+    case DType::kF64: return "double";
+    case DType::kI32: return "int32";
+    case DType::kI64: return "int64";
+    default: return "bytes";
+  }
+}
+
+// The algorithm Group runs for one collective of `bytes`. Group does not
+// report it, so this mirrors its choice (group.cc): only AllReduce has an
+// alternative to ring by chains, kDirect, which kAuto takes up to
+// kDirectMaxBytes.
+Algorithm algorithm_for(CollOp op, Algorithm requested, uint64_t bytes) {
+  if (op != CollOp::kAllReduce) return Algorithm::kRing;
+  if (requested == Algorithm::kDirect || (requested == Algorithm::kAuto && bytes <= kDirectMaxBytes))
+    return Algorithm::kDirect;
+  return Algorithm::kRing;
+}
+
+double bus_factor(CollOp op, int p) {
+  switch (op) {
+    case CollOp::kAllReduce: return 2.0 * (p - 1) / p;
+    case CollOp::kReduceScatter:
+    case CollOp::kAllGather: return static_cast<double>(p - 1) / p;
+    case CollOp::kBroadcast: return 1.0;
+  }
+  return 1.0;
+}
+
+// One row of the sweep: nccl-tests' "size" (the total buffer for
+// ReduceScatter/AllGather), its "count" (per rank for those two) and the
+// byte sizes of this rank's input and output.
+struct Shape {
+  uint64_t size = 0, count = 0, in_bytes = 0, out_bytes = 0;
+};
+
+Shape shape_of(CollOp op, uint64_t size, size_t esize, int p) {
+  Shape s;
+  const uint64_t elems = size / esize;
+  switch (op) {
+    case CollOp::kAllReduce:
+    case CollOp::kBroadcast:
+      s.count = elems;
+      s.in_bytes = s.out_bytes = s.size = elems * esize;
+      break;
+    case CollOp::kReduceScatter:
+      s.count = elems / p;
+      s.out_bytes = s.count * esize;
+      s.in_bytes = s.size = s.out_bytes * p;
+      break;
+    case CollOp::kAllGather:
+      s.count = elems / p;
+      s.in_bytes = s.count * esize;
+      s.out_bytes = s.size = s.in_bytes * p;
+      break;
+  }
+  return s;
+}
+
+std::vector<uint64_t> sweep(const BenchConfig& c) {
+  std::vector<uint64_t> sizes;
+  for (uint64_t s = c.min_bytes; s <= c.max_bytes;) {
+    sizes.push_back(s);
+    const double next = std::floor(static_cast<double>(s) * c.factor);
+    if (next > static_cast<double>(c.max_bytes)) break;
+    s = std::max<uint64_t>(s + 1, static_cast<uint64_t>(next));
+  }
+  return sizes;
+}
+
+// ---------------------------------------------------------------- data
+
+// Element i of rank r in iteration `it`: a small integer, so that every
+// sum, min and max is exact in every type and independent of the order of
+// the reduction (16-bit floats: |v| <= 8, exact up to 16 ranks).
+inline int64_t value(int r, uint64_t i, int it, bool tiny) {
+  uint64_t h = i * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(r) * 0xC2B2AE3D27D4EB4Full +
+               static_cast<uint64_t>(it) * 0x165667B19E3779F9ull;
+  h ^= h >> 29;
+  const int64_t range = tiny ? 17 : 1001;
+  return static_cast<int64_t>(h % static_cast<uint64_t>(range)) - range / 2;
+}
+
+inline void encode(DType t, double v, std::byte* dst) {
+  switch (t) {
+    case DType::kF32: {
+      const float f = static_cast<float>(v);
+      std::memcpy(dst, &f, 4);
+      break;
+    }
+    case DType::kF64: std::memcpy(dst, &v, 8); break;
+    case DType::kF16:
+    case DType::kBF16: {
+      const float f = static_cast<float>(v);
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      const uint16_t h = t == DType::kF16 ? core::f32_bits_to_f16_bits(bits) : core::f32_bits_to_bf16_bits(bits);
+      std::memcpy(dst, &h, 2);
+      break;
+    }
+    case DType::kI32: {
+      const int32_t x = static_cast<int32_t>(v);
+      std::memcpy(dst, &x, 4);
+      break;
+    }
+    case DType::kI64: {
+      const int64_t x = static_cast<int64_t>(v);
+      std::memcpy(dst, &x, 8);
+      break;
+    }
+    default: break;
+  }
+}
+
+class Data {
+ public:
+  Data(const BenchConfig& c, int p)
+      : c_(c), p_(p), esize_(dtype_size(c.type)), tiny_(c.type == DType::kF16 || c.type == DType::kBF16) {}
+
+  // This rank's input of iteration `it` (`bytes` of it).
+  void fill_input(std::span<std::byte> in, int it) const {
+    const uint64_t n = in.size() / esize_;
+    const bool bcast = c_.op == CollOp::kBroadcast;
+    for (uint64_t i = 0; i < n; ++i) {
+      const double v = bcast && c_.rank != c_.root ? poison() : static_cast<double>(value(c_.rank, i, it, tiny_));
+      encode(c_.type, v, in.data() + i * esize_);
+    }
+  }
+  static void poison_output(std::span<std::byte> out) { std::memset(out.data(), 0x7F, out.size()); }
+
+  // Elements of this rank's output of iteration `it` that are wrong.
+  uint64_t verify(std::span<const std::byte> out, const Shape& s, int it) const {
+    uint64_t wrong = 0;
+    std::byte want[8];
+    const uint64_t n = out.size() / esize_;
+    for (uint64_t j = 0; j < n; ++j) {
+      encode(c_.type, expected(j, s, it), want);
+      wrong += std::memcmp(want, out.data() + j * esize_, esize_) != 0;
+    }
+    return wrong;
+  }
+
+ private:
+  double poison() const { return tiny_ ? 100.0 : 100000.0; }  // outside every input's range
+
+  double expected(uint64_t j, const Shape& s, int it) const {
+    switch (c_.op) {
+      case CollOp::kAllGather: {
+        const uint64_t k = j / s.count;  // the rank whose block this is
+        return static_cast<double>(value(static_cast<int>(k), j % s.count, it, tiny_));
+      }
+      case CollOp::kBroadcast: return static_cast<double>(value(c_.root, j, it, tiny_));
+      case CollOp::kAllReduce: return reduced(j, it);
+      case CollOp::kReduceScatter: return reduced(static_cast<uint64_t>(c_.rank) * s.count + j, it);
+    }
+    return 0;
+  }
+
+  double reduced(uint64_t i, int it) const {
+    int64_t acc = value(0, i, it, tiny_);
+    for (int r = 1; r < p_; ++r) {
+      const int64_t v = value(r, i, it, tiny_);
+      switch (c_.redop) {
+        case Reduction::kSum:
+        case Reduction::kAvg: acc += v; break;
+        case Reduction::kMin: acc = std::min(acc, v); break;
+        case Reduction::kMax: acc = std::max(acc, v); break;
+      }
+    }
+    if (c_.redop != Reduction::kAvg) return static_cast<double>(acc);
+    // As Group divides: in the element's own type (f32 for 16-bit floats).
+    if (c_.type == DType::kF64) return static_cast<double>(acc) / p_;
+    return static_cast<double>(static_cast<float>(acc) / static_cast<float>(p_));
+  }
+
+  const BenchConfig& c_;
+  const int p_;
+  const size_t esize_;
+  const bool tiny_;
+};
+
+// ---------------------------------------------------------------- exchange
+
+// What every rank reports for one size; exchanged with an AllGather through
+// the group itself.
+struct Stat {
+  double time_us = 0;  // average time of one collective
+  uint64_t wrong = 0;
+  uint64_t retransmits = 0;
+};
+static_assert(sizeof(Stat) == 24);
+
+Error gather(Group& g, const Stat& mine, std::vector<Stat>& all) {
+  std::vector<std::byte> in(sizeof(Stat)), out(sizeof(Stat) * static_cast<size_t>(g.size()));
+  std::memcpy(in.data(), &mine, sizeof(Stat));
+  if (Error e = g.allgather(in, out)) return e;
+  all.resize(static_cast<size_t>(g.size()));
+  std::memcpy(all.data(), out.data(), out.size());
+  return {};
+}
+
+struct Combined {
+  double time_us = 0;  // max over ranks
+  uint64_t wrong = 0, retransmits = 0;  // sums
+};
+
+Combined combine(const std::vector<Stat>& all) {
+  Combined c;
+  for (const Stat& s : all) {
+    c.time_us = std::max(c.time_us, s.time_us);
+    c.wrong += s.wrong;
+    c.retransmits += s.retransmits;
+  }
+  return c;
+}
+
+Error run_one(Group& g, const BenchConfig& c, const Shape& s, std::span<std::byte> in, std::span<std::byte> out) {
+  std::span<const std::byte> cin = in.first(s.in_bytes);
+  std::span<std::byte> cout = out.first(s.out_bytes);
+  switch (c.op) {
+    case CollOp::kAllReduce: return g.allreduce(cin, cout, c.type, c.redop);
+    case CollOp::kReduceScatter: return g.reduce_scatter(cin, cout, c.type, c.redop);
+    case CollOp::kAllGather: return g.allgather(cin, cout);
+    case CollOp::kBroadcast: {
+      // In place, as Group's broadcast is: the input is the output.
+      return g.broadcast(in.first(s.in_bytes), c.root);
+    }
+  }
+  return Error::invalid("unknown collective");
+}
+
+size_t block_for(size_t p) {
+  const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
+  return (kDefaultMaxPayload - route) / 64 * 64;
+}
+
+}  // namespace
+
+std::string_view to_string(CollOp op) {
+  switch (op) {
+    case CollOp::kAllReduce: return "allreduce";
+    case CollOp::kReduceScatter: return "reducescatter";
+    case CollOp::kAllGather: return "allgather";
+    case CollOp::kBroadcast: return "broadcast";
+  }
+  return "unknown";
+}
+
+uint64_t group_capacity(const BenchConfig& c) {
+  // Room for the largest buffer, and for the per-size exchange of the
+  // ranks' figures (an AllGather of 24 B each, at most 16 ranks).
+  const uint64_t cap = std::max<uint64_t>(c.max_bytes, 64 * 16);
+  return (cap + 63) / 64 * 64;
+}
+
+uint64_t device_memory_needed(const BenchConfig& c, size_t p) {
+  const uint64_t slot = collectives::SlotLayout::bytes(group_capacity(c), block_for(p), p);
+  const uint64_t bytes = slot * static_cast<uint64_t>(c.slots) + (1u << 20);
+  return (bytes + (1u << 20) - 1) / (1u << 20) * (1u << 20);
+}
+
+int run_rank(const BenchConfig& c) {
+  const int p = static_cast<int>(c.devices.size());
+  const bool lead = c.rank == 0;
+  auto fail = [&](const std::string& what) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "netdam-bench-collectives: rank %d: %s\n", c.rank, what.c_str());
+    return 1;
+  };
+
+  GroupOptions o;
+  o.rank = c.rank;
+  o.devices = c.devices;
+  o.shm = c.shm;
+  o.admin_key = c.admin_key;
+  o.capacity = group_capacity(c);
+  o.slots = c.slots;
+  o.timeout = c.timeout;
+  o.client.timeout = c.timeout;
+  o.algorithm = c.algorithm;
+  o.sparse = c.sparse;
+  if (c.window) o.client.window_packets = c.window;
+  auto created = Group::create(o);
+  if (!created) return fail("cannot create the group: " + created.error().to_string());
+  Group& g = *created.value();
+
+  std::unique_ptr<std::ofstream> csv;
+  if (lead && !c.csv.empty()) {
+    csv = std::make_unique<std::ofstream>(c.csv);
+    if (!*csv) return fail("cannot write " + c.csv);
+    *csv << "impl,algo,op,size,time_us,algbw,busbw,wrong\n";
+  }
+
+  const size_t esize = dtype_size(c.type);
+  if (lead) {
+    const bool reduces = c.op == CollOp::kAllReduce || c.op == CollOp::kReduceScatter;
+    fmt::print("# netdam-bench-collectives: {} of {} ({}), {}, p={} ranks\n", to_string(c.op),
+               nccl_type_name(c.type), to_string(c.type),
+               reduces ? fmt::format("redop {}", to_string(c.redop))
+               : c.op == CollOp::kBroadcast ? fmt::format("root {}", c.root) : std::string("no reduction"), p);
+    const Algorithm small = algorithm_for(c.op, c.algorithm, 1);
+    const Algorithm large = algorithm_for(c.op, c.algorithm, ~uint64_t{0});
+    const std::string chosen =
+        small == large ? std::string(to_string(small))
+                       : fmt::format("{} up to {} B, {} above", to_string(small), kDirectMaxBytes, to_string(large));
+    fmt::print("#  algorithm: {} (requested {}); p={}; {} B per chain packet, {} slots, timeout {} ms, "
+               "client window {} packets{}\n", chosen, to_string(c.algorithm), p, g.block_bytes(), c.slots,
+               c.timeout.count(), g.client().options().window_packets, c.sparse ? ", sparse blocks allowed" : "");
+    fmt::print("#  devices: {}{}\n", fmt::join(c.devices, " "), c.shm.empty() ? "" : " (co-located, shm)");
+    fmt::print("#  iterations: -n {} -w {}, fewer for large sizes (about {:.1f} s timed per size); {}\n",
+               c.iters, c.warmup, c.time_per_size,
+               c.check ? "every iteration verified (untimed, ranks synchronised by a barrier before each)"
+                       : "no per-iteration check (back-to-back, last result verified)");
+    if (!c.faults_note.empty()) fmt::print("#  faults injected by the devices: {}\n", c.faults_note);
+    fmt::print("#  time = max over ranks of the mean time of one collective; "
+               "algbw = size/time; busbw = algbw x {}\n",
+               c.op == CollOp::kAllReduce ? "2(p-1)/p" : c.op == CollOp::kBroadcast ? "1" : "(p-1)/p");
+    fmt::print("#\n");
+    fmt::print("# {:>12} {:>12} {:>9} {:>6} {:>11} {:>8} {:>8} {:>7}\n", "size", "count", "type", "redop",
+               "time", "algbw", "busbw", "#wrong");
+    fmt::print("# {:>12} {:>12} {:>9} {:>6} {:>11} {:>8} {:>8} {:>7}\n", "(B)", "(elements)", "", "", "(us)",
+               "(GB/s)", "(GB/s)", "");
+    std::fflush(stdout);
+  }
+
+  const Data data(c, p);
+  const uint64_t cap = group_capacity(c);
+  std::vector<std::byte> in(cap), out(cap);
+  uint64_t total_wrong = 0, total_rexmit = 0;
+  double busbw_sum = 0;
+  int rows = 0;
+  std::vector<std::string> adapted;
+  const std::string_view redop_name = c.op == CollOp::kAllGather || c.op == CollOp::kBroadcast
+                                          ? std::string_view("none")
+                                          : to_string(c.redop);
+
+  for (const uint64_t size : sweep(c)) {
+    const Shape s = shape_of(c.op, size, esize, p);
+    if (s.count == 0) continue;  // too small to give every rank an element
+    const uint64_t rexmit0 = g.client().counters().retransmits;
+    Stat mine;
+
+    // One iteration: with timed_check, a fresh input, a barrier, the timed
+    // collective and its check; without, the collective alone (warm-ups of
+    // --check 0, on whatever the buffers hold).
+    auto iteration = [&](int it, bool timed_check, double& us) -> Error {
+      if (timed_check) {
+        data.fill_input(std::span(in).first(s.in_bytes), it);
+        if (c.op != CollOp::kBroadcast) Data::poison_output(std::span(out).first(s.out_bytes));
+      }
+      if (timed_check)
+        if (Error e = g.barrier()) return e;
+      const auto t0 = Clock::now();
+      if (Error e = run_one(g, c, s, in, out)) return e;
+      us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+      if (c.verbose)
+        std::fprintf(stderr, "# rank %d size %llu iteration %d: %.1f us (client resends so far %llu)\n", c.rank,
+                     static_cast<unsigned long long>(s.size), it, us,
+                     static_cast<unsigned long long>(g.client().counters().retransmits));
+      if (timed_check) {
+        const auto result = c.op == CollOp::kBroadcast ? std::span<const std::byte>(in).first(s.in_bytes)
+                                                       : std::span<const std::byte>(out).first(s.out_bytes);
+        mine.wrong += data.verify(result, s, it);
+      }
+      return {};
+    };
+
+    // The first warm-ups (two, or -w if that is fewer; always at least one)
+    // tell how long one collective takes; the first at a new size is often
+    // much slower than the rest (cold pages, the clients' RTT estimates
+    // adapting), so the faster one counts. Every rank then derives the
+    // same iteration counts from the slowest rank's figure.
+    const int probes = std::clamp(c.warmup, 1, 2);
+    double probe_us = 0;
+    int it = 0;
+    for (; it < probes; ++it) {
+      double us = 0;
+      if (Error e = iteration(it, true, us)) return fail(fmt::format("size {}: {}", s.size, e.to_string()));
+      probe_us = it == 0 ? us : std::min(probe_us, us);
+    }
+    std::vector<Stat> all;
+    if (Error e = gather(g, Stat{probe_us, 0, 0}, all))
+      return fail(fmt::format("size {}: exchanging times: {}", s.size, e.to_string()));
+    const double probe = std::max(combine(all).time_us, 1.0) * 1e-6;
+    const int warm = std::clamp(static_cast<int>(0.25 * c.time_per_size / probe), 0, std::max(c.warmup - probes, 0));
+    const int iters = std::clamp(static_cast<int>(c.time_per_size / probe), 1, std::max(c.iters, 1));
+    if (iters < c.iters || probes + warm < c.warmup)
+      adapted.push_back(fmt::format("{} B: {} iterations, {} warm-up", s.size, iters, probes + warm));
+
+    double us = 0, total_us = 0;
+    for (int w = 0; w < warm; ++w, ++it)
+      if (Error e = iteration(c.check ? it : 0, c.check, us))
+        return fail(fmt::format("size {}: {}", s.size, e.to_string()));
+    if (c.check) {
+      for (int i = 0; i < iters; ++i, ++it) {
+        if (Error e = iteration(it, true, us)) return fail(fmt::format("size {}: {}", s.size, e.to_string()));
+        total_us += us;
+      }
+    } else {
+      data.fill_input(std::span(in).first(s.in_bytes), 0);  // untimed; every iteration then has these inputs
+      if (c.op != CollOp::kBroadcast) Data::poison_output(std::span(out).first(s.out_bytes));
+      if (Error e = g.barrier()) return fail(fmt::format("size {}: barrier: {}", s.size, e.to_string()));
+      const auto t0 = Clock::now();
+      for (int i = 0; i < iters; ++i)
+        if (Error e = run_one(g, c, s, in, out)) return fail(fmt::format("size {}: {}", s.size, e.to_string()));
+      total_us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+      // Every iteration had the inputs of iteration 0.
+      const auto result = c.op == CollOp::kBroadcast ? std::span<const std::byte>(in).first(s.in_bytes)
+                                                     : std::span<const std::byte>(out).first(s.out_bytes);
+      mine.wrong += data.verify(result, s, 0);
+    }
+    mine.time_us = total_us / iters;
+    mine.retransmits = g.client().counters().retransmits - rexmit0;
+    if (Error e = gather(g, mine, all))
+      return fail(fmt::format("size {}: exchanging results: {}", s.size, e.to_string()));
+    const Combined r = combine(all);
+    total_wrong += r.wrong;
+    total_rexmit += r.retransmits;
+    if (lead) {
+      const double algbw = static_cast<double>(s.size) / (r.time_us * 1e-6) / 1e9;
+      const double busbw = algbw * bus_factor(c.op, p);
+      busbw_sum += busbw;
+      ++rows;
+      fmt::print("  {:>12} {:>12} {:>9} {:>6} {:>11.1f} {:>8.3f} {:>8.3f} {:>7}\n", s.size, s.count,
+                 nccl_type_name(c.type), redop_name, r.time_us, algbw, busbw, r.wrong);
+      std::fflush(stdout);
+      if (csv) {
+        *csv << fmt::format("netdam,{},{},{},{:.3f},{:.6f},{:.6f},{}\n",
+                            to_string(algorithm_for(c.op, c.algorithm, s.in_bytes)), to_string(c.op), s.size,
+                            r.time_us, algbw, busbw, r.wrong);
+        csv->flush();
+      }
+    }
+  }
+
+  if (c.device_stats) {
+    // Printed one rank after the other (in rank order, through barriers).
+    for (int r = 0; r < p; ++r) {
+      if (r == c.rank) {
+        std::string line = fmt::format("# rank {} device {}:", c.rank, c.devices[static_cast<size_t>(c.rank)]);
+        if (auto st = g.client().stats())
+          for (const auto& [name, v] : st.value())
+            if (v) line += fmt::format(" {}={}", name, v);
+        const auto& k = g.client().counters();
+        line += fmt::format("; client sent={} resent={} answers={} ignored={}", k.packets_sent, k.retransmits,
+                            k.answers, k.ignored);
+        std::fflush(stdout);
+        std::fprintf(stderr, "%s\n", line.c_str());
+      }
+      if (Error e = g.barrier()) return fail("barrier: " + e.to_string());
+    }
+  }
+  if (lead) {
+    if (!adapted.empty()) fmt::print("# iterations reduced to fit the time per size: {}\n", fmt::join(adapted, "; "));
+    fmt::print("# client resends (timeouts and NOT_READY retries; all ranks, all sizes): {}\n", total_rexmit);
+    fmt::print("# Out of bounds values : {} {}\n", total_wrong, total_wrong ? "FAILED" : "OK");
+    fmt::print("# Avg bus bandwidth    : {:.3f}\n", rows ? busbw_sum / rows : 0.0);
+    std::fflush(stdout);
+  }
+  return total_wrong ? 1 : 0;
+}
+
+}  // namespace netdam::bench::coll

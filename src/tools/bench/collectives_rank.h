@@ -1,0 +1,55 @@
+// One rank of netdam-bench-collectives: creates its netdam::Group, sweeps
+// the sizes, times and verifies the collectives, and (rank 0) prints the
+// nccl-tests style table.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "netdam/group.h"
+#include "netdam/types.h"
+
+namespace netdam::bench::coll {
+
+enum class CollOp : uint8_t { kAllReduce, kReduceScatter, kAllGather, kBroadcast };
+std::string_view to_string(CollOp op);
+
+struct BenchConfig {
+  CollOp op = CollOp::kAllReduce;
+  DType type = DType::kF32;
+  Reduction redop = Reduction::kSum;
+  uint64_t min_bytes = 8, max_bytes = 64ull << 20;
+  double factor = 2;
+  int iters = 20, warmup = 5;
+  bool check = true;           // verify every iteration (untimed)
+  double time_per_size = 2.0;  // seconds of timed iterations per size, at most (about)
+  int root = 0;                // broadcast
+  Algorithm algorithm = Algorithm::kAuto;
+  bool sparse = false;         // GroupOptions::sparse
+
+  // The group.
+  std::vector<std::string> devices;
+  int rank = 0;
+  std::string shm;             // this rank's device memory, if co-located
+  uint32_t admin_key = 0xAD;
+  int slots = 2;
+  std::chrono::milliseconds timeout{5000};
+  size_t window = 0;           // ClientOptions::window_packets (0: the client's default)
+
+  std::string csv;             // rank 0 writes the rows here
+  std::string faults_note;     // for the header: what the devices inject
+  bool verbose = false;        // each rank prints every iteration's time (stderr)
+  bool device_stats = false;   // each rank prints its device's counters at the end
+};
+
+// Capacity the group needs for the sweep (the largest buffer).
+uint64_t group_capacity(const BenchConfig& c);
+// Device memory that holds `slots` slots of that capacity for p ranks.
+uint64_t device_memory_needed(const BenchConfig& c, size_t p);
+
+// Runs this rank; returns the process exit code (0 ok, 1 wrong data or error).
+int run_rank(const BenchConfig& c);
+
+}  // namespace netdam::bench::coll

@@ -1,0 +1,190 @@
+// Collectives across real processes on loopback: three netdamd devices
+// (co-located with their hosts through --shm), three ranks as threads of
+// this test, each with its own Group and its own UDP client. Checks exact
+// results on a clean network and under injected loss/duplication/reordering
+// (netdamd --inject-*), and that killing a device makes every rank's
+// collective fail within the timeout instead of hanging.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <thread>
+
+#include "daemon_fixture.h"
+#include "netdam/group.h"
+
+namespace netdam {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using testing::TestDaemon;
+
+constexpr int kRanks = 3;
+constexpr size_t kCount = 100000;  // f32 elements
+
+struct Devices {
+  explicit Devices(const std::vector<std::vector<std::string>>& extra = {}) {
+    for (int r = 0; r < kRanks; ++r) {
+      shm.push_back("netdam-ptest-" + std::to_string(getpid()) + "-" + std::to_string(r));
+      std::vector<std::string> args = {"--memory", "16MiB", "--shm", shm.back(), "--admin-key", "0xAD",
+                                       "--log-level", "warn"};
+      if (static_cast<size_t>(r) < extra.size()) args.insert(args.end(), extra[r].begin(), extra[r].end());
+      daemons.push_back(std::make_unique<TestDaemon>());
+      if (!daemons.back()->start(args)) {
+        error = daemons.back()->error();
+        return;
+      }
+      endpoints.push_back(daemons.back()->endpoint());
+    }
+  }
+  ~Devices() {
+    daemons.clear();  // kills what still runs
+    std::error_code ec;
+    for (const auto& name : shm) std::filesystem::remove("/dev/shm/" + name, ec);
+  }
+  GroupOptions options(int rank, std::chrono::milliseconds timeout) const {
+    GroupOptions o;
+    o.rank = rank;
+    o.devices = endpoints;
+    o.shm = shm[static_cast<size_t>(rank)];
+    o.admin_key = 0xAD;
+    o.capacity = kCount * sizeof(float);
+    o.slots = 2;
+    o.timeout = timeout;
+    o.client.timeout = timeout;
+    return o;
+  }
+  std::vector<std::unique_ptr<TestDaemon>> daemons;
+  std::vector<std::string> shm, endpoints;
+  std::string error;
+};
+
+// Element i of rank r in iteration it: small integers, so f32 sums are exact.
+float input(int r, size_t i, int it) { return static_cast<float>((i * 7 + static_cast<size_t>(r) * 13 + it) % 1024) - 300; }
+
+float expected(size_t i, int it) {
+  float s = 0;
+  for (int r = 0; r < kRanks; ++r) s += input(r, i, it);
+  return s;
+}
+
+// Runs `body(rank, group)` on kRanks threads, each creating its own Group.
+struct RankResult {
+  std::string error;  // creation or collective error, "" if none
+  size_t wrong = 0;
+  int done = 0;  // collectives completed
+  Clock::time_point failed_at{};
+};
+
+template <typename Body>
+std::vector<RankResult> run_ranks(const Devices& d, std::chrono::milliseconds timeout, Body body) {
+  std::vector<RankResult> results(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      auto g = Group::create(d.options(r, timeout));
+      if (!g) {
+        results[r].error = "create: " + g.error().to_string();
+        results[r].failed_at = Clock::now();
+        return;
+      }
+      body(r, *g.value(), results[r]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return results;
+}
+
+// `iters` AllReduces of kCount f32; stops at the first error.
+void allreduce_loop(int r, Group& g, RankResult& res, int iters, std::atomic<int>* progress = nullptr) {
+  std::vector<float> in(kCount), out(kCount);
+  for (int it = 0; it < iters; ++it) {
+    for (size_t i = 0; i < kCount; ++i) in[i] = input(r, i, it);
+    std::fill(out.begin(), out.end(), -1.0f);
+    Error e = g.allreduce(std::as_bytes(std::span(in)), std::as_writable_bytes(std::span(out)), DType::kF32,
+                          Reduction::kSum);
+    if (e) {
+      res.error = e.to_string();
+      res.failed_at = Clock::now();
+      return;
+    }
+    for (size_t i = 0; i < kCount; ++i) res.wrong += out[i] != expected(i, it);
+    ++res.done;
+    if (progress) progress->fetch_add(1);
+  }
+}
+
+TEST(CollectivesProcess, AllReduceExact) {
+  Devices d;
+  ASSERT_TRUE(d.error.empty()) << d.error;
+  const auto t0 = Clock::now();
+  auto res = run_ranks(d, 5000ms, [](int r, Group& g, RankResult& res) { allreduce_loop(r, g, res, 5); });
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(res[r].error, "") << "rank " << r;
+    EXPECT_EQ(res[r].done, 5) << "rank " << r;
+    EXPECT_EQ(res[r].wrong, 0u) << "rank " << r;
+  }
+  EXPECT_LT(Clock::now() - t0, 20s);
+}
+
+TEST(CollectivesProcess, AllReduceExactUnderInjectedFaults) {
+  std::vector<std::vector<std::string>> extra;
+  for (int r = 0; r < kRanks; ++r)
+    extra.push_back({"--inject-drop", "0.05", "--inject-dup", "0.05", "--inject-reorder", "0.05",
+                     "--inject-seed", std::to_string(1000 + r)});
+  Devices d(extra);
+  ASSERT_TRUE(d.error.empty()) << d.error;
+  const auto t0 = Clock::now();
+  auto res = run_ranks(d, 5000ms, [](int r, Group& g, RankResult& res) { allreduce_loop(r, g, res, 4); });
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(res[r].error, "") << "rank " << r;
+    EXPECT_EQ(res[r].done, 4) << "rank " << r;
+    EXPECT_EQ(res[r].wrong, 0u) << "rank " << r;
+  }
+  EXPECT_LT(Clock::now() - t0, 20s);
+  // The devices did inject faults (they log it loudly at start).
+  for (auto& dm : d.daemons) EXPECT_NE(dm->log().find("FAULT INJECTION ENABLED"), std::string::npos);
+}
+
+TEST(CollectivesProcess, KilledDeviceFailsEveryRankInBoundedTime) {
+  Devices d;
+  ASSERT_TRUE(d.error.empty()) << d.error;
+  constexpr auto kTimeout = 1000ms;
+  std::atomic<int> progress{0};
+  std::atomic<bool> killed{false};
+  Clock::time_point killed_at{};
+  std::thread killer([&] {
+    // Mid-run: after a few collectives have completed everywhere.
+    const auto limit = Clock::now() + 15s;
+    while (progress.load() < 3 * kRanks && Clock::now() < limit) std::this_thread::sleep_for(1ms);
+    killed_at = Clock::now();
+    kill(d.daemons[1]->pid(), SIGKILL);
+    killed = true;
+  });
+  auto res = run_ranks(d, kTimeout, [&](int r, Group& g, RankResult& res) {
+    allreduce_loop(r, g, res, 1000000, &progress);
+  });
+  killer.join();
+  ASSERT_TRUE(killed);
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_NE(res[r].error, "") << "rank " << r << " did not fail";
+    EXPECT_GE(res[r].done, 3) << "rank " << r;
+    EXPECT_EQ(res[r].wrong, 0u) << "rank " << r;
+    const auto after = res[r].failed_at - killed_at;
+    // A chain or a stamp wait in progress at the kill times out after
+    // kTimeout; allow scheduling slack on a loaded 2-core machine.
+    EXPECT_LT(after, kTimeout + 1500ms)
+        << "rank " << r << " failed "
+        << std::chrono::duration_cast<std::chrono::milliseconds>(after).count() << " ms after the kill";
+    std::printf("rank %d: %d collectives, then after %lld ms: %s\n", r, res[r].done,
+                static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(after).count()),
+                res[r].error.c_str());
+  }
+}
+
+}  // namespace
+}  // namespace netdam
