@@ -214,7 +214,7 @@ void check_allreduce(const Case& c) {
     }
     for (int r = 0; r < c.p; ++r) {
       ASSERT_FALSE(works[r].error()) << "rank " << r << ": " << works[r].error().to_string();
-      ASSERT_EQ(0, std::memcmp(out[r].data(), want.data(), bytes)) << "rank " << r << " iter " << iter;
+      ASSERT_TRUE(out[r] == want) << "rank " << r << " iter " << iter;
     }
     for (auto& v : in) v = random_elements(c.t, c.count, v.size() + iter + 5);
   }
