@@ -224,8 +224,9 @@ class RanksAndSizes : public ::testing::TestWithParam<std::tuple<int, size_t, do
 
 TEST_P(RanksAndSizes, AllReduceF32SumIsExact) {
   auto [p, count, loss] = GetParam();
-  for (Algorithm a : {Algorithm::kRing, Algorithm::kDirect})
-    check_allreduce({p, count, DType::kF32, Reduction::kSum, loss, a});
+  check_allreduce({p, count, DType::kF32, Reduction::kSum, loss, Algorithm::kRing});
+  // Direct reduction is for small buffers (p times the traffic).
+  if (count * 4 <= 64 * 1024) check_allreduce({p, count, DType::kF32, Reduction::kSum, loss, Algorithm::kDirect});
 }
 
 // Sizes: empty, one element, odd, exactly one block, one block + 1, and
