@@ -516,5 +516,79 @@ TEST(WireGolden, EngineAnswersGoldenRequests) {
   EXPECT_EQ(rh.length, 8u);
 }
 
+// PROTOCOL.md section 14, example 5: a two-hop chain (REDUCE_PAYLOAD at A,
+// WRITE at B), byte for byte: the request, what A forwards, B's ACK.
+TEST(WireGolden, ChainExampleFromProtocolDoc) {
+  const auto request = unhex(
+      "4e44414d 01 40 00 00 01 01 02 00 00000000 0000000000000005 0000000000000000 00000008 00000000"
+      "00000000 0000 0000 00000000 00000000"
+      "0a000001 1b58 31 00 00000007 00000000 0000000000000000"
+      "0a000002 1b58 11 00 00000009 00000000 0000000000000100"
+      "0000003f0000803e");
+  const auto forwarded = unhex(
+      "4e44414d 01 40 00 00 01 01 02 01 00000000 0000000000000005 0000000000000000 00000008 00000000"
+      "0a000009 9c40 0000 00000000 00000000"
+      "0a000001 1b58 31 00 00000007 00000000 0000000000000000"
+      "0a000002 1b58 11 00 00000009 00000000 0000000000000100"
+      "0000c03f00001040");
+  const auto ack = unhex(
+      "4e44414d 01 40 01 00 01 01 00 01 00000000 0000000000000005 0000000000000000 00000000 5eed0002");
+  ASSERT_EQ(request.size(), 112u);
+  ASSERT_EQ(forwarded.size(), 112u);
+
+  const Address client{0x0A000009, 40000}, a_addr{0x0A000001, 7000};
+  std::vector<std::byte> mem_a(64 * 1024), mem_b(64 * 1024);
+  const float ab[2] = {1.0f, 2.0f};
+  std::memcpy(mem_a.data(), ab, sizeof ab);  // little-endian host
+  DeviceConfig ca, cb;
+  ca.boot_id = 0x5EED0001;
+  cb.boot_id = 0x5EED0002;
+  Device a(mem_a, ca), b(mem_b, cb);
+  ASSERT_EQ(a.regions().add(Region{0, 0x8000, 7, kPermAll}), Status::kOk);
+  ASSERT_EQ(b.regions().add(Region{0, 0x8000, 9, kPermAll}), Status::kOk);
+  Engine ea(a), eb(b);
+  std::vector<std::byte> out_a(Engine::out_buffer_size(a.config()));
+  std::vector<std::byte> out_b(Engine::out_buffer_size(b.config()));
+
+  auto d = request;
+  Action fa = ea.handle(client, d, out_a);
+  ASSERT_EQ(fa.kind, Action::Kind::kForward);
+  EXPECT_EQ(fa.to, (Address{0x0A000002, 7000}));
+  const auto sent = concat(fa.head, fa.data);
+  EXPECT_EQ(hex(sent), hex(forwarded));
+
+  auto d2 = sent;
+  Action rb = eb.handle(a_addr, d2, out_b);
+  ASSERT_EQ(rb.kind, Action::Kind::kReply);
+  EXPECT_EQ(rb.to, client);
+  EXPECT_EQ(hex(concat(rb.head, rb.data)), hex(ack));
+  EXPECT_EQ(hex(std::span(mem_b).subspan(0x100, 8)), "0000c03f00001040");
+}
+
+// PROTOCOL.md section 14, example 6: ARM and its answer.
+TEST(WireGolden, ArmExampleFromProtocolDoc) {
+  const auto request = unhex(
+      "4e44414d 01 14 00 00 00 00 00 00 00000009 0000000000000006 0000000000000000 00000004 00000000"
+      "00000005");
+  const auto answer = unhex(
+      "4e44414d 01 14 01 00 00 00 00 00 00000009 0000000000000006 0000000000000000 00000004 5eed0002"
+      "00000000");
+  std::vector<std::byte> memory(64 * 1024);
+  DeviceConfig c;
+  c.boot_id = 0x5EED0002;
+  Device dev(memory, c);
+  ASSERT_EQ(dev.regions().add(Region{0, 0x8000, 9, kPermAll}), Status::kOk);
+  Engine engine(dev);
+  std::vector<std::byte> out(Engine::out_buffer_size(dev.config()));
+  const Address client{0x0A000009, 40000};
+  for (int i = 0; i < 2; ++i) {  // the retransmission gets the same answer
+    auto d = request;
+    Action r = engine.handle(client, d, out);
+    ASSERT_EQ(r.kind, Action::Kind::kReply);
+    EXPECT_EQ(hex(concat(r.head, r.data)), hex(answer)) << "transmission " << i;
+  }
+  EXPECT_EQ(dev.regions().find(9)->generation, 5u);
+}
+
 }  // namespace
 }  // namespace netdam::core
