@@ -12,6 +12,7 @@
 #include "core/engine.h"
 #include "core/reduce.h"
 #include "daemon/device_loop.h"
+#include "fabric_device.h"
 #include "netdam/client.h"
 #include "transport/fabric.h"
 
@@ -26,25 +27,12 @@ using namespace std::chrono_literals;
 const Endpoint kDeviceAddr{0x0A000001, 7000};
 const Endpoint kClientAddr{0x0A000002, 40000};
 
-// A device living on the fabric: memory, engine, handler.
-struct FabricDevice {
+// A fabric device with region key 1 over all of its memory.
+struct FabricDevice : testing::FabricDevice {
   FabricDevice(Fabric& f, Endpoint addr, uint32_t boot_id, size_t mem = 4 << 20)
-      : memory(mem), device(memory, config(boot_id)), engine(device),
-        out(core::Engine::out_buffer_size(device.config())) {
+      : testing::FabricDevice(f, addr, boot_id, mem) {
     device.regions().add(core::Region{0, mem, 1, core::kPermAll});
-    f.attach_handler(addr, [this](transport::InMsg& m, transport::Transport& self) {
-      device::DeviceLoop::serve_one(engine, m, self, out);
-    });
   }
-  static core::DeviceConfig config(uint32_t boot_id) {
-    core::DeviceConfig c;
-    c.boot_id = boot_id;
-    return c;
-  }
-  std::vector<std::byte> memory;
-  core::Device device;
-  core::Engine engine;
-  std::vector<std::byte> out;
 };
 
 std::vector<std::byte> random_bytes(size_t n, uint64_t seed) {

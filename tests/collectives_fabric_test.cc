@@ -11,6 +11,7 @@
 #include "core/engine.h"
 #include "core/reduce.h"
 #include "daemon/device_loop.h"
+#include "fabric_device.h"
 #include "netdam/group.h"
 #include "transport/fabric.h"
 
@@ -25,24 +26,7 @@ using transport::FaultModel;
 constexpr uint32_t kKeyBase = 0x4E440100;
 
 struct Cluster {
-  struct Device {
-    Device(Fabric& f, Endpoint addr, uint32_t boot, size_t mem)
-        : memory(mem), device(memory, config(boot)), engine(device),
-          out(core::Engine::out_buffer_size(device.config())) {
-      f.attach_handler(addr, [this](transport::InMsg& m, transport::Transport& self) {
-        device::DeviceLoop::serve_one(engine, m, self, out);
-      });
-    }
-    static core::DeviceConfig config(uint32_t boot) {
-      core::DeviceConfig c;
-      c.boot_id = boot;
-      return c;
-    }
-    std::vector<std::byte> memory;
-    core::Device device;
-    core::Engine engine;
-    std::vector<std::byte> out;
-  };
+  using Device = testing::FabricDevice;
 
   Cluster(int p, FaultModel faults, uint64_t capacity, int slots = 2,
           Algorithm algorithm = Algorithm::kAuto, bool sparse = false)

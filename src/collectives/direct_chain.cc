@@ -23,17 +23,6 @@
 
 namespace netdam::collectives {
 
-namespace {
-Hop hop(const Context& c, int rank, Opcode op, uint8_t flags, uint64_t addr, uint32_t aux = 0) {
-  Hop h = c.devices[static_cast<size_t>(rank)];
-  h.op = op;
-  h.flags = flags;
-  h.rkey = c.slot.key;
-  h.addr = addr;
-  h.aux = aux;
-  return h;
-}
-}  // namespace
 
 Plan direct_allreduce(const Context& c, std::span<const std::byte> in, std::span<std::byte> out,
                       DType t, RedOp op) {
@@ -54,10 +43,10 @@ Plan direct_allreduce(const Context& c, std::span<const std::byte> in, std::span
     ChainPlan chain;
     chain.length = length;
     for (int r = 0; r < p; ++r)
-      chain.hops.push_back(hop(c, r, r == 0 ? Opcode::kRead : Opcode::kReducePayload, kSegGen, src + off));
-    chain.hops.push_back(hop(c, c.rank, Opcode::kWrite, kSegGen | kSegStamp, dst + off, c.slot.stamp_aux(index)));
+      chain.hops.push_back(make_hop(c, r, r == 0 ? Opcode::kRead : Opcode::kReducePayload, kSegGen, src + off));
+    chain.hops.push_back(make_hop(c, c.rank, Opcode::kWrite, kSegGen | kSegStamp, dst + off, c.slot.stamp_aux(index)));
     // ip 0: "the device that refused the chain" (filled in by the Group).
-    Hop from_refuser = hop(c, c.rank, Opcode::kRead, 0, dst + off);
+    Hop from_refuser = make_hop(c, c.rank, Opcode::kRead, 0, dst + off);
     from_refuser.ip = 0;
     from_refuser.port = 0;
     chain.fallback = {from_refuser, chain.hops.back()};

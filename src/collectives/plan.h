@@ -62,6 +62,18 @@ struct Context {
   int ranks() const { return static_cast<int>(devices.size()); }
 };
 
+// A segment of a chain in slot c.slot at rank `rank`'s device.
+inline Hop make_hop(const Context& c, int rank, Opcode op, uint8_t flags, uint64_t addr,
+                    uint32_t aux = 0) {
+  Hop h = c.devices[static_cast<size_t>(rank)];
+  h.op = op;
+  h.flags = flags;
+  h.rkey = c.slot.key;
+  h.addr = addr;
+  h.aux = aux;
+  return h;
+}
+
 // direct_chain.cc
 Plan direct_allreduce(const Context& c, std::span<const std::byte> in, std::span<std::byte> out,
                       DType t, RedOp op);

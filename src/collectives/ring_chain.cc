@@ -20,15 +20,6 @@ namespace netdam::collectives {
 
 namespace {
 
-Hop hop(const Context& c, int rank, Opcode op, uint8_t flags, uint64_t addr, uint32_t aux = 0) {
-  Hop h = c.devices[static_cast<size_t>(rank)];
-  h.op = op;
-  h.flags = flags;
-  h.rkey = c.slot.key;
-  h.addr = addr;
-  h.aux = aux;
-  return h;
-}
 
 constexpr uint8_t kStore = kSegGen | kSegStamp;
 constexpr uint8_t kStoreElsewhere = kSegGen | kSegSkipStale | kSegStamp;
@@ -59,7 +50,7 @@ void gather_after(const Context& c, int owner, const Block& b, uint64_t out_base
                   std::vector<Hop>& hops) {
   const int p = c.ranks();
   for (int j = 1; j < p; ++j)
-    hops.push_back(hop(c, (owner + j) % p, Opcode::kWrite, kStoreElsewhere, out_base + b.offset,
+    hops.push_back(make_hop(c, (owner + j) % p, Opcode::kWrite, kStoreElsewhere, out_base + b.offset,
                        c.slot.stamp_aux(b.index)));
 }
 
@@ -91,13 +82,13 @@ Plan ring_allreduce(const Context& c, std::span<const std::byte> in, std::span<s
       for (int j = 1; j <= p; ++j) {
         const int r = (k + j) % p;
         chain.hops.push_back(
-            hop(c, r, j == 1 ? Opcode::kRead : Opcode::kReducePayload, kSegGen, src + b.offset));
+            make_hop(c, r, j == 1 ? Opcode::kRead : Opcode::kReducePayload, kSegGen, src + b.offset));
       }
-      chain.hops.push_back(hop(c, k, Opcode::kWrite, kStore, dst + b.offset, c.slot.stamp_aux(b.index)));
+      chain.hops.push_back(make_hop(c, k, Opcode::kWrite, kStore, dst + b.offset, c.slot.stamp_aux(b.index)));
       gather_after(c, k, b, dst, chain.hops);
       // If a reduction hop finds its host moved on, that host has the whole
       // result, so the sum is already in device k's OUT: send it from there.
-      chain.fallback.push_back(hop(c, k, Opcode::kRead, kSegGen, dst + b.offset));
+      chain.fallback.push_back(make_hop(c, k, Opcode::kRead, kSegGen, dst + b.offset));
       gather_after(c, k, b, dst, chain.fallback);
       plan.chains.push_back(std::move(chain));
     }
@@ -132,10 +123,10 @@ Plan ring_allgather(const Context& c, std::span<const std::byte> in, std::span<s
       if (k != c.rank) continue;
       ChainPlan chain;
       chain.length = b.length;
-      chain.hops.push_back(hop(c, k, Opcode::kRead, kSegGen, src + b.offset));
+      chain.hops.push_back(make_hop(c, k, Opcode::kRead, kSegGen, src + b.offset));
       Block placed = b;
       placed.offset += static_cast<uint64_t>(k) * n;
-      chain.hops.push_back(hop(c, k, Opcode::kWrite, kStore, dst + placed.offset, c.slot.stamp_aux(b.index)));
+      chain.hops.push_back(make_hop(c, k, Opcode::kWrite, kStore, dst + placed.offset, c.slot.stamp_aux(b.index)));
       gather_after(c, k, placed, dst, chain.hops);
       plan.chains.push_back(std::move(chain));
     }
@@ -159,12 +150,12 @@ Plan ring_broadcast(const Context& c, std::span<std::byte> buf, int root) {
       if (k != c.rank) continue;
       ChainPlan chain;
       chain.length = b.length;
-      chain.hops.push_back(hop(c, root, Opcode::kRead, kSegGen, src + b.offset));
-      chain.hops.push_back(hop(c, root, Opcode::kWrite, kStore, dst + b.offset, c.slot.stamp_aux(b.index)));
+      chain.hops.push_back(make_hop(c, root, Opcode::kRead, kSegGen, src + b.offset));
+      chain.hops.push_back(make_hop(c, root, Opcode::kWrite, kStore, dst + b.offset, c.slot.stamp_aux(b.index)));
       gather_after(c, root, b, dst, chain.hops);
       // The root moved on only after its OUT held every block, and no newer
       // result can land there while another host still lacks this one.
-      chain.fallback.push_back(hop(c, root, Opcode::kRead, 0, dst + b.offset));
+      chain.fallback.push_back(make_hop(c, root, Opcode::kRead, 0, dst + b.offset));
       gather_after(c, root, b, dst, chain.fallback);
       plan.chains.push_back(std::move(chain));
     }

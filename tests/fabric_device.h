@@ -1,0 +1,31 @@
+// A device living on the in-process fabric: its memory, engine and handler.
+#pragma once
+
+#include <vector>
+
+#include "core/engine.h"
+#include "daemon/device_loop.h"
+#include "transport/fabric.h"
+
+namespace netdam::testing {
+
+struct FabricDevice {
+  FabricDevice(transport::Fabric& f, transport::Endpoint addr, uint32_t boot_id, size_t mem)
+      : memory(mem), device(memory, config(boot_id)), engine(device),
+        out(core::Engine::out_buffer_size(device.config())) {
+    f.attach_handler(addr, [this](transport::InMsg& m, transport::Transport& self) {
+      device::DeviceLoop::serve_one(engine, m, self, out);
+    });
+  }
+  static core::DeviceConfig config(uint32_t boot_id) {
+    core::DeviceConfig c;
+    c.boot_id = boot_id;
+    return c;
+  }
+  std::vector<std::byte> memory;
+  core::Device device;
+  core::Engine engine;
+  std::vector<std::byte> out;
+};
+
+}  // namespace netdam::testing
