@@ -205,7 +205,9 @@ struct Node {
     } else {
       EXPECT_TRUE(Inside(a.head, d)) << "a forwarded head must be the request's";
       EXPECT_FALSE(r.h.is_response());
-      EXPECT_EQ(r.h.length, r.payload.size());
+      if (!(r.h.flags & kFlagSparse)) {
+        EXPECT_EQ(r.h.length, r.payload.size());
+      }
     }
     return r;
   }
@@ -1683,6 +1685,64 @@ TEST_F(EngineTest, ConsecutiveSegmentsOnOneDeviceRunTogether) {
   ASSERT_EQ(r.kind, Action::Kind::kReply);
   EXPECT_EQ(r.payload, I32s({111, 122, 133, 144}));
   EXPECT_EQ(r.h.seg_index, 1);
+}
+
+// SPARSE_OK: a hop that forwards a mostly-zero typed payload sends it as
+// (index, value) pairs; the next hop expands it; results equal dense.
+TEST_F(EngineTest, SparseOkChainForwardsPairs) {
+  Node n0(StdConfig()), n1(StdConfig());
+  AddStdRegions(n0);
+  AddStdRegions(n1);
+  Bytes dense(256);  // 64 i32, two of them non-zero
+  store_le<int32_t>(dense.data() + 8, 5);
+  store_le<int32_t>(dense.data() + 200, -3);
+  std::copy(dense.begin(), dense.end(), n0.mem.begin() + 0x100);
+  Header h = ChainHeader(1, DType::kI32, RedOp::kSum, 256);
+  h.flags = kFlagSparseOk;
+  Bytes d = ChainDatagram(h, {}, {Seg(kDev0, Opcode::kRead, 0x100), Seg(kDev1, Opcode::kWrite, 0x200)}, {});
+  Reply f = n0.Send(kClient, d);
+  ASSERT_EQ(f.kind, Action::Kind::kForward);
+  EXPECT_EQ(f.h.flags & kFlagSparse, kFlagSparse);
+  EXPECT_EQ(f.payload, SparseOf(DType::kI32, dense));
+  EXPECT_EQ(n0.Stat("sparse_forwarded"), 1u);
+  Reply r = n1.Send(kDev0, f.wire);
+  EXPECT_EQ(r.status(), Status::kOk);
+  EXPECT_EQ(Slice(n1.mem, 0x200, 256), dense);
+  // SPARSE_OK outside a chain is refused.
+  Header w = Req(Opcode::kWrite, 0, 8);
+  w.flags = kFlagSparseOk | kFlagAckReq;
+  EXPECT_EQ(Do(w, Le64(1)).status(), Status::kBadFlags);
+}
+
+// The daemon handles a batch of datagrams with one engine, each with its own
+// `out` buffer, and sends all the Actions afterwards (DeviceLoop::poll_once).
+// So an Action must stay valid while the same engine handles other datagrams
+// with other buffers: it may point only into its own datagram, its own out
+// buffer or device memory (engine.h, struct Action).
+TEST_F(EngineTest, ActionSurvivesTheNextDatagramOfABatch) {
+  auto chain = [&](uint64_t txn, uint64_t addr) {
+    Header h = ChainHeader(txn, DType::kI32, RedOp::kSum, 256);
+    h.flags = kFlagSparseOk;
+    return ChainDatagram(h, {}, {Seg(kDev0, Opcode::kRead, addr), Seg(kDev1, Opcode::kWrite, 0x200)}, {});
+  };
+  Bytes a(256), b(256);
+  store_le<int32_t>(a.data() + 4, 111);
+  store_le<int32_t>(b.data() + 12, 222);
+  std::copy(a.begin(), a.end(), mem().begin() + 0x1000);
+  std::copy(b.begin(), b.end(), mem().begin() + 0x2000);
+  Engine& engine = *n().eng;
+  Bytes d1 = chain(1, 0x1000), d2 = chain(2, 0x2000);
+  Bytes out1(Engine::out_buffer_size(n().dev->config())), out2(out1.size());
+  Action a1 = engine.handle(kClient, d1, out1);
+  ASSERT_EQ(a1.kind, Action::Kind::kForward);
+  const Bytes first(a1.data.begin(), a1.data.end());
+  EXPECT_EQ(first, SparseOf(DType::kI32, a));
+  Action a2 = engine.handle(kClient, d2, out2);
+  ASSERT_EQ(a2.kind, Action::Kind::kForward);
+  EXPECT_TRUE(Inside(a1.data, d1) || Inside(a1.data, out1) || Inside(a1.data, mem()))
+      << "the forwarded payload lives in a buffer of the engine, not of this datagram";
+  EXPECT_EQ(Bytes(a1.data.begin(), a1.data.end()), first)
+      << "the first forward's payload was overwritten by the second datagram's";
 }
 
 // ---------------------------------------------------------------- ARM and generations

@@ -283,9 +283,12 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
     // it expands before use, so results are bit-identical to dense.
     if ((h.flags & kFlagSparseOk) && !(h.flags & kFlagSparse) && h.dtype != DType::kBytes &&
         is_valid_dtype(static_cast<uint8_t>(h.dtype)) && core::sparse_is_worth_it(h.dtype, payload)) {
-      sparse_buf_.resize(device_.config().max_payload);
-      const size_t n = sparse_encode(h.dtype, payload, sparse_buf_);
-      payload = std::span(sparse_buf_).first(n);
+      // Into the second half of `out`: the dense payload may sit in the
+      // first, and the Action must not point into engine-owned memory (a
+      // batch is sent after all its datagrams ran).
+      auto sparse = out.subspan(kHeaderSize + device_.config().max_payload);
+      const size_t n = sparse_encode(h.dtype, payload, sparse);
+      payload = sparse.first(n);
       h.flags |= kFlagSparse;
       payload_moved = true;
       Stats::inc(stats_.sparse_forwarded);

@@ -128,7 +128,8 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Size `out` must have for handle().
-  static size_t out_buffer_size(const DeviceConfig& c) { return kHeaderSize + c.max_payload; }
+  // (An answer header and payload, then room for a chain payload's sparse form.)
+  static size_t out_buffer_size(const DeviceConfig& c) { return kHeaderSize + 2 * c.max_payload; }
 
   // Executes one datagram received from `from`. `datagram` is modified in
   // place (chain hops combine into the payload and advance the segment
@@ -158,7 +159,6 @@ class Engine {
 
   Device& device_;
   Stats stats_;
-  std::vector<std::byte> sparse_buf_;  // a chain payload forwarded in sparse form
 };
 
 }  // namespace netdam::core
