@@ -10,6 +10,8 @@
 //                         the size of the first; the rest is the second
 //   control bit 4     small device limits (max payload 512, replay window 4)
 // Chain packets are followed hop by hop: every hop is this same device.
+// Chains parked until an ARM (Device::park) are run after each datagram, as
+// the daemon's loop does.
 //
 // Invariants checked after every datagram (abort on violation):
 //   - the Action's head and data lie inside the datagram, the out buffer or
@@ -132,10 +134,15 @@ struct World {
     }
   }
 
-  // Handles one datagram and then the chain hops it causes.
+  // Handles one datagram and then the chain hops it causes; then, as the
+  // daemon's loop does, runs the chains parked until an ARM, if one came.
   void Deliver(Address from, std::span<const uint8_t> bytes) {
-    std::vector<std::byte> d(reinterpret_cast<const std::byte*>(bytes.data()),
-                             reinterpret_cast<const std::byte*>(bytes.data()) + bytes.size());
+    Follow(from, std::vector<std::byte>(reinterpret_cast<const std::byte*>(bytes.data()),
+                                        reinterpret_cast<const std::byte*>(bytes.data()) + bytes.size()));
+    for (auto& p : dev->unpark()) Follow(p.from, std::move(p.datagram));
+  }
+
+  void Follow(Address from, std::vector<std::byte> d) {
     for (int hop = 0; hop <= static_cast<int>(kMaxSegments); ++hop) {
       Action a = eng->handle(from, d, out);
       CheckAction(a, d);
