@@ -9,6 +9,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libfmt-dev libspdlog-dev libcli11-dev libtomlplusplus-dev
   libhwy-dev liburing-dev
+  libsqlite3-dev                      # netdam-mmu's state file
   iproute2 procps
 )
 

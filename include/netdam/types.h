@@ -50,6 +50,14 @@ enum class Opcode : uint8_t {
   kRegionAdd = 0x50,
   kRegionDel = 0x51,
   kRegionList = 0x52,
+  // Pool opcodes (docs/POOL.md): answered by the pool proxy (netdam-mmu);
+  // devices refuse them with BAD_OPCODE.
+  kPoolAlloc = 0x60,
+  kPoolFree = 0x61,
+  kPoolLookup = 0x62,
+  kPoolList = 0x63,
+  kPoolMap = 0x64,
+  kPoolStat = 0x65,
 };
 
 // Flags byte of the header.
@@ -84,8 +92,13 @@ enum class Status : uint8_t {
   kBadFlags = 15,
   kNotReady = 16,         // chain hop: the region is armed at an older generation
   kStaleGeneration = 17,  // chain hop: the region is armed at a newer generation
+  // Pool proxy statuses (docs/POOL.md).
+  kNoSuchAllocation = 18,  // no allocation of that name, or the address's allocation is freed
+  kDeviceLost = 19,        // a device of the allocation restarted: its data is gone
+  kUnavailable = 20,       // a device of the allocation is not answering; retry later
+  kAlreadyExists = 21,     // POOL_ALLOC: the name is taken
 };
-inline constexpr uint8_t kStatusCount = 18;
+inline constexpr uint8_t kStatusCount = 22;
 
 enum class DType : uint8_t {
   kBytes = 0,  // raw bytes: READ/WRITE/FILL/COPY only

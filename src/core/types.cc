@@ -22,6 +22,12 @@ std::string_view to_string(Opcode op) {
     case Opcode::kRegionAdd: return "REGION_ADD";
     case Opcode::kRegionDel: return "REGION_DEL";
     case Opcode::kRegionList: return "REGION_LIST";
+    case Opcode::kPoolAlloc: return "POOL_ALLOC";
+    case Opcode::kPoolFree: return "POOL_FREE";
+    case Opcode::kPoolLookup: return "POOL_LOOKUP";
+    case Opcode::kPoolList: return "POOL_LIST";
+    case Opcode::kPoolMap: return "POOL_MAP";
+    case Opcode::kPoolStat: return "POOL_STAT";
   }
   return "UNKNOWN_OPCODE";
 }
@@ -48,6 +54,10 @@ std::string_view to_string(Status s) {
     case Status::kBadFlags: return "BAD_FLAGS";
     case Status::kNotReady: return "NOT_READY";
     case Status::kStaleGeneration: return "STALE_GENERATION";
+    case Status::kNoSuchAllocation: return "NO_SUCH_ALLOCATION";
+    case Status::kDeviceLost: return "DEVICE_LOST";
+    case Status::kUnavailable: return "UNAVAILABLE";
+    case Status::kAlreadyExists: return "ALREADY_EXISTS";
   }
   return "UNKNOWN_STATUS";
 }

@@ -1,0 +1,41 @@
+#include "pool/layout.h"
+
+#include <algorithm>
+#include <bit>
+
+namespace netdam::pool {
+
+std::optional<const char*> validate(const Layout& l) {
+  if (l.size == 0) return "size is 0";
+  if (l.size > kMaxAllocationSize) return "size is above the 1 TiB limit of an allocation";
+  if (l.stripe < kMinStripe || l.stripe > kMaxStripe || !std::has_single_bit(l.stripe))
+    return "stripe must be a power of two from 64 B to 1 GiB";
+  if (l.slots == 0 || l.slots > 255) return "an allocation spans 1..255 devices";
+  if (l.copies == 0 || l.copies > kMaxCopies) return "copies must be 1 or 2";
+  if (l.copies == 2 && l.slots < 2) return "a replicated allocation needs at least 2 devices";
+  return std::nullopt;
+}
+
+std::vector<Piece> split(const Layout& l, uint64_t off, uint64_t len) {
+  std::vector<Piece> out;
+  const uint64_t g = l.stripe;
+  while (len > 0) {
+    const uint64_t in_stripe = g - off % g;
+    const uint64_t n = std::min(len, in_stripe);
+    out.push_back(Piece{off, static_cast<uint32_t>(n), off / g});
+    off += n;
+    len -= n;
+  }
+  return out;
+}
+
+Place locate(const Layout& l, uint64_t off, uint32_t copy) {
+  const uint64_t g = l.stripe;
+  const uint64_t s = off / g;
+  Place p;
+  p.slot = static_cast<uint32_t>((s + copy) % l.slots);
+  p.extent_offset = uint64_t{copy} * l.rows() * g + (s / l.slots) * g + off % g;
+  return p;
+}
+
+}  // namespace netdam::pool
