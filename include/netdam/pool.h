@@ -1,0 +1,128 @@
+// netdam::Pool: a NetDAM memory pool behind its proxy (netdam-mmu).
+//
+// Contract
+// - Allocations are named, have a size, a placement policy (interleaved
+//   across devices, on a single device, or replicated: 2 copies on different
+//   devices) and a random access key. Their bytes are addressed by global
+//   addresses: Allocation::base + offset, base = id << 40 (so an
+//   allocation is at most 1 TiB).
+// - The data calls are OpenSHMEM-flavoured: put/get/atomics on a global
+//   address with the allocation's key. Path::kProxy sends them to the proxy,
+//   which splits them by stripe; Path::kDirect fetches the allocation's
+//   translation table (POOL_MAP) once and talks to the devices itself. Both
+//   give the same results. Direct atomics on replicated allocations are
+//   refused (the proxy serialises those to keep both copies equal).
+// - Errors: kNak with the proxy's status (NO_SUCH_ALLOCATION, BAD_KEY,
+//   OUT_OF_BOUNDS, DEVICE_LOST, UNAVAILABLE, NO_SPACE, ...), kTimeout,
+//   kRestarted (a device, or a proxy without persistent state, restarted).
+// - A put is not atomic: if it fails, some of its bytes may be written.
+//
+// Threading: not thread-safe; one thread at a time drives a Pool.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "netdam/client.h"
+#include "netdam/error.h"
+
+namespace netdam {
+
+namespace transport {
+class UdpTransport;
+}
+
+struct PoolOptions {
+  uint32_t admin_key = 0;                  // the proxy's --admin-key, if it has one
+  std::chrono::milliseconds timeout{2000};  // per request (control ops), per packet (data)
+};
+
+enum class PoolPolicy : uint8_t { kInterleaved = 0, kSingle = 1, kReplicated = 2 };
+
+struct AllocOptions {
+  uint32_t stripe = 0;       // bytes, power of two >= 64; 0: 4 KiB
+  PoolPolicy policy = PoolPolicy::kInterleaved;
+  uint8_t devices = 0;       // devices to spread over; 0: all that answer (1 for single)
+  int first_device = -1;     // pool device index to start at; -1: the proxy chooses
+};
+
+struct PoolAllocation {
+  std::string name;
+  uint64_t base = 0;  // global address of byte 0
+  uint64_t size = 0;
+  uint32_t key = 0;
+  uint32_t stripe = 0;
+  PoolPolicy policy = PoolPolicy::kInterleaved;
+  uint8_t copies = 1;
+  uint8_t devices = 1;
+  std::string state;  // "ok", "degraded", "lost", "unavailable"
+};
+
+struct PoolDeviceInfo {
+  std::string address;
+  std::string state;  // "up", "down", "unknown"
+  uint32_t boot_id = 0;
+  uint64_t capacity = 0, used = 0, largest_free = 0;
+};
+
+struct PoolInfo {
+  uint64_t capacity = 0, used = 0;
+  uint32_t allocations = 0;
+  std::vector<PoolDeviceInfo> devices;
+};
+
+class Pool {
+ public:
+  enum class Path : uint8_t { kProxy, kDirect };
+
+  // Connects to the proxy "HOST:PORT" and PINGs it.
+  static Result<std::unique_ptr<Pool>> connect(std::string_view proxy, PoolOptions opts = {});
+  ~Pool();
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  // --- allocations (need the proxy's admin key if it has one) ------------
+  Result<PoolAllocation> alloc(std::string_view name, uint64_t size, const AllocOptions& o = {});
+  Error free(std::string_view name);
+  Result<PoolAllocation> lookup(std::string_view name);
+  Result<std::vector<PoolAllocation>> list();
+  Result<PoolInfo> stat();
+
+  // --- data on global addresses ------------------------------------------
+  Error put(uint64_t addr, std::span<const std::byte> data, uint32_t key, Path path = Path::kProxy);
+  Error get(uint64_t addr, std::span<std::byte> out, uint32_t key, Path path = Path::kProxy);
+  Result<uint64_t> atomic_fetch_add(uint64_t addr, uint64_t value, uint32_t key, Path path = Path::kProxy);
+  // Returns the previous value; the swap happened iff it equals `expected`.
+  Result<uint64_t> atomic_compare_swap(uint64_t addr, uint64_t expected, uint64_t desired, uint32_t key,
+                                       Path path = Path::kProxy);
+  Result<uint64_t> atomic_swap(uint64_t addr, uint64_t value, uint32_t key, Path path = Path::kProxy);
+
+  // The client connected to the proxy (plain device protocol on global addresses).
+  Client& proxy_client() { return *proxy_; }
+  // Forgets cached translation tables (the next direct call fetches them).
+  void forget_maps();
+
+ private:
+  struct Map;
+  Pool(std::unique_ptr<Client> proxy, std::unique_ptr<transport::UdpTransport> control, PoolOptions opts);
+  Result<std::vector<std::byte>> request(Opcode op, uint32_t rkey, uint64_t addr, std::span<const std::byte> payload);
+  Result<Map*> map_for(uint64_t addr, uint32_t key);
+  Result<Client*> device(uint32_t ip, uint16_t port, uint32_t boot);
+  Error direct_rw(uint64_t addr, std::span<std::byte> buf, uint32_t key, bool write);
+  Result<uint64_t> direct_atomic(Opcode op, uint64_t addr, uint64_t a, uint64_t b, uint32_t key);
+
+  std::unique_ptr<Client> proxy_;
+  std::unique_ptr<transport::UdpTransport> control_;
+  PoolOptions opts_;
+  uint64_t next_txn_;
+  std::map<uint64_t, std::unique_ptr<Map>> maps_;            // by allocation id
+  std::map<uint64_t, std::unique_ptr<Client>> devices_;      // by endpoint key
+};
+
+}  // namespace netdam

@@ -1,0 +1,95 @@
+// The proxy's working copy of the pool's metadata: devices with their
+// extent allocators and health, allocations with their layout and extents.
+// No sockets: the proxy asks the catalog to plan an allocation, registers
+// the regions on the devices, then commits (persisting it) or aborts.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mmu/state_store.h"
+#include "netdam/types.h"
+#include "pool/extent_allocator.h"
+#include "pool/layout.h"
+#include "pool/pool_wire.h"
+#include "transport/transport.h"
+
+namespace netdam::mmu {
+
+struct PoolDevice {
+  DeviceRow row;                 // id, address, boot (last seen), capacity
+  transport::Endpoint endpoint;  // resolved address
+  pool::ExtentAllocator space;
+  pool::DeviceState state = pool::DeviceState::kUnknown;
+};
+
+struct Allocation {
+  AllocationRow row;
+  pool::Layout layout;
+  std::vector<ExtentRow> slots;  // slot i: its device and extent
+  uint64_t base() const { return pool::global_address(row.id, 0); }
+};
+
+class Catalog {
+ public:
+  // `store` may be null (no --state: nothing persists).
+  explicit Catalog(std::unique_ptr<StateStore> store) : store_(std::move(store)) {}
+
+  // Rebuilds everything from the state file. False + error on inconsistency.
+  bool load(std::string* error);
+  // Adds a device by address unless known; returns its index.
+  std::optional<uint32_t> add_device(const std::string& address, std::string* error);
+
+  std::vector<PoolDevice>& devices() { return devices_; }
+  const std::vector<PoolDevice>& devices() const { return devices_; }
+  const std::map<uint64_t, Allocation>& allocations() const { return allocs_; }
+  Allocation* find(uint64_t id);
+  Allocation* find(const std::string& name);
+  uint64_t pool_id() const { return pool_id_; }
+  uint64_t next_id() const { return next_id_; }
+  bool persistent() const { return store_ != nullptr; }
+
+  // Chooses devices and reserves extents for `req` (all or nothing). On
+  // failure returns the status for the answer and a message.
+  struct Plan {
+    Allocation alloc;
+  };
+  std::optional<Plan> plan(const pool::AllocRequest& req, uint32_t key, Status* status, std::string* why);
+  // Persists a planned allocation (assigning its id); false: nothing kept.
+  bool commit(Plan& p, std::string* why);
+  // Gives the extents of a plan back.
+  void abort(const Plan& p);
+  // Forgets an allocation. Extents on devices in `releasing` (down: their
+  // regions could not be deleted) stay reserved, kReleasing, until
+  // release() is called for them.
+  bool free(uint64_t id, const std::vector<uint32_t>& releasing_slots, std::string* why);
+  std::vector<ExtentRow>& releasing() { return releasing_; }
+  bool release(const ExtentRow& e);
+
+  // The device restarted with boot id `boot`: extents of other incarnations
+  // are lost. Returns how many were marked.
+  size_t device_restarted(uint32_t device_id, uint32_t boot);
+  void set_device_seen(uint32_t device_id, uint32_t boot, uint64_t capacity);
+  // A replicated copy could not be written: that slot is lost for good.
+  void mark_lost(uint64_t alloc_id, uint32_t slot);
+
+  // The allocation's state now, given device health.
+  pool::AllocState state(const Allocation& a) const;
+  pool::AllocRecord record(const Allocation& a) const;
+  pool::PoolStat stat() const;
+
+ private:
+  std::unique_ptr<StateStore> store_;
+  std::vector<PoolDevice> devices_;
+  std::map<uint64_t, Allocation> allocs_;
+  std::map<std::string, uint64_t> by_name_;
+  std::vector<ExtentRow> releasing_;
+  uint64_t next_id_ = 1;
+  uint64_t pool_id_ = 0;
+};
+
+}  // namespace netdam::mmu

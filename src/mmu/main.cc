@@ -1,0 +1,105 @@
+// netdam-mmu: the pool proxy. One UDP address in front of many netdamd
+// devices; global addresses, allocations, striping, replication, health
+// (docs/POOL.md).
+#include <pthread.h>
+#include <signal.h>
+
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <spdlog/spdlog.h>
+#include <thread>
+
+#include "common/units.h"
+#include "daemon/config.h"
+#include "mmu/proxy.h"
+
+using namespace netdam;
+
+namespace {
+int fail(const std::string& msg) {
+  std::fprintf(stderr, "netdam-mmu: %s\n", msg.c_str());
+  return 2;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"netdam-mmu: the NetDAM memory pool proxy (one address in front of many devices)"};
+  app.set_config("--config", "", "TOML/INI file with these options (flags override it)");
+  std::string listen = "127.0.0.1:7100", device_admin_key, admin_key, state, port_file, log_level = "info",
+              max_payload;
+  std::vector<std::string> devices;
+  int ping_ms = 100, timeout_ms = 500;
+  app.add_option("--listen", listen, "HOST:PORT clients use (default 127.0.0.1:7100; port 0 = any)");
+  app.add_option("--device", devices, "a pool device HOST:PORT (repeatable; added to those in --state)");
+  app.add_option("--device-admin-key", device_admin_key,
+                 "the devices' admin key (netdamd --admin-key): the proxy registers regions with it (required)");
+  app.add_option("--admin-key", admin_key, "key that pool control operations must carry (default: none needed)");
+  app.add_option("--state", state, "SQLite file holding devices and allocations (default: nothing persists)");
+  app.add_option("--port-file", port_file, "write the bound HOST:PORT to this file once serving");
+  app.add_option("--ping-interval", ping_ms, "milliseconds between health PINGs of each device (default 100)")
+      ->check(CLI::Range(5, 60000));
+  app.add_option("--device-timeout", timeout_ms,
+                 "milliseconds after which an unanswered device operation fails (default 500)")
+      ->check(CLI::Range(20, 600000));
+  app.add_option("--max-payload", max_payload, "largest payload clients may send (default 8192)");
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error (default info)");
+  CLI11_PARSE(app, argc, argv);
+
+  mmu::ProxyOptions o;
+  std::string why;
+  auto ep = transport::parse_endpoint(listen, &why);
+  if (!ep) return fail("--listen: " + why);
+  o.listen = *ep;
+  o.devices = devices;
+  if (device_admin_key.empty()) return fail("--device-admin-key is required (the devices' netdamd --admin-key)");
+  auto dk = device::parse_key(device_admin_key);
+  if (!dk || *dk == 0) return fail("--device-admin-key: must be a nonzero 32-bit number");
+  o.device_admin_key = *dk;
+  if (!admin_key.empty()) {
+    auto k = device::parse_key(admin_key);
+    if (!k || *k == 0) return fail("--admin-key: must be a nonzero 32-bit number");
+    o.admin_key = *k;
+  }
+  if (!max_payload.empty()) {
+    auto v = parse_size(max_payload);
+    if (!v) return fail("--max-payload: '" + max_payload + "' is not a size");
+    o.max_payload = *v;
+  }
+  o.state_file = state;
+  o.ping_interval = std::chrono::milliseconds(ping_ms);
+  o.device_timeout = std::chrono::milliseconds(timeout_ms);
+  auto level = spdlog::level::from_str(log_level);
+  if (level == spdlog::level::off && log_level != "off") return fail("--log-level: unknown level '" + log_level + "'");
+  spdlog::set_level(level);
+
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  auto proxy = mmu::Proxy::create(o, &why);
+  if (!proxy) return fail(why);
+  const auto bound = proxy->local();
+  const auto st = proxy->catalog().stat();
+  spdlog::info("netdam-mmu listening on {}: {} device(s), {} of capacity, {} allocation(s), pool id {:#010x}{}",
+               bound.to_string(), st.devices.size(), format_size(st.capacity), st.allocations, proxy->pool_id(),
+               state.empty() ? " (no --state: nothing persists)" : ", state in " + state);
+  for (const auto& d : st.devices)
+    spdlog::info("  device {}: {}", transport::Endpoint{d.ip, d.port}.to_string(), pool::to_string(d.state));
+  if (!port_file.empty()) {
+    std::ofstream(port_file + ".tmp") << bound.to_string() << "\n";
+    std::rename((port_file + ".tmp").c_str(), port_file.c_str());
+  }
+  std::atomic<bool> stop{false};
+  std::thread worker([&] { proxy->run(stop); });
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  spdlog::info("received {}, stopping", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  stop = true;
+  worker.join();
+  spdlog::info("stopped");
+  return 0;
+}

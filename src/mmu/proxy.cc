@@ -1,0 +1,817 @@
+#include "mmu/proxy.h"
+
+#include <poll.h>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+#include "core/endian.h"
+#include "core/engine.h"
+
+namespace netdam::mmu {
+
+using core::load_be;
+using core::load_le;
+using core::store_be;
+using core::store_le;
+using pool::AllocState;
+using pool::DeviceState;
+using transport::Endpoint;
+using namespace std::chrono_literals;
+
+namespace {
+constexpr size_t kRxBatch = 32;
+uint32_t random_key() {
+  std::random_device rd;
+  uint32_t k = 0;
+  // 0 is never a key and 1 is netdamd's default region key.
+  while (k <= 1) k = rd();
+  return k;
+}
+bool is_atomic(Opcode op) {
+  return op == Opcode::kFetchAdd || op == Opcode::kCompareSwap || op == Opcode::kSwap;
+}
+}  // namespace
+
+// One device: the client the data path uses (bound to one incarnation of
+// the device, so a restart fails its operations instead of mixing data),
+// and the health bookkeeping.
+struct Proxy::Conn {
+  std::unique_ptr<Client> client;
+  int fd = -1;
+  uint32_t boot = 0;
+  transport::TimePoint last_answer{};
+  // Clients of earlier incarnations, polled until their operations failed.
+  struct Retired {
+    std::unique_ptr<Client> client;
+    int fd;
+    transport::TimePoint until;
+  };
+  std::vector<Retired> retired;
+};
+
+struct Proxy::Job {
+  Endpoint from;
+  core::Header req;
+  uint64_t alloc_id = 0;
+  bool mutation = false;
+  std::vector<std::byte> buf;  // READ answer, WRITE/FILL data, atomic operands
+  struct Sub {
+    Op op;
+    uint64_t off = 0;  // allocation offset
+    uint32_t len = 0;
+    size_t buf_off = 0;
+    uint32_t copy = 0, slot = 0;
+    size_t piece = 0;
+    bool write = false;
+    bool handled = false;
+    Status status = Status::kOk;
+  };
+  std::vector<Sub> subs;
+  size_t pieces = 0;
+  Status status = Status::kOk;
+  // Atomics on a replicated allocation: phase 0 runs the atomic on one
+  // copy, phase 1 writes the resulting word to the other.
+  bool replicated_atomic = false;
+  bool started = false;
+  int phase = 0;
+  uint32_t primary = 0;
+  uint64_t old_value = 0;
+  std::array<std::byte, 8> word{};
+};
+
+std::unique_ptr<Proxy> Proxy::create(const ProxyOptions& o, std::string* error) {
+  if (o.device_admin_key == 0) {
+    *error = "--device-admin-key is required: the proxy registers each allocation's regions on the devices";
+    return nullptr;
+  }
+  if (o.max_payload < core::kMinPayload || o.max_payload > kMaxPayloadLimit) {
+    *error = fmt::format("--max-payload must be {} .. {}", core::kMinPayload, kMaxPayloadLimit);
+    return nullptr;
+  }
+  std::unique_ptr<StateStore> store;
+  if (!o.state_file.empty()) {
+    store = StateStore::open(o.state_file, error);
+    if (!store) return nullptr;
+  }
+  std::unique_ptr<Proxy> p(new Proxy(o, std::move(store)));
+  if (!p->catalog_.load(error)) return nullptr;
+  for (const auto& d : o.devices)
+    if (!p->catalog_.add_device(d, error)) {
+      *error = "--device " + d + ": " + *error;
+      return nullptr;
+    }
+  if (p->catalog_.devices().empty()) {
+    *error = "no devices: give at least one --device HOST:PORT";
+    return nullptr;
+  }
+  transport::UdpOptions u;
+  u.bind = o.listen;
+  p->listen_ = transport::UdpTransport::open(u, error);
+  if (!p->listen_) return nullptr;
+  u.bind = Endpoint{0, 0};
+  p->health_ = transport::UdpTransport::open(u, error);
+  if (!p->health_) return nullptr;
+  p->conns_.resize(p->catalog_.devices().size());
+  for (auto& c : p->conns_) c = std::make_unique<Conn>();
+  p->probe_devices(500ms);
+  return p;
+}
+
+Proxy::Proxy(const ProxyOptions& o, std::unique_ptr<StateStore> store)
+    : opts_(o), catalog_(std::move(store)), replay_(o.replay_window, o.replay_requesters),
+      rx_(kRxBatch * kRxBufferSize) {}
+
+Proxy::~Proxy() = default;
+
+// ---------------------------------------------------------------- loop
+
+void Proxy::run(const std::atomic<bool>& stop) {
+  while (!stop.load(std::memory_order_relaxed)) poll_once(20ms);
+}
+
+void Proxy::poll_once(std::chrono::milliseconds timeout) {
+  std::vector<pollfd> fds;
+  fds.push_back({listen_->fd(), POLLIN, 0});
+  fds.push_back({health_->fd(), POLLIN, 0});
+  for (const auto& c : conns_) {
+    if (c->client) fds.push_back({c->fd, POLLIN, 0});
+    for (const auto& r : c->retired) fds.push_back({r.fd, POLLIN, 0});
+  }
+  // Device operations in flight need their retransmission timers run.
+  const int ms = jobs_.empty() ? static_cast<int>(timeout.count()) : 1;
+  ::poll(fds.data(), fds.size(), ms);
+
+  std::array<transport::InMsg, kRxBatch> in;
+  for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);
+  for (int round = 0; round < 4; ++round) {
+    const size_t n = listen_->recv_batch(in, 0ns);
+    for (size_t i = 0; i < n; ++i)
+      if (!in[i].truncated) handle(in[i].buf.first(in[i].len), in[i].from);
+    if (n < kRxBatch) break;
+  }
+  health_receive();
+  const auto now = listen_->now();
+  for (auto& c : conns_) {
+    if (c->client) c->client->poll();
+    for (auto& r : c->retired) r.client->poll();
+    std::erase_if(c->retired, [&](const Conn::Retired& r) { return now >= r.until; });
+  }
+  progress();
+  health_tick();
+}
+
+// ---------------------------------------------------------------- requests
+
+void Proxy::reply(const Endpoint& to, const core::Header& req, Status s, std::span<const std::byte> payload) {
+  core::Header h = req;
+  h.flags = kFlagResponse;
+  h.status = s;
+  h.seg_count = 0;
+  h.seg_index = 0;
+  h.length = static_cast<uint32_t>(s == Status::kOk ? payload.size() : 0);
+  h.boot = pool_id();
+  std::array<std::byte, kHeaderSize> head;
+  core::encode_header(h, head.data());
+  transport::OutMsg m{to, {std::span<const std::byte>(head), s == Status::kOk ? payload : std::span<const std::byte>{}}};
+  listen_->send_batch({&m, 1});
+}
+
+void Proxy::answer_ping(const Endpoint& to, const core::Header& h) {
+  std::array<std::byte, core::kPingPayloadSize> p{};
+  const auto st = catalog_.stat();
+  store_be<uint32_t>(p.data(), pool_id());
+  store_be<uint32_t>(p.data() + 4, static_cast<uint32_t>(opts_.max_payload));
+  store_be<uint64_t>(p.data() + 8, st.capacity);
+  store_be<uint32_t>(p.data() + 16, st.allocations);
+  store_be<uint32_t>(p.data() + 20, static_cast<uint32_t>(opts_.replay_window));
+  p[24] = std::byte{kVersion};
+  reply(to, h, Status::kOk, p);
+}
+
+void Proxy::handle(std::span<std::byte> datagram, const Endpoint& from) {
+  core::Packet pkt;
+  const core::ParseError pe = core::parse(datagram, pkt);
+  switch (pe) {
+    case core::ParseError::kNone: break;
+    case core::ParseError::kBadVersion: return reply(from, pkt.h, Status::kBadVersion);
+    case core::ParseError::kBadSegments: return reply(from, pkt.h, Status::kBadSegment);
+    default: return;  // truncated, bad magic, an answer: dropped
+  }
+  const core::Header& h = pkt.h;
+  // The proxy does not route chains: a chain names devices, not global addresses.
+  if (h.seg_count != 0 || h.opcode == Opcode::kChain) return reply(from, h, Status::kBadSegment);
+  if (h.flags & ~kFlagAckReq) return reply(from, h, Status::kBadFlags);
+  if (h.boot != 0 && h.boot != pool_id()) return reply(from, h, Status::kBootMismatch);
+  switch (h.opcode) {
+    case Opcode::kPing: return answer_ping(from, h);
+    case Opcode::kPoolAlloc:
+    case Opcode::kPoolFree:
+    case Opcode::kPoolLookup:
+    case Opcode::kPoolList:
+    case Opcode::kPoolMap:
+    case Opcode::kPoolStat: return control(from, h, pkt.payload);
+    case Opcode::kRead:
+    case Opcode::kWrite:
+    case Opcode::kFill:
+    case Opcode::kFetchAdd:
+    case Opcode::kCompareSwap:
+    case Opcode::kSwap: return data(from, h, pkt.payload);
+    default: return reply(from, h, Status::kBadOpcode);
+  }
+}
+
+void Proxy::control(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload) {
+  if (h.opcode == Opcode::kPoolMap) {
+    Allocation* a = catalog_.find(pool::allocation_of(h.addr));
+    if (!a) return reply(from, h, Status::kNoSuchAllocation);
+    if (h.rkey != a->row.key) return reply(from, h, Status::kBadKey);
+    pool::AllocMap m;
+    m.base = a->base();
+    m.size = a->row.size;
+    m.stripe = a->row.stripe;
+    m.copies = static_cast<uint8_t>(a->row.copies);
+    m.state = catalog_.state(*a);
+    for (uint32_t s = 0; s < a->slots.size(); ++s) {
+      const ExtentRow& e = a->slots[s];
+      const PoolDevice& d = catalog_.devices()[e.device_id];
+      uint8_t flags = 0;
+      if (usable(*a, s)) flags |= pool::kSlotLive;
+      if (e.state == ExtentState::kLost) flags |= pool::kSlotLost;
+      m.slots.push_back(pool::MapSlot{d.endpoint.ip, d.endpoint.port, flags, e.boot, e.base});
+    }
+    return reply(from, h, Status::kOk, pool::encode(m));
+  }
+  if (opts_.admin_key && h.rkey != *opts_.admin_key) return reply(from, h, Status::kNotPermitted);
+  const bool mutation = h.opcode == Opcode::kPoolAlloc || h.opcode == Opcode::kPoolFree;
+  const uint64_t requester = from.key();
+  if (mutation) {
+    const ProxyReplay::Answer* remembered = nullptr;
+    switch (replay_.check(requester, h.txn, h.opcode, &remembered)) {
+      case ProxyReplay::Verdict::kExecute: break;
+      case ProxyReplay::Verdict::kInFlight: return;
+      case ProxyReplay::Verdict::kReplay: return reply(from, h, remembered->status, remembered->payload);
+      case ProxyReplay::Verdict::kStale: return reply(from, h, Status::kStaleTxn);
+    }
+  }
+  Status s = Status::kOk;
+  std::vector<std::byte> out;
+  switch (h.opcode) {
+    case Opcode::kPoolAlloc: out = pool_alloc(payload, &s); break;
+    case Opcode::kPoolFree: s = pool_free(payload); break;
+    case Opcode::kPoolLookup: {
+      auto name = pool::decode_name(payload);
+      Allocation* a = name ? catalog_.find(*name) : nullptr;
+      if (!name) s = Status::kBadPayload;
+      else if (!a) s = Status::kNoSuchAllocation;
+      else pool::append(catalog_.record(*a), out);
+      break;
+    }
+    case Opcode::kPoolList: {
+      uint64_t index = 0;
+      for (const auto& [id, a] : catalog_.allocations()) {
+        if (index++ < h.addr) continue;
+        std::vector<std::byte> one;
+        pool::append(catalog_.record(a), one);
+        if (out.size() + one.size() > opts_.max_payload) break;
+        out.insert(out.end(), one.begin(), one.end());
+      }
+      break;
+    }
+    case Opcode::kPoolStat: out = pool::encode(catalog_.stat()); break;
+    default: s = Status::kBadOpcode; break;
+  }
+  if (mutation) replay_.done(requester, h.txn, s, s == Status::kOk ? out : std::vector<std::byte>{});
+  reply(from, h, s, out);
+}
+
+std::vector<std::byte> Proxy::pool_alloc(std::span<const std::byte> payload, Status* s) {
+  auto req = pool::decode_alloc_request(payload);
+  if (!req) {
+    *s = Status::kBadPayload;
+    return {};
+  }
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    const uint32_t key = random_key();
+    std::string why;
+    auto plan = catalog_.plan(*req, key, s, &why);
+    if (!plan) {
+      spdlog::info("POOL_ALLOC '{}' ({} B, {}) refused: {}", req->name, req->size, pool::to_string(req->policy), why);
+      return {};
+    }
+    // Register the allocation's region on every device it uses; undo all
+    // of them if one fails (nothing partial is left behind).
+    size_t done = 0;
+    Error err;
+    for (; done < plan->alloc.slots.size(); ++done) {
+      const ExtentRow& e = plan->alloc.slots[done];
+      Client* c = client(e.device_id);
+      if (!c) {
+        err = Error::timeout("device not connected");
+        break;
+      }
+      err = c->region_add(opts_.device_admin_key, RegionInfo{e.base, e.length, key, 3});
+      if (err) break;
+    }
+    if (!err && !catalog_.commit(*plan, &why)) err = Error::transport(why);
+    if (!err) {
+      const Allocation& a = *catalog_.find(plan->alloc.row.id);
+      spdlog::info("POOL_ALLOC '{}': id {}, {} B, {}, stripe {} B over {} device(s), {} cop{}", a.row.name, a.row.id,
+                   a.row.size, pool::to_string(req->policy), a.row.stripe, a.row.slots, a.row.copies,
+                   a.row.copies == 1 ? "y" : "ies");
+      *s = Status::kOk;
+      std::vector<std::byte> out;
+      pool::append(catalog_.record(a), out);
+      return out;
+    }
+    for (size_t i = 0; i < done; ++i) {
+      const ExtentRow& e = plan->alloc.slots[i];
+      if (Client* c = client(e.device_id)) c->region_del(opts_.device_admin_key, key);
+    }
+    catalog_.abort(*plan);
+    // A key already used on that device: draw another.
+    if (err.code() == Error::Code::kNak && err.status() == Status::kBadKey) continue;
+    spdlog::warn("POOL_ALLOC '{}' failed: {}", req->name, err.to_string());
+    if (err.code() == Error::Code::kNak)
+      *s = err.status() == Status::kNoSpace ? Status::kNoSpace : Status::kNotPermitted;
+    else
+      *s = Status::kUnavailable;
+    return {};
+  }
+  *s = Status::kUnavailable;
+  return {};
+}
+
+Status Proxy::pool_free(std::span<const std::byte> payload) {
+  auto name = pool::decode_name(payload);
+  if (!name) return Status::kBadPayload;
+  Allocation* a = catalog_.find(*name);
+  if (!a) return Status::kNoSuchAllocation;
+  std::vector<uint32_t> releasing;
+  for (const ExtentRow& e : a->slots) {
+    auto& conn = *conns_[e.device_id];
+    const bool up = catalog_.devices()[e.device_id].state == DeviceState::kUp && conn.client;
+    if (up && conn.boot != e.boot) continue;  // restarted: the region is gone already
+    Error err = up ? conn.client->region_del(opts_.device_admin_key, e.key) : Error::timeout("down");
+    if (err && !(err.code() == Error::Code::kNak && err.status() == Status::kBadKey)) releasing.push_back(e.slot);
+  }
+  const uint64_t id = a->row.id;
+  std::string why;
+  if (!catalog_.free(id, releasing, &why)) {
+    spdlog::error("POOL_FREE '{}': {}", *name, why);
+    return Status::kUnavailable;
+  }
+  spdlog::info("POOL_FREE '{}' (id {}){}", *name, id,
+               releasing.empty() ? "" : fmt::format("; {} extent(s) released when their device answers", releasing.size()));
+  return Status::kOk;
+}
+
+// ---------------------------------------------------------------- data path
+
+bool Proxy::usable(const Allocation& a, uint32_t slot) const {
+  const ExtentRow& e = a.slots[slot];
+  const auto& conn = *conns_[e.device_id];
+  return e.state == ExtentState::kLive && catalog_.devices()[e.device_id].state == DeviceState::kUp &&
+         conn.client && conn.boot == e.boot;
+}
+
+Client* Proxy::client(uint32_t device_id) { return conns_[device_id]->client.get(); }
+
+void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload) {
+  const bool atomic = is_atomic(h.opcode);
+  if (atomic) {
+    const ProxyReplay::Answer* remembered = nullptr;
+    switch (replay_.check(from.key(), h.txn, h.opcode, &remembered)) {
+      case ProxyReplay::Verdict::kExecute: break;
+      case ProxyReplay::Verdict::kInFlight: return;
+      case ProxyReplay::Verdict::kReplay: return reply(from, h, remembered->status, remembered->payload);
+      case ProxyReplay::Verdict::kStale: return reply(from, h, Status::kStaleTxn);
+    }
+  }
+  auto job = std::make_unique<Job>();
+  job->from = from;
+  job->req = h;
+  job->mutation = atomic;
+  job->alloc_id = pool::allocation_of(h.addr);
+  auto fail = [&](Status s) {
+    job->status = s;
+    finish(*job);
+  };
+  // The opcode's own checks, as a device makes them (PROTOCOL.md 6).
+  uint64_t len = h.length;
+  switch (h.opcode) {
+    case Opcode::kRead:
+      if (!payload.empty() || h.length > opts_.max_payload) return fail(Status::kBadLength);
+      break;
+    case Opcode::kWrite:
+      if (h.length > opts_.max_payload || payload.size() != h.length) return fail(Status::kBadLength);
+      break;
+    case Opcode::kFill:
+      if (payload.empty() || payload.size() > 256) return fail(Status::kBadPayload);
+      if (h.length > opts_.max_fill) return fail(Status::kBadLength);
+      break;
+    default:  // atomics
+      if (h.length != 8 || payload.size() != (h.opcode == Opcode::kCompareSwap ? 16u : 8u))
+        return fail(Status::kBadLength);
+      if (h.addr % 8) return fail(Status::kMisaligned);
+      len = 8;
+      break;
+  }
+  Allocation* a = catalog_.find(job->alloc_id);
+  if (!a) return fail(Status::kNoSuchAllocation);
+  if (h.rkey != a->row.key) return fail(Status::kBadKey);
+  const uint64_t off = pool::offset_of(h.addr);
+  if (off > a->row.size || len > a->row.size - off) return fail(Status::kOutOfBounds);
+  if (catalog_.state(*a) == AllocState::kLost) return fail(Status::kDeviceLost);
+
+  if (atomic) {
+    job->buf.assign(payload.begin(), payload.end());
+    job->replicated_atomic = a->layout.copies > 1;
+    Job& j = *job;
+    jobs_.push_back(std::move(job));
+    if (j.replicated_atomic) replicated_atomics_.push_back(&j);
+    else start_atomic(j);
+    return;
+  }
+  const bool write = h.opcode != Opcode::kRead;
+  if (h.opcode == Opcode::kWrite) {
+    job->buf.assign(payload.begin(), payload.end());
+  } else if (h.opcode == Opcode::kFill) {
+    job->buf.resize(len);
+    for (size_t i = 0; i < len; ++i) job->buf[i] = payload[i % payload.size()];
+  } else {
+    job->buf.resize(len);
+  }
+  const auto pieces = pool::split(a->layout, off, len);
+  for (const auto& pc : pieces) {
+    Status s = start_piece(*job, *a, pc.offset, pc.length, pc.offset - off, write);
+    if (s != Status::kOk) {
+      // Nothing answers before every started operation is done.
+      job->status = s;
+      break;
+    }
+  }
+  jobs_.push_back(std::move(job));
+}
+
+Status Proxy::start_piece(Job& j, const Allocation& a, uint64_t off, uint32_t len, size_t buf_off, bool write) {
+  const size_t piece = j.pieces++;
+  bool any_lost = false, started = false;
+  for (uint32_t c = 0; c < a.layout.copies; ++c) {
+    const pool::Place pl = pool::locate(a.layout, off, c);
+    if (!usable(a, pl.slot)) {
+      any_lost = any_lost || a.slots[pl.slot].state == ExtentState::kLost;
+      continue;
+    }
+    Job::Sub sub;
+    sub.off = off;
+    sub.len = len;
+    sub.buf_off = buf_off;
+    sub.copy = c;
+    sub.slot = pl.slot;
+    sub.piece = piece;
+    sub.write = write;
+    Client* cl = client(a.slots[pl.slot].device_id);
+    const uint64_t addr = a.slots[pl.slot].base + pl.extent_offset;
+    auto span = std::span(j.buf).subspan(buf_off, len);
+    sub.op = write ? cl->write_async(addr, span, a.row.key) : cl->read_async(addr, span, a.row.key);
+    j.subs.push_back(std::move(sub));
+    started = true;
+    if (!write) break;  // a read needs one copy
+  }
+  if (started) {
+    // A replicated write that skipped an unreachable copy leaves that copy
+    // stale: it must never be read again.
+    if (write && a.layout.copies > 1)
+      for (uint32_t c = 0; c < a.layout.copies; ++c) {
+        const pool::Place pl = pool::locate(a.layout, off, c);
+        if (!usable(a, pl.slot)) catalog_.mark_lost(a.row.id, pl.slot);
+      }
+    return Status::kOk;
+  }
+  return any_lost && a.layout.copies == 1 ? Status::kDeviceLost
+         : any_lost && catalog_.state(a) == AllocState::kLost ? Status::kDeviceLost
+                                                               : Status::kUnavailable;
+}
+
+void Proxy::start_atomic(Job& j) {
+  j.started = true;
+  Allocation* a = catalog_.find(j.alloc_id);
+  if (!a) {
+    j.status = Status::kNoSuchAllocation;
+    return;
+  }
+  const uint64_t off = pool::offset_of(j.req.addr);
+  // The first usable copy (phase 0 of a replicated atomic; the only one otherwise).
+  for (uint32_t c = 0; c < a->layout.copies; ++c) {
+    const pool::Place pl = pool::locate(a->layout, off, c);
+    if (!usable(*a, pl.slot)) continue;
+    Client* cl = client(a->slots[pl.slot].device_id);
+    const uint64_t addr = a->slots[pl.slot].base + pl.extent_offset;
+    const uint64_t x = load_le<uint64_t>(j.buf.data());
+    Job::Sub sub;
+    sub.off = off;
+    sub.len = 8;
+    sub.slot = pl.slot;
+    sub.copy = c;
+    switch (j.req.opcode) {
+      case Opcode::kFetchAdd: sub.op = cl->fetch_add_async(addr, x, a->row.key); break;
+      case Opcode::kSwap: sub.op = cl->swap_async(addr, x, a->row.key); break;
+      default: sub.op = cl->compare_swap_async(addr, x, load_le<uint64_t>(j.buf.data() + 8), a->row.key); break;
+    }
+    j.primary = pl.slot;
+    j.subs.push_back(std::move(sub));
+    return;
+  }
+  bool lost = false;
+  for (uint32_t c = 0; c < a->layout.copies; ++c)
+    lost = lost || a->slots[pool::locate(a->layout, off, c).slot].state == ExtentState::kLost;
+  j.status = lost && (a->layout.copies == 1 || catalog_.state(*a) == AllocState::kLost) ? Status::kDeviceLost
+                                                                                       : Status::kUnavailable;
+}
+
+Status Proxy::failure_status(const Error& e, uint64_t alloc_id) const {
+  if (catalog_.allocations().count(alloc_id) == 0) return Status::kNoSuchAllocation;
+  switch (e.code()) {
+    case Error::Code::kRestarted: return Status::kDeviceLost;
+    case Error::Code::kNak: return e.status();
+    default: return Status::kUnavailable;
+  }
+}
+
+void Proxy::progress() {
+  // Replicated atomics run one at a time: the word's two copies are
+  // updated by separate device operations, so two of them interleaving
+  // could leave the copies different.
+  while (!replicated_atomics_.empty() && !replicated_atomics_.front()->started) {
+    Job& j = *replicated_atomics_.front();
+    start_atomic(j);
+    if (!j.subs.empty()) break;
+    replicated_atomics_.pop_front();  // failed at once: finished below
+  }
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    Job& j = **it;
+    if (j.replicated_atomic && !j.started) {
+      ++it;
+      continue;
+    }
+    if (!progress(j)) {
+      ++it;
+      continue;
+    }
+    if (j.replicated_atomic && !replicated_atomics_.empty() && replicated_atomics_.front() == &j) {
+      replicated_atomics_.pop_front();
+      if (!replicated_atomics_.empty()) start_atomic(*replicated_atomics_.front());
+    }
+    finish(j);
+    it = jobs_.erase(it);
+  }
+}
+
+// True when the job is complete (its status and buffer final).
+bool Proxy::progress(Job& j) {
+  for (auto& sub : j.subs)
+    if (!sub.handled && !sub.op.done()) return false;
+  Allocation* a = catalog_.find(j.alloc_id);
+  // Every operation is done: look at the failures.
+  for (size_t i = 0; i < j.subs.size(); ++i) {
+    Job::Sub& sub = j.subs[i];
+    if (sub.handled) continue;
+    sub.handled = true;
+    const Error& e = sub.op.error();
+    if (!e) continue;
+    sub.status = failure_status(e, j.alloc_id);
+    spdlog::debug("device operation failed: {}", e.to_string());
+    if (!a) continue;
+    if (e.code() == Error::Code::kRestarted) catalog_.mark_lost(a->row.id, sub.slot);
+    if (a->layout.copies == 1) continue;
+    const bool is_atomic_phase0 = is_atomic(j.req.opcode) && j.phase == 0;
+    if (is_atomic_phase0) {
+      // The atomic may or may not have run on that copy: it can never be
+      // trusted again. Run it on the other copy, which has the old value.
+      catalog_.mark_lost(a->row.id, sub.slot);
+      j.subs.clear();
+      start_atomic(j);
+      if (j.subs.empty()) return true;
+      return false;
+    }
+    if (!sub.write) {
+      // A read: try the other copy.
+      const uint32_t other = pool::locate(a->layout, sub.off, 1 - sub.copy).slot;
+      if (usable(*a, other)) {
+        const pool::Place pl = pool::locate(a->layout, sub.off, 1 - sub.copy);
+        Client* cl = client(a->slots[other].device_id);
+        auto span = std::span(j.buf).subspan(sub.buf_off, sub.len);
+        Job::Sub retry = sub;
+        retry.handled = false;
+        retry.status = Status::kOk;
+        retry.copy = 1 - sub.copy;
+        retry.slot = other;
+        retry.op = cl->read_async(a->slots[other].base + pl.extent_offset, span, a->row.key);
+        sub.status = Status::kOk;  // superseded by the retry
+        j.subs.push_back(std::move(retry));
+        return false;
+      }
+    }
+  }
+  // Replicated atomic: phase 0 done, write the new word to the other copy.
+  if (is_atomic(j.req.opcode) && j.phase == 0 && !j.subs.empty() && j.subs[0].status == Status::kOk && a &&
+      a->layout.copies > 1) {
+    j.old_value = j.subs[0].op.value();
+    const uint64_t x = load_le<uint64_t>(j.buf.data());
+    uint64_t nv = j.old_value;
+    switch (j.req.opcode) {
+      case Opcode::kFetchAdd: nv = j.old_value + x; break;
+      case Opcode::kSwap: nv = x; break;
+      default:
+        if (j.old_value == x) nv = load_le<uint64_t>(j.buf.data() + 8);
+        break;
+    }
+    j.phase = 1;
+    store_le<uint64_t>(j.word.data(), nv);
+    const uint64_t off = pool::offset_of(j.req.addr);
+    for (uint32_t c = 0; c < a->layout.copies; ++c) {
+      const pool::Place pl = pool::locate(a->layout, off, c);
+      if (pl.slot == j.primary) continue;
+      if (!usable(*a, pl.slot)) {
+        catalog_.mark_lost(a->row.id, pl.slot);
+        continue;
+      }
+      Job::Sub sub;
+      sub.off = off;
+      sub.len = 8;
+      sub.slot = pl.slot;
+      sub.copy = c;
+      sub.write = true;
+      sub.op = client(a->slots[pl.slot].device_id)->write_async(a->slots[pl.slot].base + pl.extent_offset, j.word,
+                                                                  a->row.key);
+      j.subs.push_back(std::move(sub));
+    }
+    return false;
+  }
+  // Decide the job's status.
+  if (j.status != Status::kOk) return true;
+  if (is_atomic(j.req.opcode)) {
+    if (j.subs.empty()) return true;  // status set by start_atomic
+    if (j.subs[0].status != Status::kOk) {
+      j.status = j.subs[0].status;
+      return true;
+    }
+    if (j.phase == 0) j.old_value = j.subs[0].op.value();
+    for (size_t i = 1; i < j.subs.size(); ++i)
+      if (j.subs[i].status != Status::kOk && a) catalog_.mark_lost(a->row.id, j.subs[i].slot);
+    return true;
+  }
+  // Reads and writes: every piece needs one good copy; a copy of a
+  // replicated write that failed while the other succeeded is stale.
+  std::vector<uint8_t> piece_ok(j.pieces, 0);
+  Status first = Status::kOk;
+  for (const auto& sub : j.subs) {
+    if (sub.status == Status::kOk) piece_ok[sub.piece] = 1;
+    else if (first == Status::kOk) first = sub.status;
+  }
+  for (size_t p = 0; p < j.pieces; ++p)
+    if (!piece_ok[p]) {
+      j.status = first == Status::kOk ? Status::kUnavailable : first;
+      return true;
+    }
+  if (a && a->layout.copies > 1)
+    for (const auto& sub : j.subs)
+      if (sub.write && sub.status != Status::kOk) catalog_.mark_lost(a->row.id, sub.slot);
+  return true;
+}
+
+void Proxy::finish(Job& j) {
+  std::vector<std::byte> payload;
+  if (j.status == Status::kOk) {
+    if (j.req.opcode == Opcode::kRead) payload = std::move(j.buf);
+    if (is_atomic(j.req.opcode)) {
+      payload.resize(8);
+      store_le<uint64_t>(payload.data(), j.old_value);
+    }
+  }
+  if (j.mutation) replay_.done(j.from.key(), j.req.txn, j.status, payload);
+  if (j.req.opcode == Opcode::kWrite && j.status == Status::kOk && !(j.req.flags & kFlagAckReq)) return;
+  reply(j.from, j.req, j.status, payload);
+}
+
+// ---------------------------------------------------------------- health
+
+void Proxy::health_tick() {
+  const auto now = health_->now();
+  if (now < next_health_) return;
+  next_health_ = now + opts_.ping_interval;
+  const auto down_after = std::max<std::chrono::nanoseconds>(4 * opts_.ping_interval, 400ms);
+  auto& devs = catalog_.devices();
+  std::vector<std::array<std::byte, kHeaderSize>> heads(devs.size());
+  std::vector<transport::OutMsg> msgs;
+  ++health_seq_;
+  for (size_t i = 0; i < devs.size(); ++i) {
+    core::Header h;
+    h.opcode = Opcode::kPing;
+    h.txn = (uint64_t{static_cast<uint32_t>(i)} << 32) | (health_seq_ & 0xFFFFFFFF);
+    core::encode_header(h, heads[i].data());
+    msgs.push_back(transport::OutMsg{devs[i].endpoint, {std::span<const std::byte>(heads[i]), {}}});
+    Conn& c = *conns_[i];
+    if (devs[i].state == DeviceState::kUp && now - c.last_answer > down_after) {
+      devs[i].state = DeviceState::kDown;
+      spdlog::warn("device {} ({}) stopped answering: its allocations are unavailable until it is back",
+                   i, devs[i].row.address);
+    }
+  }
+  health_->send_batch(msgs);
+}
+
+void Proxy::health_receive() {
+  std::array<transport::InMsg, 8> in;
+  std::vector<std::byte> buf(in.size() * 256);
+  for (size_t i = 0; i < in.size(); ++i) in[i].buf = std::span(buf).subspan(i * 256, 256);
+  for (;;) {
+    const size_t n = health_->recv_batch(in, 0ns);
+    for (size_t i = 0; i < n; ++i) {
+      auto d = in[i].buf.first(in[i].len);
+      if (d.size() != kHeaderSize + core::kPingPayloadSize || load_be<uint32_t>(d.data()) != kMagic) continue;
+      core::Header h = core::decode_header(d.data());
+      const uint64_t id = h.txn >> 32;
+      if (!h.is_response() || h.opcode != Opcode::kPing || h.status != Status::kOk || id >= conns_.size() ||
+          !(catalog_.devices()[id].endpoint == in[i].from))
+        continue;
+      const std::byte* p = d.data() + kHeaderSize;
+      device_seen(static_cast<uint32_t>(id), load_be<uint32_t>(p), load_be<uint64_t>(p + 8));
+    }
+    if (n < in.size()) break;
+  }
+}
+
+void Proxy::device_seen(uint32_t id, uint32_t boot, uint64_t capacity) {
+  Conn& c = *conns_[id];
+  PoolDevice& dev = catalog_.devices()[id];
+  c.last_answer = health_->now();
+  if (c.client && c.boot == boot) {
+    if (dev.state != DeviceState::kUp) spdlog::info("device {} ({}) answers again", id, dev.row.address);
+    dev.state = DeviceState::kUp;
+    return;
+  }
+  // First contact, or a new incarnation: memory of any other is gone.
+  if (const size_t lost = catalog_.device_restarted(id, boot))
+    spdlog::warn("device {} ({}) restarted (boot id {:#010x}): {} extent(s) of its allocations are lost", id,
+                 dev.row.address, boot, lost);
+  catalog_.set_device_seen(id, boot, capacity);
+  if (c.client) c.retired.push_back({std::move(c.client), c.fd, c.last_answer + 2 * opts_.device_timeout + 100ms});
+  std::string why;
+  transport::UdpOptions u;
+  u.bind = Endpoint{0, 0};
+  auto t = transport::UdpTransport::open(u, &why);
+  if (!t) {
+    spdlog::error("device {}: {}", id, why);
+    return;
+  }
+  const int fd = t->fd();
+  ClientOptions co;
+  co.timeout = opts_.device_timeout;
+  auto cl = Client::connect(std::move(t), dev.endpoint, co);
+  if (!cl) {
+    spdlog::warn("device {} ({}): {}", id, dev.row.address, cl.error().to_string());
+    return;
+  }
+  if (cl.value()->device_info().boot_id != boot) return;  // restarted again meanwhile: next ping
+  c.client = std::move(*cl);
+  c.fd = fd;
+  c.boot = boot;
+  dev.state = DeviceState::kUp;
+  spdlog::info("device {} ({}) is up: boot id {:#010x}, {} B of memory", id, dev.row.address, boot, capacity);
+  // Extents of freed allocations whose region could not be deleted.
+  std::vector<ExtentRow> pending;
+  for (const auto& e : catalog_.releasing())
+    if (e.device_id == id) pending.push_back(e);
+  for (const auto& e : pending) {
+    if (e.boot == boot) {
+      Error err = c.client->region_del(opts_.device_admin_key, e.key);
+      if (err && !(err.code() == Error::Code::kNak && err.status() == Status::kBadKey)) continue;
+    }
+    catalog_.release(e);
+  }
+}
+
+void Proxy::probe_devices(std::chrono::milliseconds limit) {
+  const auto deadline = health_->now() + limit;
+  const auto interval = opts_.ping_interval;
+  opts_.ping_interval = 50ms;
+  while (health_->now() < deadline) {
+    health_tick();
+    pollfd p{health_->fd(), POLLIN, 0};
+    ::poll(&p, 1, 10);
+    health_receive();
+    bool all = true;
+    for (const auto& d : catalog_.devices()) all = all && d.state == DeviceState::kUp;
+    if (all) break;
+  }
+  opts_.ping_interval = interval;
+  next_health_ = health_->now() + interval;
+}
+
+}  // namespace netdam::mmu

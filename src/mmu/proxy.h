@@ -1,0 +1,105 @@
+// netdam-mmu's engine: the pool proxy. One UDP socket faces clients and
+// speaks the device protocol on global addresses; behind it, one
+// netdam::Client per device (windowing, retransmission, exactly-once txns
+// towards the device) and one health socket that PINGs every device.
+//
+// Single-threaded: run() is a poll(2) loop over the client socket, the
+// health socket and the device clients' sockets. A client request becomes a
+// Job: per-stripe device operations started asynchronously, checked every
+// turn of the loop, answered when all are done (docs/POOL.md, "Data path").
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/wire.h"
+#include "mmu/catalog.h"
+#include "mmu/replay.h"
+#include "netdam/client.h"
+#include "transport/udp.h"
+
+namespace netdam::mmu {
+
+struct ProxyOptions {
+  transport::Endpoint listen{0x7F000001, 7100};
+  std::vector<std::string> devices;     // HOST:PORT, added to those in the state file
+  uint32_t device_admin_key = 0;        // REGION_ADD/DEL on the devices (required)
+  std::optional<uint32_t> admin_key;    // pool control ops; unset: open
+  std::string state_file;               // empty: nothing persists
+  std::chrono::milliseconds ping_interval{100};
+  std::chrono::milliseconds device_timeout{500};  // a device op unanswered this long fails
+  size_t max_payload = kDefaultMaxPayload;
+  size_t replay_window = 1024;
+  size_t replay_requesters = 4096;
+  size_t max_fill = 16u << 20;          // FILL through the proxy is expanded into WRITEs
+};
+
+class Proxy {
+ public:
+  // Opens the sockets, loads the state file, probes the devices (up to
+  // about 0.5 s). nullptr + error on failure.
+  static std::unique_ptr<Proxy> create(const ProxyOptions& o, std::string* error);
+  ~Proxy();
+  Proxy(const Proxy&) = delete;
+  Proxy& operator=(const Proxy&) = delete;
+
+  transport::Endpoint local() const { return listen_->local(); }
+  uint32_t pool_id() const { return static_cast<uint32_t>(catalog_.pool_id()); }
+  Catalog& catalog() { return catalog_; }
+
+  // Serves until `stop` (checked at least every 20 ms).
+  void run(const std::atomic<bool>& stop);
+  // One turn of the loop, waiting up to `timeout` for input.
+  void poll_once(std::chrono::milliseconds timeout);
+
+ private:
+  struct Conn;
+  struct Job;
+  Proxy(const ProxyOptions& o, std::unique_ptr<StateStore> store);
+
+  // Client side.
+  void handle(std::span<std::byte> datagram, const transport::Endpoint& from);
+  void reply(const transport::Endpoint& to, const core::Header& req, Status s,
+             std::span<const std::byte> payload = {});
+  void answer_ping(const transport::Endpoint& to, const core::Header& h);
+  void control(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload);
+  std::vector<std::byte> pool_alloc(std::span<const std::byte> payload, Status* s);
+  Status pool_free(std::span<const std::byte> payload);
+  void data(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload);
+
+  // Jobs.
+  bool usable(const Allocation& a, uint32_t slot) const;
+  Status start_piece(Job& j, const Allocation& a, uint64_t off, uint32_t len, size_t buf_off, bool write);
+  void start_atomic(Job& j);
+  void progress();
+  bool progress(Job& j);
+  void finish(Job& j);
+  Status failure_status(const Error& e, uint64_t alloc_id) const;
+
+  // Devices.
+  void health_tick();
+  void health_receive();
+  void device_seen(uint32_t id, uint32_t boot, uint64_t capacity);
+  void probe_devices(std::chrono::milliseconds limit);
+  Client* client(uint32_t device_id);
+
+  ProxyOptions opts_;
+  Catalog catalog_;
+  ProxyReplay replay_;
+  std::unique_ptr<transport::UdpTransport> listen_, health_;
+  std::vector<std::unique_ptr<Conn>> conns_;  // by device id
+  std::list<std::unique_ptr<Job>> jobs_;
+  std::deque<Job*> replicated_atomics_;  // run one at a time, in order
+  uint64_t health_seq_ = 0;
+  transport::TimePoint next_health_{};
+  std::vector<std::byte> rx_;
+};
+
+}  // namespace netdam::mmu

@@ -1,0 +1,52 @@
+// Exactly-once for the proxy's non-idempotent requests (atomics,
+// POOL_ALLOC, POOL_FREE), with the device's semantics (PROTOCOL.md 9.2):
+// per requester (source address and port), the last `window` txns and
+// their outcomes. A retransmission of a request still in flight is dropped
+// (its answer is coming); one that is done gets the remembered answer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <unordered_map>
+#include <vector>
+
+#include "netdam/types.h"
+
+namespace netdam::mmu {
+
+class ProxyReplay {
+ public:
+  ProxyReplay(size_t window, size_t requesters) : window_(window), max_requesters_(requesters) {}
+
+  enum class Verdict : uint8_t {
+    kExecute,   // new: run it, then call done()
+    kInFlight,  // a copy is being executed: drop this one
+    kReplay,    // answer with *answer (the remembered outcome)
+    kStale,     // NAK STALE_TXN
+  };
+  struct Answer {
+    Status status = Status::kOk;
+    std::vector<std::byte> payload;
+  };
+  Verdict check(uint64_t requester, uint64_t txn, Opcode op, const Answer** answer);
+  void done(uint64_t requester, uint64_t txn, Status status, std::vector<std::byte> payload);
+  size_t requesters() const { return reqs_.size(); }
+
+ private:
+  struct Entry {
+    Opcode op{};
+    bool done = false;
+    Answer answer;
+  };
+  struct Requester {
+    std::map<uint64_t, Entry> entries;
+    uint64_t highest = 0;
+    uint64_t last_use = 0;
+  };
+  size_t window_, max_requesters_;
+  uint64_t clock_ = 0;
+  std::unordered_map<uint64_t, Requester> reqs_;
+};
+
+}  // namespace netdam::mmu

@@ -1,0 +1,87 @@
+// The proxy's metadata on disk: devices, allocations, their extents and the
+// allocation id counter, in one SQLite database (WAL, every change one
+// transaction). The in-memory Catalog is the working copy; this file is
+// what survives a restart (docs/POOL.md, "Persistence").
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+struct sqlite3;
+
+namespace netdam::mmu {
+
+struct DeviceRow {
+  uint32_t id = 0;       // pool device index (0, 1, ...): stable for the life of the pool
+  std::string address;   // "HOST:PORT" as given with --device
+  uint32_t boot = 0;     // the device incarnation last seen (0: never seen)
+  uint64_t capacity = 0; // bytes of device memory
+};
+
+enum class ExtentState : uint8_t {
+  kLive = 0,
+  kLost = 1,       // the device restarted (or a replicated copy went stale): the data is gone
+  kReleasing = 2,  // the allocation is freed; its region is deleted once the device answers
+};
+
+struct ExtentRow {
+  uint64_t alloc_id = 0;
+  uint32_t slot = 0;
+  uint32_t device_id = 0;
+  uint64_t base = 0, length = 0;  // device address and bytes
+  uint32_t boot = 0;              // the device incarnation that holds the data
+  uint32_t key = 0;               // the device region's key (= the allocation key)
+  ExtentState state = ExtentState::kLive;
+};
+
+struct AllocationRow {
+  uint64_t id = 0;
+  std::string name;
+  uint64_t size = 0;
+  uint32_t stripe = 0, slots = 0, copies = 0;
+  uint8_t policy = 0;
+  uint32_t key = 0;
+};
+
+struct StoredState {
+  std::map<std::string, uint64_t> meta;  // next_id, pool_id
+  std::vector<DeviceRow> devices;
+  std::vector<AllocationRow> allocations;
+  std::vector<ExtentRow> extents;  // of live allocations and releasing ones
+};
+
+class StateStore {
+ public:
+  // Opens (creating if needed) the database at `path`. nullptr + error.
+  static std::unique_ptr<StateStore> open(const std::string& path, std::string* error);
+  ~StateStore();
+  StateStore(const StateStore&) = delete;
+  StateStore& operator=(const StateStore&) = delete;
+
+  std::optional<StoredState> load(std::string* error);
+
+  // Each call is one transaction; false + error() on failure (nothing changed).
+  bool set_meta(const std::string& key, uint64_t value);
+  bool put_device(const DeviceRow& d);
+  bool insert_allocation(const AllocationRow& a, const std::vector<ExtentRow>& extents, uint64_t next_id);
+  // Deletes the allocation; its extents in `releasing` stay, marked kReleasing.
+  bool delete_allocation(uint64_t id, const std::vector<uint32_t>& releasing_slots);
+  bool set_extent(const ExtentRow& e);  // state and boot of one extent
+  bool delete_extent(uint64_t alloc_id, uint32_t slot);
+  const std::string& error() const { return error_; }
+
+ private:
+  explicit StateStore(sqlite3* db) : db_(db) {}
+  bool exec(const char* sql);
+  bool begin() { return exec("BEGIN IMMEDIATE"); }
+  bool commit() { return exec("COMMIT"); }
+  bool rollback();
+  sqlite3* db_;
+  std::string error_;
+};
+
+}  // namespace netdam::mmu

@@ -1,0 +1,95 @@
+// Test helpers for the pool: a netdam-mmu process (TestMmu) in front of
+// netdamd processes (TestDaemon, tests/daemon_fixture.h).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "daemon_fixture.h"
+
+namespace netdam::testing {
+
+inline constexpr const char* kDeviceAdminKey = "0xAD";
+
+// A netdam-mmu on 127.0.0.1 with a kernel-chosen port (kept on restart).
+class TestMmu {
+ public:
+  TestMmu() = default;
+  ~TestMmu() { kill_now(); }
+  TestMmu(const TestMmu&) = delete;
+  TestMmu& operator=(const TestMmu&) = delete;
+
+  bool start(const std::vector<std::string>& args, const std::string& listen = "127.0.0.1:0") {
+    args_ = args;
+    const std::string port_file = dir_.file("port");
+    std::remove(port_file.c_str());
+    std::vector<std::string> argv = {build_path("src/mmu/netdam-mmu"), "--listen", listen, "--port-file", port_file,
+                                     "--device-admin-key", kDeviceAdminKey};
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::string why;
+    pid_ = detail::spawn(argv, detail::environment({}), "", dir_.file("log"), dir_.file("log.err"), &why);
+    if (pid_ < 0) {
+      error_ = why;
+      pid_ = 0;
+      return false;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < deadline) {
+      std::string text = read_text_file(port_file);
+      if (!text.empty() && text.back() == '\n') {
+        text.pop_back();
+        endpoint_ = text;
+        return true;
+      }
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = 0;
+        error_ = "netdam-mmu exited with code " + std::to_string(detail::exit_code_of(status)) + "\n" + log();
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    error_ = "netdam-mmu did not start\n" + log();
+    return false;
+  }
+  // SIGKILL (a crash), then the same arguments on the same port.
+  bool crash_and_restart() {
+    kill_now();
+    return start(args_, endpoint_);
+  }
+  void kill_now() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      int status = 0;
+      waitpid(pid_, &status, 0);
+      pid_ = 0;
+    }
+  }
+  const std::string& endpoint() const { return endpoint_; }
+  std::string log() const { return read_text_file(dir_.file("log")) + read_text_file(dir_.file("log.err")); }
+  const std::string& error() const { return error_; }
+
+ private:
+  TempDir dir_;
+  std::vector<std::string> args_;
+  pid_t pid_ = 0;
+  std::string endpoint_, error_;
+};
+
+// `n` devices with the admin key the proxy uses, and the --device flags
+// that name them.
+inline bool start_devices(std::vector<std::unique_ptr<TestDaemon>>& devs, size_t n, std::vector<std::string>& flags,
+                          std::string* error, const std::string& memory = "8MiB") {
+  for (size_t i = 0; i < n; ++i) {
+    devs.push_back(std::make_unique<TestDaemon>());
+    if (!devs.back()->start({"--memory", memory, "--admin-key", kDeviceAdminKey, "--log-level", "warn"})) {
+      *error = devs.back()->error();
+      return false;
+    }
+    flags.push_back("--device");
+    flags.push_back(devs.back()->endpoint());
+  }
+  return true;
+}
+
+}  // namespace netdam::testing

@@ -1,0 +1,315 @@
+// The pool end to end: netdamd devices behind a netdam-mmu process, driven
+// through netdam::Pool (proxy and direct paths) and raw datagrams.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "core/endian.h"
+#include "core/wire.h"
+#include "netdam/pool.h"
+#include "pool_fixture.h"
+#include "transport/udp.h"
+
+using namespace netdam;
+using namespace netdam::testing;
+using namespace std::chrono_literals;
+using Path = Pool::Path;
+
+namespace {
+
+class PoolProxyTest : public ::testing::Test {
+ protected:
+  void Start(size_t devices, std::vector<std::string> extra = {}, const std::string& memory = "8MiB") {
+    std::string why;
+    ASSERT_TRUE(start_devices(devs_, devices, flags_, &why, memory)) << why;
+    std::vector<std::string> args = flags_;
+    args.insert(args.end(), {"--ping-interval", "50", "--device-timeout", "300", "--log-level", "warn"});
+    args.insert(args.end(), extra.begin(), extra.end());
+    ASSERT_TRUE(mmu_.start(args)) << mmu_.error();
+    Connect();
+  }
+  void Connect() {
+    PoolOptions o;
+    o.timeout = 2000ms;
+    auto p = Pool::connect(mmu_.endpoint(), o);
+    ASSERT_TRUE(p) << p.error().to_string();
+    pool_ = std::move(*p);
+  }
+  PoolAllocation Alloc(const std::string& name, uint64_t size, AllocOptions o = {}) {
+    auto a = pool_->alloc(name, size, o);
+    EXPECT_TRUE(a) << a.error().to_string() << "\n" << mmu_.log();
+    return a ? *a : PoolAllocation{};
+  }
+  static std::vector<std::byte> Random(size_t n, std::mt19937_64& rng) {
+    std::vector<std::byte> v(n);
+    for (auto& b : v) b = static_cast<std::byte>(rng());
+    return v;
+  }
+  // Waits until the proxy's view of the allocation is `state`.
+  bool WaitState(const std::string& name, const std::string& state, std::chrono::milliseconds limit = 3000ms) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (std::chrono::steady_clock::now() < deadline) {
+      auto a = pool_->lookup(name);
+      if (a && a->state == state) return true;
+      std::this_thread::sleep_for(20ms);
+    }
+    return false;
+  }
+
+  std::vector<std::unique_ptr<TestDaemon>> devs_;
+  std::vector<std::string> flags_;
+  TestMmu mmu_;
+  std::unique_ptr<Pool> pool_;
+};
+
+Status nak_status(const Error& e) { return e.code() == Error::Code::kNak ? e.status() : Status::kOk; }
+
+}  // namespace
+
+// Random reads and writes over an interleaved allocation, against a
+// reference copy, through the proxy and directly: both paths agree.
+TEST_F(PoolProxyTest, InterleavedRandomAgainstReference) {
+  Start(3);
+  AllocOptions o;
+  o.stripe = 1024;
+  const uint64_t size = 200 * 1024 + 77;
+  PoolAllocation a = Alloc("data", size, o);
+  ASSERT_EQ(a.devices, 3);
+  EXPECT_EQ(a.base >> 40, a.base >> 40);
+  std::vector<std::byte> ref(size);
+  std::mt19937_64 rng(42);
+  for (int i = 0; i < 150; ++i) {
+    const uint64_t off = rng() % size;
+    const uint64_t len = 1 + rng() % std::min<uint64_t>(size - off, i % 10 == 0 ? 40000 : 5000);
+    const Path path = rng() % 2 ? Path::kProxy : Path::kDirect;
+    if (rng() % 2) {
+      auto data = Random(len, rng);
+      ASSERT_FALSE(pool_->put(a.base + off, data, a.key, path)) << i;
+      std::copy(data.begin(), data.end(), ref.begin() + static_cast<std::ptrdiff_t>(off));
+    } else {
+      std::vector<std::byte> got(len);
+      ASSERT_FALSE(pool_->get(a.base + off, got, a.key, path)) << i;
+      ASSERT_TRUE(std::equal(got.begin(), got.end(), ref.begin() + static_cast<std::ptrdiff_t>(off))) << i;
+    }
+  }
+  std::vector<std::byte> via_proxy(size), direct(size);
+  ASSERT_FALSE(pool_->get(a.base, via_proxy, a.key, Path::kProxy));
+  ASSERT_FALSE(pool_->get(a.base, direct, a.key, Path::kDirect));
+  EXPECT_TRUE(via_proxy == ref);
+  EXPECT_TRUE(direct == ref);
+  // Atomics on both paths see each other.
+  const uint64_t w = a.base + 8 * 1000;
+  ASSERT_FALSE(pool_->put(w, std::vector<std::byte>(8), a.key));
+  EXPECT_EQ(*pool_->atomic_fetch_add(w, 5, a.key, Path::kProxy), 0u);
+  EXPECT_EQ(*pool_->atomic_fetch_add(w, 7, a.key, Path::kDirect), 5u);
+  EXPECT_EQ(*pool_->atomic_swap(w, 100, a.key, Path::kProxy), 12u);
+  EXPECT_EQ(*pool_->atomic_compare_swap(w, 100, 200, a.key, Path::kDirect), 100u);
+  EXPECT_EQ(*pool_->atomic_compare_swap(w, 1, 300, a.key, Path::kProxy), 200u);
+  EXPECT_EQ(*pool_->atomic_fetch_add(w, 0, a.key, Path::kDirect), 200u);
+  // A FILL through the plain client (global addresses) spans stripes.
+  ASSERT_FALSE(pool_->proxy_client().fill(a.base + 1000, 5000, std::vector<std::byte>{std::byte{0xAB}, std::byte{0xCD}}, a.key));
+  std::vector<std::byte> f(5000);
+  ASSERT_FALSE(pool_->get(a.base + 1000, f, a.key, Path::kDirect));
+  for (size_t i = 0; i < f.size(); ++i) ASSERT_EQ(f[i], std::byte{static_cast<uint8_t>(i % 2 ? 0xCD : 0xAB)}) << i;
+}
+
+// Every bad access gets a precise error, never another allocation's data.
+TEST_F(PoolProxyTest, BadAccessesAndFullPool) {
+  Start(2, {}, "1MiB");
+  PoolAllocation a = Alloc("a", 64 * 1024);
+  PoolAllocation b = Alloc("b", 64 * 1024);
+  ASSERT_NE(a.base, b.base);
+  ASSERT_FALSE(pool_->put(b.base, std::vector<std::byte>(16, std::byte{0x55}), b.key));
+  std::vector<std::byte> buf(16);
+  // Past the end of a: OUT_OF_BOUNDS (never b's bytes).
+  EXPECT_EQ(nak_status(pool_->get(a.base + 64 * 1024, buf, a.key)), Status::kOutOfBounds);
+  EXPECT_EQ(nak_status(pool_->get(a.base + 64 * 1024 - 8, buf, a.key)), Status::kOutOfBounds);
+  // b's address with a's key: BAD_KEY; an id never allocated: NO_SUCH_ALLOCATION.
+  EXPECT_EQ(nak_status(pool_->get(b.base, buf, a.key)), Status::kBadKey);
+  EXPECT_EQ(nak_status(pool_->get(uint64_t{999} << 40, buf, a.key)), Status::kNoSuchAllocation);
+  EXPECT_EQ(nak_status(pool_->proxy_client().fetch_add(a.base + 4, 1, a.key).error()), Status::kMisaligned);
+  // Names.
+  EXPECT_EQ(nak_status(pool_->alloc("a", 4096).error()), Status::kAlreadyExists);
+  EXPECT_EQ(pool_->alloc("bad/name", 4096).error().code(), Error::Code::kInvalidArgument);
+  // Pool full: all or nothing.
+  auto before = pool_->stat();
+  ASSERT_TRUE(before);
+  EXPECT_EQ(before->devices.size(), 2u);
+  EXPECT_EQ(before->allocations, 2u);
+  auto big = pool_->alloc("big", 4u << 20);
+  EXPECT_EQ(nak_status(big.error()), Status::kNoSpace) << big.error().to_string();
+  auto after = pool_->stat();
+  EXPECT_EQ(after->used, before->used);
+  EXPECT_EQ(after->allocations, 2u);
+  // Freed while in use: the next access is refused, and the id is never reused.
+  ASSERT_FALSE(pool_->free("b"));
+  EXPECT_EQ(nak_status(pool_->get(b.base, buf, b.key)), Status::kNoSuchAllocation);
+  EXPECT_EQ(nak_status(pool_->get(b.base, buf, b.key, Path::kDirect)), Status::kNoSuchAllocation);
+  EXPECT_EQ(nak_status(pool_->free("b")), Status::kNoSuchAllocation);
+  PoolAllocation c = Alloc("c", 64 * 1024);
+  EXPECT_GT(c.base, b.base);
+  EXPECT_EQ(nak_status(pool_->get(b.base, buf, c.key)), Status::kNoSuchAllocation);
+  ASSERT_FALSE(pool_->get(c.base, buf, c.key));  // fresh, not b's 0x55 (memory reuse is fine, data is new)
+  auto list = pool_->list();
+  ASSERT_TRUE(list);
+  ASSERT_EQ(list->size(), 2u);
+  EXPECT_EQ((*list)[0].name, "a");
+  EXPECT_EQ((*list)[1].name, "c");
+}
+
+// A retransmitted FETCH_ADD (the same datagram twice) runs once.
+TEST_F(PoolProxyTest, DuplicateMutationAppliedOnce) {
+  Start(2);
+  PoolAllocation a = Alloc("ctr", 4096);
+  std::string why;
+  transport::UdpOptions u;
+  u.bind = transport::Endpoint{0x7F000001, 0};
+  auto sock = transport::UdpTransport::open(u, &why);
+  ASSERT_TRUE(sock) << why;
+  auto to = transport::parse_endpoint(mmu_.endpoint());
+  core::Header h;
+  h.opcode = Opcode::kFetchAdd;
+  h.rkey = a.key;
+  h.txn = 1000;
+  h.addr = a.base + 64;
+  h.length = 8;
+  std::array<std::byte, kHeaderSize + 8> d{};
+  core::encode_header(h, d.data());
+  core::store_le<uint64_t>(d.data() + kHeaderSize, 3);
+  transport::OutMsg m{*to, {std::span<const std::byte>(d), {}}};
+  std::vector<uint64_t> olds;
+  std::vector<std::byte> rx(kRxBufferSize);
+  for (int send = 0; send < 3; ++send) {
+    sock->send_batch({&m, 1});
+    transport::InMsg in;
+    in.buf = rx;
+    ASSERT_EQ(sock->recv_batch({&in, 1}, 2000ms), 1u);
+    core::Header r = core::decode_header(rx.data());
+    ASSERT_EQ(r.status, Status::kOk);
+    ASSERT_EQ(r.txn, 1000u);
+    olds.push_back(core::load_le<uint64_t>(rx.data() + kHeaderSize));
+  }
+  EXPECT_EQ(olds, (std::vector<uint64_t>{0, 0, 0}));
+  EXPECT_EQ(*pool_->atomic_fetch_add(a.base + 64, 0, a.key), 3u);
+  // A txn far below the window is refused, not run.
+  h.txn = 1000 + 5000;
+  core::encode_header(h, d.data());
+  sock->send_batch({&m, 1});
+  transport::InMsg in;
+  in.buf = rx;
+  ASSERT_EQ(sock->recv_batch({&in, 1}, 2000ms), 1u);
+  h.txn = 1;
+  core::encode_header(h, d.data());
+  sock->send_batch({&m, 1});
+  ASSERT_EQ(sock->recv_batch({&in, 1}, 2000ms), 1u);
+  EXPECT_EQ(core::decode_header(rx.data()).status, Status::kStaleTxn);
+  EXPECT_EQ(*pool_->atomic_fetch_add(a.base + 64, 0, a.key), 6u);
+}
+
+// The proxy crashes and comes back with its state file: the allocations,
+// their keys and data are all there, and a client keeps going.
+TEST_F(PoolProxyTest, ProxyRestartKeepsState) {
+  TempDir dir;
+  Start(2, {"--state", dir.file("pool.db")});
+  AllocOptions o;
+  o.stripe = 256;
+  PoolAllocation a = Alloc("persist", 10000, o);
+  std::mt19937_64 rng(1);
+  auto data = Random(10000, rng);
+  ASSERT_FALSE(pool_->put(a.base, data, a.key));
+  ASSERT_TRUE(mmu_.crash_and_restart()) << mmu_.error();
+  // The same Pool object (same proxy client, same boot id) goes on.
+  std::vector<std::byte> got(10000);
+  ASSERT_FALSE(pool_->get(a.base, got, a.key)) << mmu_.log();
+  EXPECT_TRUE(got == data);
+  EXPECT_EQ(*pool_->atomic_fetch_add(a.base, 0, a.key), core::load_le<uint64_t>(data.data()));
+  auto l = pool_->lookup("persist");
+  ASSERT_TRUE(l);
+  EXPECT_EQ(l->key, a.key);
+  EXPECT_EQ(l->base, a.base);
+  // Ids are not reused after a restart either.
+  ASSERT_FALSE(pool_->free("persist"));
+  ASSERT_TRUE(mmu_.crash_and_restart()) << mmu_.error();
+  PoolAllocation b = Alloc("next", 4096);
+  EXPECT_GT(b.base, a.base);
+  EXPECT_EQ(nak_status(pool_->get(a.base, got, a.key)), Status::kNoSuchAllocation);
+}
+
+// A device killed mid-stream: its non-replicated allocation fails fast and
+// precisely; a replicated one keeps serving reads and writes.
+TEST_F(PoolProxyTest, DeviceKilled) {
+  Start(2);
+  AllocOptions rep;
+  rep.policy = PoolPolicy::kReplicated;
+  rep.stripe = 512;
+  PoolAllocation r = Alloc("rep", 8192, rep);
+  ASSERT_EQ(r.copies, 2);
+  PoolAllocation s = Alloc("plain", 8192);
+  std::mt19937_64 rng(3);
+  auto data = Random(8192, rng);
+  ASSERT_FALSE(pool_->put(r.base, data, r.key));
+  ASSERT_FALSE(pool_->put(s.base, data, s.key));
+  ASSERT_FALSE(pool_->put(r.base + 8, std::vector<std::byte>(8), r.key));
+  ASSERT_FALSE(pool_->atomic_fetch_add(r.base + 8, 10, r.key).error());
+  devs_[1]->stop();  // gone
+  std::vector<std::byte> got(8192);
+  const auto t0 = std::chrono::steady_clock::now();
+  Error e = pool_->get(s.base, got, s.key);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_EQ(nak_status(e), Status::kUnavailable) << e.to_string();
+  EXPECT_LT(took, 1500ms);
+  // The replicated allocation: all bytes readable, writable, atomics work.
+  ASSERT_FALSE(pool_->get(r.base + 16, std::span(got).subspan(16), r.key)) << mmu_.log();
+  EXPECT_TRUE(std::equal(got.begin() + 16, got.end(), data.begin() + 16));
+  auto more = Random(8192, rng);
+  ASSERT_FALSE(pool_->put(r.base, more, r.key));
+  ASSERT_FALSE(pool_->put(r.base + 8, std::vector<std::byte>(8), r.key));
+  EXPECT_EQ(*pool_->atomic_fetch_add(r.base + 8, 1, r.key), 0u);
+  EXPECT_EQ(*pool_->atomic_fetch_add(r.base + 8, 1, r.key), 1u);
+  ASSERT_FALSE(pool_->get(r.base + 16, std::span(got).subspan(16), r.key));
+  EXPECT_TRUE(std::equal(got.begin() + 16, got.end(), more.begin() + 16));
+  EXPECT_TRUE(WaitState("rep", "degraded"));
+  EXPECT_TRUE(WaitState("plain", "unavailable"));
+  auto st = pool_->stat();
+  ASSERT_TRUE(st);
+  EXPECT_EQ(st->devices[1].state, "down");
+}
+
+// A device restarted (new boot id, memory gone): its non-replicated
+// allocation reports DEVICE_LOST on every access, on both paths; a
+// replicated one keeps its data.
+TEST_F(PoolProxyTest, DeviceRestartedIsLost) {
+  Start(2);
+  PoolAllocation s = Alloc("plain", 16384);
+  AllocOptions rep;
+  rep.policy = PoolPolicy::kReplicated;
+  PoolAllocation r = Alloc("rep", 16384, rep);
+  std::mt19937_64 rng(4);
+  auto data = Random(16384, rng);
+  ASSERT_FALSE(pool_->put(s.base, data, s.key));
+  ASSERT_FALSE(pool_->put(r.base, data, r.key));
+  std::vector<std::byte> got(16384);
+  ASSERT_FALSE(pool_->get(s.base, got, s.key, Path::kDirect));  // caches the map
+  ASSERT_TRUE(devs_[0]->restart()) << devs_[0]->error();
+  EXPECT_TRUE(WaitState("plain", "lost"));
+  for (uint64_t off : {uint64_t{0}, uint64_t{4096}, uint64_t{8192}}) {
+    EXPECT_EQ(nak_status(pool_->get(s.base + off, std::span(got).first(100), s.key)), Status::kDeviceLost) << off;
+  }
+  EXPECT_EQ(nak_status(pool_->put(s.base, std::span(data).first(10), s.key)), Status::kDeviceLost);
+  Error direct = pool_->get(s.base, got, s.key, Path::kDirect);
+  EXPECT_TRUE(direct.code() == Error::Code::kRestarted || nak_status(direct) == Status::kDeviceLost) << direct.to_string();
+  EXPECT_EQ(nak_status(pool_->get(s.base, got, s.key, Path::kDirect)), Status::kDeviceLost);
+  EXPECT_TRUE(WaitState("rep", "degraded"));
+  ASSERT_FALSE(pool_->get(r.base, got, r.key)) << mmu_.log();
+  EXPECT_TRUE(got == data);
+  ASSERT_FALSE(pool_->get(r.base, got, r.key, Path::kDirect));
+  EXPECT_TRUE(got == data);
+  // The restarted device takes new allocations.
+  AllocOptions one;
+  one.policy = PoolPolicy::kSingle;
+  one.first_device = 0;
+  PoolAllocation n = Alloc("new", 4096, one);
+  ASSERT_FALSE(pool_->put(n.base, std::span(data).first(4096), n.key));
+  ASSERT_FALSE(pool_->get(n.base, std::span(got).first(4096), n.key, Path::kDirect));
+  EXPECT_TRUE(std::equal(got.begin(), got.begin() + 4096, data.begin()));
+}
