@@ -63,7 +63,9 @@ std::string_view explain(Status s, std::string_view op) {
     case Status::kStaleTxn:
       return "the device remembers newer requests from this UDP port (an earlier client used it); "
              "the request did not run";
-    case Status::kNoSpace: return "the device's region table is full";
+    case Status::kNoSpace:
+      if (op.starts_with("pool")) return "the pool has no room for it (see pool stat)";
+      return "the device's region table is full";
     case Status::kBadPayload:
       if (region_add) return "bad region record (unknown permission bits)";
       return "the request's data is malformed";

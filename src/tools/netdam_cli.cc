@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "tools/cli_commands.h"
+#include "tools/cli_pool.h"
 #include "tools/cli_util.h"
 
 #ifndef NETDAM_VERSION_STRING
@@ -162,6 +163,8 @@ int main(int argc, char** argv) {
   rdel->add_option("KEY", rga.key, "the region's key")->required();
   command(region, "ls", "list the regions: key, base, size, permissions",
           [&](Session& s) { return cmd_region_ls(s); });
+
+  add_pool_commands(app, commands);
 
   try {
     app.parse(argc, argv);
