@@ -1888,6 +1888,129 @@ TEST_F(EngineTest, StampedWrite) {
   EXPECT_EQ(n().Send(kClient, chain(0xFFFFFFFF, 4)).status(), Status::kBadSegment);
 }
 
+// AWAIT: a segment runs only once the stamp at region base + aux holds the
+// chain's generation; before that it waits, woken by the stamp's store.
+class AwaitTest : public EngineTest {
+ protected:
+  static constexpr uint32_t kKey = 21;
+  static constexpr uint64_t kBase = 0x10000, kData = 0x10040;
+  static constexpr uint32_t kAux = 0x800;  // the stamp at 0x10800
+  void SetUp() override {
+    EngineTest::SetUp();
+    ASSERT_EQ(n().dev->regions().add(Region{kBase, 0x1000, kKey, kPermAll}), Status::kOk);
+    Arm(n(), kKey, 3);
+    store_le<uint32_t>(mem().data() + kBase + kAux, 2);
+    store_le<uint64_t>(mem().data() + kData, 0x1234);
+  }
+  static Bytes AwaitRead(uint32_t generation, uint8_t flags, uint64_t txn, uint32_t aux = kAux,
+                         uint32_t key = kKey) {
+    Segment s = Seg(kDev0, Opcode::kRead, kData, key);
+    s.flags = flags;
+    s.aux = aux;
+    SrPreamble sr;
+    sr.generation = generation;
+    return ChainDatagram(ChainHeader(txn, DType::kBytes, RedOp::kNone, 8), sr, {s}, {});
+  }
+  // A stamped WRITE of `generation` elsewhere in the region, stamping kAux.
+  Reply Stamp(uint32_t generation, uint64_t txn) {
+    Segment s = Seg(kDev0, Opcode::kWrite, kBase + 0x100, kKey);
+    s.flags = kSegStamp;
+    s.aux = kAux;
+    SrPreamble sr;
+    sr.generation = generation;
+    return n().Send(kClient, ChainDatagram(ChainHeader(txn, DType::kBytes, RedOp::kNone, 8), sr,
+                                           {s}, Le64(7)));
+  }
+  Reply Run(const Device::Parked& p) {
+    Bytes d = p.datagram;
+    return n().Send(p.from, d);
+  }
+};
+
+TEST_F(AwaitTest, RunsWhenTheStampMatches) {
+  store_le<uint32_t>(mem().data() + kBase + kAux, 3);
+  Reply r = n().Send(kClient, AwaitRead(3, kSegGen | kSegAwait, 1));
+  ASSERT_EQ(r.status(), Status::kOk);
+  EXPECT_EQ(r.payload, Le64(0x1234));
+}
+
+TEST_F(AwaitTest, WaitsForTheStampAndRunsWhenItIsWritten) {
+  EXPECT_TRUE(n().Send(kClient, AwaitRead(3, kSegGen | kSegAwait, 1)).none());
+  EXPECT_EQ(n().Stat("parked"), 1u);
+  EXPECT_TRUE(n().dev->unpark().empty());
+  // A stamp of another generation, or at another place, wakes nothing.
+  ASSERT_EQ(Stamp(2, 2).status(), Status::kOk);
+  EXPECT_TRUE(n().dev->unpark().empty());
+  ASSERT_EQ(Stamp(3, 3).status(), Status::kOk);
+  auto woken = n().dev->unpark();
+  ASSERT_EQ(woken.size(), 1u);
+  EXPECT_TRUE(n().dev->unpark().empty());  // taken once
+  Reply r = Run(woken[0]);
+  ASSERT_EQ(r.status(), Status::kOk);
+  EXPECT_EQ(r.payload, Le64(0x1234));
+}
+
+TEST_F(AwaitTest, AheadIsStaleOrSkipped) {
+  store_le<uint32_t>(mem().data() + kBase + kAux, 4);
+  EXPECT_EQ(n().Send(kClient, AwaitRead(3, kSegAwait, 1)).status(), Status::kStaleGeneration);
+  Reply r = n().Send(kClient, AwaitRead(3, kSegAwait | kSegSkipStale, 2));
+  EXPECT_EQ(r.status(), Status::kOk);
+  EXPECT_TRUE(r.payload.empty());  // skipped: no data read
+  EXPECT_EQ(n().Stat("skipped"), 1u);
+  // The region check comes first: armed 3, packet 2 is stale there.
+  EXPECT_EQ(n().Send(kClient, AwaitRead(2, kSegGen | kSegAwait, 3)).status(),
+            Status::kStaleGeneration);
+}
+
+TEST_F(AwaitTest, AnArmRunsTheWaitersAgain) {
+  EXPECT_TRUE(n().Send(kClient, AwaitRead(3, kSegGen | kSegAwait, 1)).none());
+  EXPECT_EQ(Do(Req(Opcode::kArm, 0, 0, kKey), Be32(4)).status(), Status::kOk);
+  auto again = n().dev->unpark();
+  ASSERT_EQ(again.size(), 1u);
+  // Its host moved on: the waiter is answered STALE_GENERATION, not kept.
+  EXPECT_EQ(Run(again[0]).status(), Status::kStaleGeneration);
+  EXPECT_TRUE(n().dev->unpark().empty());
+}
+
+TEST_F(AwaitTest, OnlyAChainThatStartsHereWaits) {
+  // The READ would run after a WRITE on the same device: parking it would
+  // run the WRITE again later, so it is answered NOT_READY.
+  Segment w = Seg(kDev0, Opcode::kWrite, kBase + 0x200, kKey);
+  Segment r = Seg(kDev0, Opcode::kRead, kData, kKey);
+  r.flags = kSegAwait;
+  r.aux = kAux;
+  SrPreamble sr;
+  sr.generation = 3;
+  Bytes d = ChainDatagram(ChainHeader(1, DType::kBytes, RedOp::kNone, 8), sr, {w, r}, Le64(5));
+  Reply a = n().Send(kClient, d);
+  EXPECT_EQ(a.status(), Status::kNotReady);
+  EXPECT_EQ(a.h.seg_index, 1);
+  EXPECT_EQ(n().Stat("parked"), 0u);
+}
+
+TEST_F(AwaitTest, BadStampLocations) {
+  EXPECT_EQ(n().Send(kClient, AwaitRead(3, kSegAwait, 1, 0x802)).status(), Status::kBadSegment);
+  EXPECT_EQ(n().Send(kClient, AwaitRead(3, kSegAwait, 2, 0x1000)).status(), Status::kBadSegment);
+  EXPECT_EQ(n().Send(kClient, AwaitRead(3, kSegAwait, 3, 0xFFFFFFFF)).status(), Status::kBadSegment);
+  EXPECT_EQ(n().Send(kClient, AwaitRead(3, kSegAwait, 4, kAux, 4242)).status(), Status::kBadKey);
+  // STAMP and AWAIT share aux: not both on one segment.
+  Segment s = Seg(kDev0, Opcode::kWrite, kData, kKey);
+  s.flags = kSegStamp | kSegAwait;
+  s.aux = kAux;
+  Bytes d = ChainDatagram(ChainHeader(5, DType::kBytes, RedOp::kNone, 8), {}, {s}, Le64(1));
+  EXPECT_EQ(n().Send(kClient, d).status(), Status::kBadSegment);
+  EXPECT_EQ(load_le<uint64_t>(mem().data() + kData), 0x1234u);
+}
+
+TEST_F(AwaitTest, ParkingIsBounded) {
+  for (size_t i = 0; i < Device::kMaxParked; ++i)
+    ASSERT_TRUE(n().Send(kClient, AwaitRead(3, kSegAwait, 10 + i)).none());
+  EXPECT_EQ(n().Send(kClient, AwaitRead(3, kSegAwait, 1)).status(), Status::kNotReady);
+  EXPECT_EQ(n().dev->parked_count(), Device::kMaxParked);
+  ASSERT_EQ(Stamp(3, 2).status(), Status::kOk);
+  EXPECT_EQ(n().dev->unpark().size(), Device::kMaxParked);
+}
+
 TEST_F(EngineTest, UnknownSegmentFlags) {
   Segment s = Seg(kDev0, Opcode::kRead, 0x100);
   s.flags = 0x80;

@@ -43,6 +43,7 @@ enum class Algorithm : uint8_t {
   kAuto,  // chosen by size and p
   kRing,    // ring by chains: one chain per block reduces and distributes it
   kDirect,  // every rank reduces the whole buffer itself: fewest hops, small buffers
+  kTorus,   // AllReduce dimension by dimension on GroupOptions::torus_dims (only when asked)
 };
 // kAuto picks kDirect for AllReduce (and Reduce) buffers up to this size.
 inline constexpr size_t kDirectMaxBytes = 16 * 1024;
@@ -59,6 +60,10 @@ struct GroupOptions {
   uint32_t key_base = 0x4E440100;  // slot s is region key key_base + s on every device
   std::chrono::milliseconds timeout{5000};
   Algorithm algorithm = Algorithm::kAuto;
+  // kTorus: the shape, X, Y(, Z) with X*Y(*Z) = p; rank r at x = r % X,
+  // y = r / X % Y, z = r / (X*Y). The last dimension has at most 16. The
+  // other collectives of a torus group use the ring.
+  std::vector<int> torus_dims;
   // Let devices pass blocks that are more than half zero as (index, value)
   // pairs; results stay bit-identical to dense.
   bool sparse = false;
@@ -142,6 +147,7 @@ class Group {
   bool step(detail::WorkState& w);
   bool start(detail::WorkState& w);
   bool stamps_complete(detail::WorkState& w);
+  void send_phase(detail::WorkState& w);
   uint8_t chain_flags() const { return opts_.sparse ? kFlagSparseOk : 0; }
   void finish(detail::WorkState& w, Error e);
 

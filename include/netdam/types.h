@@ -71,7 +71,8 @@ inline constexpr uint8_t kFlagsKnown = kFlagResponse | kFlagAckReq | kFlagSparse
 inline constexpr uint8_t kSegGen = 0x01;        // run only if the region is armed at the chain's generation
 inline constexpr uint8_t kSegSkipStale = 0x02;  // region armed newer: skip the op, forward anyway
 inline constexpr uint8_t kSegStamp = 0x04;      // after a WRITE, store the generation at region base + aux
-inline constexpr uint8_t kSegFlagsKnown = kSegGen | kSegSkipStale | kSegStamp;
+inline constexpr uint8_t kSegAwait = 0x08;      // run only once the stamp at region base + aux is the chain's generation
+inline constexpr uint8_t kSegFlagsKnown = kSegGen | kSegSkipStale | kSegStamp | kSegAwait;
 
 enum class Status : uint8_t {
   kOk = 0,

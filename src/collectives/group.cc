@@ -34,6 +34,7 @@ std::string_view to_string(Algorithm a) {
     case Algorithm::kAuto: return "auto";
     case Algorithm::kRing: return "ring";
     case Algorithm::kDirect: return "direct";
+    case Algorithm::kTorus: return "torus";
   }
   return "unknown";
 }
@@ -58,6 +59,7 @@ struct WorkState {
   std::vector<Op> chains;
   std::vector<bool> fell_back;
   size_t chains_left = 0;
+  size_t chains_sent = 0;  // plan.chains[0, chains_sent) have been sent
   size_t stamps_seen = 0;  // plan.stamps[0, stamps_seen) are known complete
   Clock::time_point deadline;
   std::vector<std::byte> stamp_copy;  // stamps read over the network
@@ -114,6 +116,17 @@ Error Group::setup() {
   if (2 * p > kMaxSegments)
     return Error::invalid(fmt::format("ring chains take 2p segments: at most {} ranks", kMaxSegments / 2));
   if (opts_.slots < 1) return Error::invalid("a group needs at least one slot");
+  int partials = 0;
+  if (opts_.algorithm == Algorithm::kTorus) {
+    size_t product = 1;
+    for (int n : opts_.torus_dims) product *= n > 0 ? static_cast<size_t>(n) : 0;
+    if (opts_.torus_dims.size() < 2 || opts_.torus_dims.size() > 3 || product != p ||
+        2 * static_cast<size_t>(opts_.torus_dims.back()) > kMaxSegments)
+      return Error::invalid(fmt::format("torus: {} dimensions of product {} for {} ranks (2 or 3 of "
+                                        "product p, the last at most {})",
+                                        opts_.torus_dims.size(), product, p, kMaxSegments / 2));
+    partials = static_cast<int>(opts_.torus_dims.size()) - 1;
+  }
   for (const auto& d : opts_.devices) {
     std::string why;
     auto ep = transport::parse_endpoint(d, &why);
@@ -129,11 +142,12 @@ Error Group::setup() {
   const size_t max_payload = client_->options().max_payload;
   if (max_payload < route + 64) return Error::invalid("device max payload too small for chains");
   block_ = (max_payload - route) / 64 * 64;
-  slot_bytes_ = collectives::SlotLayout::bytes(opts_.capacity, block_, p);
+  slot_bytes_ = collectives::SlotLayout::bytes(opts_.capacity, block_, p, partials);
   for (int s = 0; s < opts_.slots; ++s) {
     auto slot = std::make_unique<Slot>();
     slot->layout = {opts_.base + static_cast<uint64_t>(s) * slot_bytes_, opts_.capacity,
-                    opts_.key_base + static_cast<uint32_t>(s)};
+                    opts_.key_base + static_cast<uint32_t>(s), partials,
+                    collectives::SlotLayout::stamps_needed(opts_.capacity, block_, p)};
     slots_.push_back(std::move(slot));
   }
   if (opts_.admin_key != 0) {
@@ -143,6 +157,13 @@ Error Group::setup() {
       client_->region_del(opts_.admin_key, slot->layout.key);
       RegionInfo r{slot->layout.base, slot_bytes_, slot->layout.key, 3};
       if (Error e = client_->region_add(opts_.admin_key, r)) return e;
+      // Stamps left by an earlier group on these addresses must not pass
+      // for this group's generations (0 is none). No chain writes here
+      // yet: the new region is armed at 0 until this host arms it.
+      const std::byte zero[1] = {};
+      const uint64_t stamps = slot->layout.base + 3 * opts_.capacity;
+      if (Error e = client_->fill(stamps, slot->layout.base + slot_bytes_ - stamps, zero, slot->layout.key))
+        return e;
     }
   }
   // Wait until every device has every slot: a one-byte READ through each
@@ -257,7 +278,9 @@ Work Group::allreduce_async(std::span<const std::byte> in, std::span<std::byte> 
   w->average = op == Reduction::kAvg;
   const bool direct = opts_.algorithm == Algorithm::kDirect ||
                       (opts_.algorithm == Algorithm::kAuto && in.size() <= kDirectMaxBytes);
-  w->make_plan = [=](const collectives::Context& c) {
+  const bool torus = opts_.algorithm == Algorithm::kTorus;
+  w->make_plan = [=, dims = opts_.torus_dims](const collectives::Context& c) {
+    if (torus) return collectives::torus_allreduce(c, dims, in, out, t, device_op(op));
     return direct ? collectives::direct_allreduce(c, in, out, t, device_op(op))
                   : collectives::ring_allreduce(c, in, out, t, device_op(op));
   };
@@ -417,6 +440,17 @@ bool Group::stamps_complete(detail::WorkState& w) {
   return w.stamps_seen == w.plan.stamps.size();
 }
 
+// Sends the plan's next phase of chains.
+void Group::send_phase(detail::WorkState& w) {
+  const auto& chains = w.plan.chains;
+  const uint8_t phase = chains[w.chains_sent].phase;
+  for (; w.chains_sent < chains.size() && chains[w.chains_sent].phase == phase; ++w.chains_sent) {
+    const auto& c = chains[w.chains_sent];
+    w.chains[w.chains_sent] = client_->chain_async(c.hops, w.generation, w.plan.dtype, w.plan.redop,
+                                                   c.length, {}, {}, chain_flags());
+  }
+}
+
 // One step of a collective; true if it advanced.
 bool Group::step(detail::WorkState& w) {
   using Phase = detail::WorkState::Phase;
@@ -432,11 +466,11 @@ bool Group::step(detail::WorkState& w) {
       // Step 3 starts without waiting for ARM's answer: the ARM datagram
       // left first, and a chain that still overtakes it at this device is
       // answered NOT_READY and retried. ARM's answer is checked below.
-      // Every chain of this rank goes at once; the client windows them.
-      for (const auto& c : w.plan.chains)
-        w.chains.push_back(client_->chain_async(c.hops, w.generation, w.plan.dtype, w.plan.redop,
-                                                c.length, {}, {}, chain_flags()));
+      // Every chain of this rank's first phase goes at once (all of them,
+      // but for the torus); the client windows them.
+      w.chains.resize(w.plan.chains.size());
       w.fell_back.assign(w.chains.size(), false);
+      if (!w.chains.empty()) send_phase(w);
       w.chains_left = w.chains.size();
       w.phase = Phase::kChains;
       return true;
@@ -480,6 +514,7 @@ bool Group::step(detail::WorkState& w) {
         finish(w, Error(e));
         return true;
       }
+      if (w.chains.size() - w.chains_left == w.chains_sent && w.chains_left > 0) send_phase(w);
       if (w.chains_left == 0 && !w.pending.valid()) {
         w.chains.clear();
         w.phase = Phase::kStamps;

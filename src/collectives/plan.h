@@ -14,11 +14,21 @@
 namespace netdam::collectives {
 
 // Addresses of one slot, the same on every device (docs/COLLECTIVES.md):
-// IN0 | IN1 | OUT | STAMPS, each buffer `cap` bytes.
+// IN0 | IN1 | OUT | STAMPS, each buffer `cap` bytes. A torus group adds
+// PART_0 .. PART_{partials-1} (`cap` bytes each) and their stamps
+// (`stamp_count` each) after STAMPS: the partial results of its phases.
 struct SlotLayout {
   uint64_t base = 0;
   uint64_t cap = 0;
   uint32_t key = 0;
+  int partials = 0;
+  uint64_t stamp_count = 0;  // stamps_needed(cap, block, ranks), with partials
+  uint64_t part_offset() const { return (3 * cap + 4 * stamp_count + 63) / 64 * 64; }
+  uint64_t part(int phase) const { return base + part_offset() + static_cast<uint64_t>(phase) * cap; }
+  uint32_t part_stamp_aux(int phase, size_t block) const {
+    return static_cast<uint32_t>(part_offset() + static_cast<uint64_t>(partials) * cap +
+                                 4 * (static_cast<uint64_t>(phase) * stamp_count + block));
+  }
   uint64_t in(uint32_t generation) const { return base + (generation % 2) * cap; }
   uint64_t out() const { return base + 2 * cap; }
   uint64_t stamp_addr(size_t block) const { return base + 3 * cap + 4 * block; }
@@ -27,8 +37,10 @@ struct SlotLayout {
   static uint64_t stamps_needed(uint64_t cap, size_t block, size_t ranks) {
     return (cap + block - 1) / block + ranks;
   }
-  static uint64_t bytes(uint64_t cap, size_t block, size_t ranks) {
-    const uint64_t raw = 3 * cap + 4 * stamps_needed(cap, block, ranks);
+  static uint64_t bytes(uint64_t cap, size_t block, size_t ranks, int partials = 0) {
+    const uint64_t stamps = stamps_needed(cap, block, ranks);
+    uint64_t raw = 3 * cap + 4 * stamps;
+    if (partials > 0) raw = (raw + 63) / 64 * 64 + static_cast<uint64_t>(partials) * (cap + 4 * stamps);
     return (raw + 4095) / 4096 * 4096;
   }
 };
@@ -39,6 +51,11 @@ struct ChainPlan {
   // stands for the device that refused the chain.
   std::vector<Hop> fallback;
   uint32_t length = 0;
+  // Chains of a phase go out once this rank's chains of earlier phases are
+  // done (plan.chains is in phase order). Correctness does not depend on
+  // it (AWAIT does that); it keeps chains from waiting long in devices,
+  // where their round trips would look like a slow network to the client.
+  uint8_t phase = 0;
 };
 
 struct Plan {
@@ -77,6 +94,11 @@ inline Hop make_hop(const Context& c, int rank, Opcode op, uint8_t flags, uint64
 // direct_chain.cc
 Plan direct_allreduce(const Context& c, std::span<const std::byte> in, std::span<std::byte> out,
                       DType t, RedOp op);
+
+// torus_chain.cc: `dims` = X, Y(, Z); rank r sits at x = r % X,
+// y = r / X % Y, z = r / (X*Y). Needs c.slot.partials == dims.size() - 1.
+Plan torus_allreduce(const Context& c, const std::vector<int>& dims, std::span<const std::byte> in,
+                     std::span<std::byte> out, DType t, RedOp op);
 
 // ring_chain.cc
 Plan ring_allreduce(const Context& c, std::span<const std::byte> in, std::span<std::byte> out,

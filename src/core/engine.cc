@@ -97,18 +97,74 @@ StatList Device::stats() const {
 
 bool Device::park(Address from, std::span<const std::byte> datagram) {
   std::lock_guard lock(park_mu_);
-  if (parked_.size() >= kMaxParked || parked_bytes_ + datagram.size() > kMaxParkedBytes) return false;
+  if (parked_.size() + stamp_waits_.size() + woken_.size() >= kMaxParked ||
+      parked_bytes_ + datagram.size() > kMaxParkedBytes)
+    return false;
   parked_.push_back({from, {datagram.begin(), datagram.end()}});
   parked_bytes_ += datagram.size();
   return true;
 }
 
+bool Device::park_on_stamp(Address from, std::span<const std::byte> datagram, uint64_t stamp_addr,
+                           uint32_t generation) {
+  std::lock_guard lock(park_mu_);
+  if (parked_.size() + stamp_waits_.size() + woken_.size() >= kMaxParked ||
+      parked_bytes_ + datagram.size() > kMaxParkedBytes)
+    return false;
+  Parked chain{from, {datagram.begin(), datagram.end()}};
+  parked_bytes_ += datagram.size();
+  stamp_waiters_.fetch_add(1, std::memory_order_relaxed);
+  // Pairs with the fence in stamp_written: either that writer sees this
+  // waiter, or this re-check sees its stamp. No wakeup is lost.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const uint32_t now = std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(memory_.data() + stamp_addr))
+                           .load(std::memory_order_acquire);
+  if (now == generation) {
+    stamp_waiters_.fetch_sub(1, std::memory_order_relaxed);
+    woken_.push_back(std::move(chain));
+  } else {
+    stamp_waits_.emplace(stamp_addr, StampWait{generation, std::move(chain)});
+  }
+  return true;
+}
+
+void Device::stamp_written(uint64_t stamp_addr, uint32_t generation) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (stamp_waiters_.load(std::memory_order_relaxed) == 0) return;
+  std::lock_guard lock(park_mu_);
+  auto [first, last] = stamp_waits_.equal_range(stamp_addr);
+  for (auto it = first; it != last;) {
+    if (it->second.generation != generation) {
+      ++it;
+      continue;
+    }
+    woken_.push_back(std::move(it->second.chain));
+    it = stamp_waits_.erase(it);
+    stamp_waiters_.fetch_sub(1, std::memory_order_relaxed);
+  }
+}
+
+size_t Device::parked_count() {
+  std::lock_guard lock(park_mu_);
+  return parked_.size() + stamp_waits_.size() + woken_.size();
+}
+
 std::vector<Device::Parked> Device::unpark() {
   std::lock_guard lock(park_mu_);
-  if (!armed_since_unpark_) return {};
-  armed_since_unpark_ = false;
-  parked_bytes_ = 0;
-  return std::exchange(parked_, {});
+  std::vector<Parked> run = std::exchange(woken_, {});
+  if (armed_since_unpark_) {
+    // An ARM may have made any parked chain runnable, or stale: run them
+    // all (those still waiting park again). This also bounds how long an
+    // AWAIT waiter stays: at most until its host moves on.
+    armed_since_unpark_ = false;
+    for (auto& p : parked_) run.push_back(std::move(p));
+    for (auto& [addr, w] : stamp_waits_) run.push_back(std::move(w.chain));
+    parked_.clear();
+    stamp_waits_.clear();
+    stamp_waiters_.store(0, std::memory_order_relaxed);
+  }
+  for (const auto& p : run) parked_bytes_ -= p.datagram.size();
+  return run;
 }
 
 Device::StripeLock::StripeLock(Device& d, uint64_t addr, uint64_t len) {
@@ -194,6 +250,7 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
     if (!last) n = segment(i + 1);
     if (!allowed_in_chain(s.opcode) || (s.flags & ~kSegFlagsKnown) ||
         ((s.flags & kSegStamp) && s.opcode != Opcode::kWrite) ||
+        ((s.flags & kSegStamp) && (s.flags & kSegAwait)) ||  // one aux, one stamp
         (!last && (n.ip == 0 || n.port == 0)))
       return answer(h, reply_to, Status::kBadSegment, {}, out);
     if ((h.flags & kFlagSparse) && !takes_sparse(s.opcode))
@@ -206,14 +263,18 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
       std::shared_lock gen_lock(device_.generation_mu_, std::defer_lock);
       bool skip = false;
       std::optional<Region> region;
-      if (s.flags & (kSegGen | kSegStamp)) {
+      if (s.flags & (kSegGen | kSegStamp | kSegAwait)) {
         region = device_.regions().find(s.rkey);
         if (!region) return answer(h, reply_to, Status::kBadKey, {}, out);
       }
-      // Check where the stamp goes before anything is written.
+      // Check where the stamp goes (or is read from) before anything is
+      // written.
       const uint64_t stamp_at = region ? region->base + s.aux : 0;
       if ((s.flags & kSegStamp) &&
           (stamp_at % 4 || device_.regions().check(s.rkey, stamp_at, 4, kPermWrite) != Status::kOk))
+        return answer(h, reply_to, Status::kBadSegment, {}, out);
+      if ((s.flags & kSegAwait) &&
+          (stamp_at % 4 || device_.regions().check(s.rkey, stamp_at, 4, kPermRead) != Status::kOk))
         return answer(h, reply_to, Status::kBadSegment, {}, out);
       if (s.flags & kSegGen) {
         gen_lock.lock();
@@ -225,6 +286,25 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
           // Park only what has not started here (a continuation would run
           // its earlier segments twice).
           if (i == p.h.seg_index && device_.park(from, d)) {
+            Stats::inc(stats_.parked);
+            return {};
+          }
+          return answer(h, reply_to, Status::kNotReady, {}, out);
+        }
+        if (ahead > 0 && !(s.flags & kSegSkipStale))
+          return answer(h, reply_to, Status::kStaleGeneration, {}, out);
+        skip = ahead > 0;
+      }
+      if ((s.flags & kSegAwait) && !skip) {
+        // The data this segment reads is complete once its stamp holds this
+        // generation (written after the data, with release order). Behind:
+        // wait like an unarmed region, woken by that stamp's store.
+        const uint32_t stamp =
+            std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(device_.memory().data() + stamp_at))
+                .load(std::memory_order_acquire);
+        const auto ahead = static_cast<int32_t>(stamp - p.sr.generation);
+        if (ahead < 0) {
+          if (i == p.h.seg_index && device_.park_on_stamp(from, d, stamp_at, p.sr.generation)) {
             Stats::inc(stats_.parked);
             return {};
           }
@@ -248,6 +328,7 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
           // sees the data.
           std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(device_.memory().data() + stamp_at))
               .store(p.sr.generation, std::memory_order_release);
+          device_.stamp_written(stamp_at, p.sr.generation);
         }
       }
     }

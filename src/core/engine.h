@@ -4,12 +4,14 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
 #include <shared_mutex>
 #include <optional>
 #include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "core/regions.h"
@@ -68,9 +70,19 @@ class Device {
   static constexpr size_t kMaxParked = 4096;
   static constexpr size_t kMaxParkedBytes = 32u << 20;
   bool park(Address from, std::span<const std::byte> datagram);
-  // The parked chains, to be run again, if an ARM happened since the last
-  // call; otherwise none.
+  // A chain whose AWAIT segment found the stamp at device address
+  // `stamp_addr` behind `generation` waits here until a STAMP write stores
+  // `generation` there (or the next ARM). Same bound as park().
+  bool park_on_stamp(Address from, std::span<const std::byte> datagram, uint64_t stamp_addr,
+                     uint32_t generation);
+  // Called by the engine after every stamp store: wakes the chains waiting
+  // for it (cheap when none waits).
+  void stamp_written(uint64_t stamp_addr, uint32_t generation);
+  // The chains to run again: every parked one if an ARM happened since the
+  // last call, otherwise those whose stamp has arrived; often none.
   std::vector<Parked> unpark();
+  // Chains held now (waiting for an ARM or a stamp, or woken and not yet run).
+  size_t parked_count();
 
   // REDUCE_MEM is a read-modify-write of many elements; concurrent ones on
   // the same bytes (from different threads) are serialised by address
@@ -100,6 +112,14 @@ class Device {
   std::shared_mutex generation_mu_;  // ARM exclusive, generation-checked hops shared
   std::mutex park_mu_;
   std::vector<Parked> parked_;
+  // AWAIT waiters by stamp address, and the woken ones not yet unparked.
+  struct StampWait {
+    uint32_t generation;
+    Parked chain;
+  };
+  std::unordered_multimap<uint64_t, StampWait> stamp_waits_;
+  std::vector<Parked> woken_;
+  std::atomic<size_t> stamp_waiters_{0};  // stamp_waits_.size(), read without the lock
   size_t parked_bytes_ = 0;
   bool armed_since_unpark_ = false;
   mutable std::mutex engines_mu_;
