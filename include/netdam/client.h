@@ -214,7 +214,8 @@ class Client {
   std::deque<std::unique_ptr<Packet>> queue_;
   std::map<uint64_t, std::unique_ptr<Packet>> inflight_;  // by txn: oldest first
   size_t inflight_bytes_ = 0;
-  std::chrono::nanoseconds srtt_{0}, rttvar_{0};
+  struct Recovery;  // per route class: RTT, timers, loss detection
+  std::unique_ptr<Recovery> recovery_;
   std::vector<std::byte> rx_;
   Counters counters_;
 };

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <utility>
 
+#include "client/loss_recovery.h"
 #include "core/endian.h"
 #include "core/engine.h"
 #include "core/sparse.h"
@@ -79,6 +81,24 @@ constexpr size_t kRxBatch = 32;
 constexpr auto kNotReadyDelay = 100us;
 }  // namespace
 
+struct Client::Recovery {
+  // Index: the route's segment count (0: a plain request to the device).
+  std::array<client_detail::LossRecovery, kMaxSegments + 1> routes;
+  TimePoint next_check{};  // the earliest time check_timers has work
+  Recovery() : routes(make()) {}
+  client_detail::LossRecovery& route(size_t segments) { return routes[std::min(segments, kMaxSegments)]; }
+
+ private:
+  static std::array<client_detail::LossRecovery, kMaxSegments + 1> make() {
+    // A chain crosses 2p links and is retried end to end, so under loss it
+    // needs many tries: back off less.
+    return [&]<size_t... I>(std::index_sequence<I...>) {
+      return std::array<client_detail::LossRecovery, kMaxSegments + 1>{
+          client_detail::LossRecovery({kMinRto, kMaxRto, kInitialRto, I == 0 ? 6 : 2})...};
+    }(std::make_index_sequence<kMaxSegments + 1>{});
+  }
+};
+
 // ---------------------------------------------------------------- setup
 
 Client::Client(std::unique_ptr<transport::Transport> t, const transport::Endpoint& device,
@@ -86,6 +106,7 @@ Client::Client(std::unique_ptr<transport::Transport> t, const transport::Endpoin
     : transport_(std::move(t)),
       device_(std::make_unique<transport::Endpoint>(device)),
       opts_(opts),
+      recovery_(std::make_unique<Recovery>()),
       rx_(kRxBatch * kRxBufferSize) {
   // Txns start at the wall clock in nanoseconds: a later client that gets
   // the same source port as an earlier one starts above every txn the
@@ -588,31 +609,42 @@ void Client::send_queued() {
 
 void Client::check_timers() {
   const TimePoint now = transport_->now();
-  const auto base = srtt_.count() ? std::clamp<std::chrono::nanoseconds>(srtt_ + 4 * rttvar_, kMinRto, kMaxRto)
-                                  : std::chrono::nanoseconds(kInitialRto);
+  TimePoint next = now + std::chrono::nanoseconds(kMinRto) / 2;
   std::vector<uint64_t> expired;
+  std::array<bool, kMaxSegments + 1> probed{};
   for (auto& [txn, p] : inflight_) {
     if (now - p->first_sent >= opts_.timeout) {
       expired.push_back(txn);
       continue;
     }
-    // A chain crosses 2p links and is retried end to end, so under loss it
-    // needs many tries: back off less.
-    const int max_shift = p->is_chain() ? 2 : 6;
-    auto rto = std::min<std::chrono::nanoseconds>(base * (1 << std::min(p->sends - 1, max_shift)), kMaxRto);
-    const bool due = p->due != TimePoint{} && now >= p->due;
-    if (!due && now - p->last_sent < rto) continue;
+    client_detail::LossRecovery& lr = recovery_->route(p->h.seg_count);
+    bool resend = false, due = false;
+    if (p->due != TimePoint{}) {  // NOT_READY: asked to come back later, not a loss
+      due = now >= p->due;
+      resend = due;
+      if (!due) next = std::min(next, p->due);
+    } else if (const TimePoint lost = lr.lost_at(p->last_sent); now >= lost) {
+      resend = true;
+    } else if (!probed[p->h.seg_count] && lr.probe_due(p->last_sent, now)) {
+      resend = true;
+      probed[p->h.seg_count] = true;
+      lr.on_probe(now);
+    } else {
+      next = std::min({next, lost, lr.probe_at(p->last_sent)});
+    }
+    if (!resend) continue;
     p->due = {};
     transport::OutMsg m{p->is_chain() ? p->to : *device_, {p->head(), p->payload}};
     transport_->send_batch({&m, 1});
     p->last_sent = now;
     if (due) {
-      ++counters_.not_ready_resends;  // asked to come back later: not a loss
+      ++counters_.not_ready_resends;
     } else {
       ++p->sends;
       ++counters_.retransmits;
     }
   }
+  recovery_->next_check = std::max(next, now);
   for (uint64_t txn : expired) {
     auto it = inflight_.find(txn);
     if (it == inflight_.end()) continue;  // gone with an earlier failure of its op
@@ -649,17 +681,8 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
   }
   ++counters_.answers;
   Packet& p = *it->second;
-  if (p.sends == 1) {  // Karn: only unambiguous samples
-    auto rtt = transport_->now() - p.first_sent;
-    if (srtt_.count() == 0) {
-      srtt_ = rtt;
-      rttvar_ = rtt / 2;
-    } else {
-      auto dev = rtt > srtt_ ? rtt - srtt_ : srtt_ - rtt;
-      rttvar_ = (3 * rttvar_ + dev) / 4;
-      srtt_ = (7 * srtt_ + rtt) / 8;
-    }
-  }
+  if (h.status != Status::kNotReady)
+    recovery_->route(p.h.seg_count).on_answer(p.first_sent, p.last_sent, p.sends, transport_->now());
   auto what = [&] { return fmt::format("{} at {:#x} on {}", to_string(h.opcode), p.h.addr, device_address()); };
   if (p.is_chain() && h.status == Status::kNotReady) {
     // Back off from 100 us to 3.2 ms; the deadline still runs from first_sent.
@@ -713,11 +736,11 @@ void Client::pump(bool block) {
   send_queued();
   if (inflight_.empty()) return;
   // Sleep no longer than the next retransmission could be due.
-  auto timeout = block ? std::chrono::nanoseconds(kMinRto) / 2 : std::chrono::nanoseconds(0);
+  auto timeout = std::chrono::nanoseconds(0);
   if (block) {
     const TimePoint now = transport_->now();
-    for (const auto& [txn, p] : inflight_)
-      if (p->due != TimePoint{}) timeout = std::min<std::chrono::nanoseconds>(timeout, std::max(p->due - now, std::chrono::nanoseconds(0)));
+    timeout = std::clamp<std::chrono::nanoseconds>(recovery_->next_check - now, std::chrono::nanoseconds(0),
+                                                   std::chrono::nanoseconds(kMinRto) / 2);
   }
   std::array<transport::InMsg, kRxBatch> in;
   for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);

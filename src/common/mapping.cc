@@ -80,7 +80,7 @@ std::unique_ptr<Mapping> Mapping::open_shared(const std::string& name, std::stri
     close(fd);
     return nullptr;
   }
-  void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (p == MAP_FAILED) {
     fail(error, "cannot map device shared memory /dev/shm" + path);
     close(fd);

@@ -81,7 +81,7 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
     return fmt::format("{}: '{}' {}", path, key, why);
   };
   static const std::vector<std::string_view> kKnown = {
-      "listen", "memory", "threads", "max_payload", "shm", "admin_key", "replay_window",
+      "listen", "memory", "threads", "max_payload", "shm", "prefault", "admin_key", "replay_window",
       "replay_requesters", "default_key", "region", "port_file", "log_level"};
   for (const auto& [k, v] : t)
     if (std::find(kKnown.begin(), kKnown.end(), k.str()) == kKnown.end())
@@ -108,6 +108,7 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
     cfg.threads = static_cast<unsigned>(*v);
   }
   if (auto v = t["shm"].value<std::string>()) cfg.shm = *v;
+  if (auto v = t["prefault"].value<bool>()) cfg.prefault = *v;
   if (auto v = t["port_file"].value<std::string>()) cfg.port_file = *v;
   if (auto v = t["log_level"].value<std::string>()) cfg.log_level = *v;
   if (auto v = t["admin_key"].value<int64_t>()) {

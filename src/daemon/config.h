@@ -18,6 +18,7 @@ struct DaemonConfig {
   unsigned threads = 1;
   size_t max_payload = kDefaultMaxPayload;
   std::string shm;                     // back memory with /dev/shm/NAME
+  bool prefault = false;               // write every page once at start
   std::optional<uint32_t> admin_key;   // region admin over the network
   size_t replay_window = 1024;
   size_t replay_requesters = 4096;

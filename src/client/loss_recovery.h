@@ -1,0 +1,69 @@
+// When to send a request again: retransmission timers and loss detection
+// for one route class (plain requests to the device, or chains of n
+// segments: their round trips differ by an order of magnitude, so each
+// class has its own estimator).
+//
+// Timer-based retransmission alone fails badly on a loaded machine: when a
+// device process waits 30 ms for a CPU, every request in flight outlives
+// its timeout at once, the client resends its whole window, and the resent
+// chains double the devices' work exactly when they are behind (we measured
+// two thirds of all chains resent, every one spuriously, at 16 MiB). So,
+// as TCP's RACK-TLP (RFC 8985) does:
+//  - a request is lost when one sent after it was answered and it is
+//    overdue relative to that one (one reordering window later): real
+//    losses are repaired in about one round trip, by evidence;
+//  - without evidence (nothing answered), the timer sends one probe per
+//    timeout per class, the oldest request, and backs off; the probe's
+//    answer (or its original's) then proves which others are lost.
+// RTT samples follow Karn: a request sent more than once gives a sample
+// only when its answer is clearly for the last send.
+//
+// Pure logic on time points: tested without sockets or clocks.
+#pragma once
+
+#include <chrono>
+
+namespace netdam::client_detail {
+
+class LossRecovery {
+ public:
+  using TimePoint = std::chrono::steady_clock::time_point;
+  using Ns = std::chrono::nanoseconds;
+
+  struct Limits {
+    Ns min_rto, max_rto, initial_rto;
+    int max_backoff;  // the timeout doubles at most this many times
+  };
+  explicit LossRecovery(Limits l) : limits_(l) {}
+
+  // An answer arrived at `now` for a request first sent at `first` and last
+  // sent at `last` (`sends` times in all).
+  void on_answer(TimePoint first, TimePoint last, int sends, TimePoint now);
+
+  // The request last sent at `last_sent` is lost by the evidence of a later
+  // request's answer, if still unanswered at the returned time; max() if
+  // there is no such evidence (yet).
+  TimePoint lost_at(TimePoint last_sent) const;
+
+  // A probe may go now for a request last sent at `last_sent`.
+  bool probe_due(TimePoint last_sent, TimePoint now) const;
+  // When probe_due could first become true for it.
+  TimePoint probe_at(TimePoint last_sent) const;
+  void on_probe(TimePoint now);
+
+  Ns rto() const;  // with the current backoff
+  Ns srtt() const { return srtt_; }
+
+ private:
+  Ns reordering_window() const;
+
+  Limits limits_;
+  Ns srtt_{0}, rttvar_{0};
+  Ns min_rtt_ = Ns::max();
+  TimePoint rack_xmit_{};  // send time of the latest-sent request answered
+  Ns rack_rtt_{0};         // and its round trip
+  TimePoint last_probe_{};
+  int backoff_ = 0;
+};
+
+}  // namespace netdam::client_detail

@@ -1,0 +1,93 @@
+// Retransmission timers and loss detection (src/client/loss_recovery.h),
+// on synthetic time points.
+#include "client/loss_recovery.h"
+
+#include <gtest/gtest.h>
+
+namespace netdam::client_detail {
+namespace {
+
+using namespace std::chrono_literals;
+using TP = LossRecovery::TimePoint;
+
+constexpr LossRecovery::Limits kLimits{20ms, 1000ms, 50ms, 2};
+const TP t0 = TP{} + 1s;
+
+TEST(LossRecovery, WithoutSamplesTheInitialTimeoutApplies) {
+  LossRecovery lr(kLimits);
+  EXPECT_EQ(lr.rto(), 50ms);
+  EXPECT_FALSE(lr.probe_due(t0, t0 + 49ms));
+  EXPECT_TRUE(lr.probe_due(t0, t0 + 50ms));
+  EXPECT_EQ(lr.lost_at(t0), TP::max());  // no evidence yet
+}
+
+TEST(LossRecovery, TimeoutFollowsSamplesWithinItsBounds) {
+  LossRecovery lr(kLimits);
+  lr.on_answer(t0, t0, 1, t0 + 100us);
+  EXPECT_EQ(lr.srtt(), 100us);
+  EXPECT_EQ(lr.rto(), 20ms);  // the floor
+  for (int i = 0; i < 50; ++i) lr.on_answer(t0, t0, 1, t0 + 200ms);
+  EXPECT_GT(lr.rto(), 200ms);
+  EXPECT_LE(lr.rto(), 1000ms);
+}
+
+TEST(LossRecovery, AnEarlierRequestIsLostOnceALaterOneIsAnsweredAndItIsOverdue) {
+  LossRecovery lr(kLimits);
+  const TP a = t0, b = t0 + 10us;  // a sent first, then b
+  lr.on_answer(b, b, 1, b + 300us);  // b answered after 300 us
+  // a is lost one round trip (300 us) plus the reordering window (at least
+  // 1 ms) after it was sent.
+  EXPECT_EQ(lr.lost_at(a), a + 300us + 1ms);
+  // A request sent after b has no evidence against it.
+  EXPECT_EQ(lr.lost_at(b + 1us), TP::max());
+  EXPECT_EQ(lr.lost_at(b), TP::max());
+}
+
+TEST(LossRecovery, ReorderingWindowGrowsWithTheRoundTrip) {
+  LossRecovery lr(kLimits);
+  for (int i = 0; i < 20; ++i) lr.on_answer(t0, t0, 1, t0 + 40ms);
+  const TP later = t0 + 1ms;
+  lr.on_answer(later, later, 1, later + 40ms);
+  // A quarter of the 40 ms smoothed RTT, not the 1 ms floor.
+  EXPECT_EQ(lr.lost_at(t0), t0 + 40ms + 10ms);
+}
+
+TEST(LossRecovery, ProbesAreOnePerTimeoutAndBackOff) {
+  LossRecovery lr(kLimits);
+  lr.on_answer(t0, t0, 1, t0 + 1ms);  // rto 20 ms (floor)
+  const TP sent = t0 + 2ms;
+  const TP first = sent + 20ms;
+  ASSERT_TRUE(lr.probe_due(sent, first));
+  lr.on_probe(first);
+  EXPECT_EQ(lr.rto(), 40ms);
+  // Another request sent as long ago is not probed until a backed-off
+  // timeout after the probe.
+  EXPECT_FALSE(lr.probe_due(sent, first + 39ms));
+  EXPECT_TRUE(lr.probe_due(sent, first + 40ms));
+  lr.on_probe(first + 40ms);
+  lr.on_probe(first + 120ms);
+  EXPECT_EQ(lr.rto(), 80ms);  // backoff capped at 2 doublings
+  // An unambiguous sample ends the backoff.
+  lr.on_answer(first + 200ms, first + 200ms, 1, first + 201ms);
+  EXPECT_EQ(lr.rto(), 20ms);
+}
+
+TEST(LossRecovery, AnswersToResentRequestsGiveNoSampleButStillEvidence) {
+  LossRecovery lr(kLimits);
+  lr.on_answer(t0, t0, 1, t0 + 1ms);  // min RTT 1 ms
+  const auto srtt = lr.srtt();
+  // Sent at t0 + 10 ms, resent at + 40 ms, answered 100 us after the resend:
+  // too soon to be the resend's answer, so it answers the first send.
+  const TP first = t0 + 10ms, resent = t0 + 40ms;
+  lr.on_answer(first, resent, 2, resent + 100us);
+  EXPECT_EQ(lr.srtt(), srtt);
+  EXPECT_EQ(lr.lost_at(first - 1us), first - 1us + 30ms + 100us + 1ms);
+  // Answered 5 ms after the resend: the resend's answer.
+  const TP first2 = t0 + 100ms, resent2 = t0 + 150ms;
+  lr.on_answer(first2, resent2, 2, resent2 + 5ms);
+  EXPECT_EQ(lr.srtt(), srtt);
+  EXPECT_EQ(lr.lost_at(resent2 - 1us), resent2 - 1us + 5ms + 1ms);
+}
+
+}  // namespace
+}  // namespace netdam::client_detail
