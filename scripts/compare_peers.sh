@@ -10,15 +10,14 @@
 # under mpirun with TCP on loopback only, and netdam's own benchmark if the
 # build tree has one that accepts
 #   <bench> allreduce --local P -b 8 -e 64M -f 2 --csv FILE
-# (build/src/tools/bench/netdam-bench, else netdam-bench-collectives next to
-# it; NETDAM_BENCH=path overrides, NETDAM_BENCH=none skips). Then prints one
+# (build/src/tools/bench/netdam-bench; NETDAM_BENCH=path overrides, NETDAM_BENCH=none skips). Then prints one
 # table: busbw and time of each, netdam/gloo busbw and netdam/MPI time.
 #
 # Environment:
 #   PEERS_OUT=DIR       keep logs and CSVs there (default: a new /tmp dir)
 #   PEERS_TIMING=each   each (default): barrier + one timed collective per
 #                       iteration, mean time of the slowest rank, as
-#                       netdam-bench-collectives measures; batch: nccl-tests'
+#                       netdam-bench allreduce measures; batch: nccl-tests'
 #                       back-to-back loop, mean time averaged over ranks
 #   PEERS_MAX=64M       largest size (PEERS_MIN=8 smallest)
 #   PEERS_ITERS=20      timed iterations at small sizes (fewer for large ones:
@@ -75,8 +74,7 @@ echo "   $((SECONDS - t0)) s, exit $rc (log $out/mpi.txt)"
 netdam_csv=""
 bench="${NETDAM_BENCH:-}"
 if [[ -z "$bench" ]]; then
-  for cand in "$repo/build/src/tools/bench/netdam-bench" \
-              "$repo/build/src/tools/bench/netdam-bench-collectives"; do
+  for cand in "$repo/build/src/tools/bench/netdam-bench"; do
     if [[ -x "$cand" ]] && "$cand" allreduce --help 2>/dev/null | grep -q -- "--local" &&
        "$cand" allreduce --help 2>/dev/null | grep -q -- "--csv"; then
       bench="$cand"

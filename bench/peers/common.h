@@ -101,7 +101,7 @@ inline void usage(const char* prog, bool gloo) {
                "                   mean time averaged over ranks, one verified run before;\n"
                "                   each: barrier, fresh input, one timed collective,\n"
                "                   verify, -n times; mean time, the slowest rank\n"
-               "                   (as netdam-bench-collectives measures)\n"
+               "                   (as netdam-bench allreduce measures)\n"
                "  --ops LIST       allreduce,allgather,reducescatter,broadcast or all\n"
                "                   (default allreduce)\n"
                "%s"

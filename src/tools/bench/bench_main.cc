@@ -87,6 +87,7 @@
 #include <thread>
 #include <vector>
 
+#include "collectives_bench.h"
 #include "common.h"
 #include "common/units.h"
 #include "core/reduce.h"
@@ -652,7 +653,14 @@ int run_rw(Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"netdam-bench: netdam latency/throughput against the raw UDP ceiling of this machine"};
+  // The collectives have options of their own (nccl-tests' names).
+  if (argc > 1) {
+    const std::string_view first = argv[1];
+    if (first == "allreduce" || first == "reducescatter" || first == "allgather" || first == "broadcast")
+      return netdam::bench::collectives_main(argc, argv);
+  }
+  CLI::App app{"netdam-bench: netdam latency/throughput against the raw UDP ceiling of this machine; "
+               "collectives: netdam-bench allreduce|reducescatter|allgather|broadcast --help"};
   app.fallthrough();
   Options o;
   app.add_option("--device", o.device, "HOST:PORT of a running device (default: start netdamd)");

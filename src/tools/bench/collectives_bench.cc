@@ -1,7 +1,8 @@
-// netdam-bench-collectives: in-network collectives (netdam::Group) measured
+// netdam-bench allreduce (and reducescatter, allgather, broadcast):
+// in-network collectives (netdam::Group) measured
 // the nccl-tests way.
 //
-//   netdam-bench-collectives [allreduce|reducescatter|allgather|broadcast]
+//   netdam-bench allreduce|reducescatter|allgather|broadcast
 //       [-b 8] [-e 64M] [-f 2] [--type f32] [--redop sum] [-n 20] [-w 5]
 //       (--local P [--drop P --dup P --reorder P --seed N]
 //        | --devices A,B,... --rank R [--shm NAME] [--admin-key K])
@@ -44,6 +45,7 @@
 #include <filesystem>
 
 #include "common/units.h"
+#include "tools/bench/collectives_bench.h"
 #include "tools/bench/collectives_process.h"
 #include "tools/bench/collectives_rank.h"
 
@@ -53,7 +55,7 @@ using namespace netdam::bench::coll;
 namespace {
 
 int usage_error(const std::string& msg) {
-  std::fprintf(stderr, "netdam-bench-collectives: %s\n", msg.c_str());
+  std::fprintf(stderr, "netdam-bench: %s\n", msg.c_str());
   return 1;
 }
 
@@ -78,8 +80,11 @@ std::string fmt_prob(double p) { return fmt::format("{}", p); }
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  CLI::App app{"netdam-bench-collectives: in-network collectives measured the nccl-tests way"};
+namespace netdam::bench {
+
+int collectives_main(int argc, char** argv) {
+  CLI::App app{"netdam-bench allreduce|reducescatter|allgather|broadcast: in-network collectives measured "
+               "the nccl-tests way"};
   std::string op_pos, op_flag, min_s = "8", max_s = "64M", type_s = "f32", redop_s = "sum", algo_s = "auto";
   std::string admin_s = "0xAD", netdamd, csv, shm;
   std::vector<std::string> devices;
@@ -87,6 +92,7 @@ int main(int argc, char** argv) {
   int local = 0, check = 1;
   unsigned timeout_ms = 5000;
   double drop = 0, dup = 0, reorder = 0;
+  std::string max_payload_s;
   uint64_t seed = 1;
   app.add_option("op", op_pos, "allreduce | reducescatter | allgather | broadcast (default allreduce)");
   app.add_option("--op", op_flag, "the collective, as the positional argument");
@@ -96,7 +102,7 @@ int main(int argc, char** argv) {
   app.add_option("-d,--type,--datatype", type_s, "f32 | f16 | bf16 | f64 | i32 | i64 (default f32)");
   app.add_option("--redop", redop_s, "sum | min | max | avg (default sum)");
   app.add_option("-n,--iters", c.iters, "timed iterations per size, at most (default 20)")->check(CLI::Range(1, 1000000));
-  app.add_option("-w,--warmup_iters", c.warmup, "warm-up iterations per size, at most (default 5; the first 2 (at least 1) always run)")
+  app.add_option("-w,--warmup_iters", c.warmup, "warm-up iterations per size, at most (default 5; the first 2 x slots (at least 1) always run)")
       ->check(CLI::Range(0, 1000000));
   app.add_option("-c,--check", check, "1: verify every iteration (default), 0: back to back, verify the last");
   app.add_option("--time-per-size", c.time_per_size, "seconds of timed iterations per size, about (default 2)")
@@ -113,6 +119,8 @@ int main(int argc, char** argv) {
   app.add_option("--slots", c.slots, "collectives slots (default 2)")->check(CLI::Range(1, 64));
   app.add_option("--timeout", timeout_ms, "group and client timeout in ms (default 5000)");
   app.add_option("--window", c.window, "packets (chains) in flight per rank's client (default: the client's, 64)");
+  app.add_option("--max-payload", max_payload_s,
+                 "--local: the devices' largest payload, e.g. 8K (default), 63K for 64 KiB loopback datagrams");
   app.add_option("--drop", drop, "--local: devices drop each datagram they send with probability P")
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--dup", dup, "--local: devices duplicate each datagram with probability P")->check(CLI::Range(0.0, 1.0));
@@ -190,8 +198,9 @@ int main(int argc, char** argv) {
     Daemon& d = daemons[static_cast<size_t>(r)];
     d.shm = fmt::format("netdam-bench-{}-{}", getpid(), r);
     std::vector<std::string> args = {netdamd, "--listen", "127.0.0.1:0", "--memory", std::to_string(memory),
-                                     "--shm", d.shm, "--admin-key", "0xAD", "--log-level", "warn"};
+                                     "--shm", d.shm, "--admin-key", "0xAD", "--log-level", "warn", "--prefault"};
     args[8] = fmt::format("{:#x}", c.admin_key);
+    if (!max_payload_s.empty()) args.insert(args.end(), {"--max-payload", max_payload_s});
     if (faults) {
       args.insert(args.end(), {"--inject-drop", fmt_prob(drop), "--inject-dup", fmt_prob(dup), "--inject-reorder",
                                fmt_prob(reorder), "--inject-seed", std::to_string(seed + static_cast<uint64_t>(r))});
@@ -214,7 +223,7 @@ int main(int argc, char** argv) {
     rc.shm = daemons[static_cast<size_t>(r)].shm;
     const pid_t pid = fork_child([rc] { return run_rank(rc); });
     if (pid < 0) {
-      std::fprintf(stderr, "netdam-bench-collectives: fork failed\n");
+      std::fprintf(stderr, "netdam-bench: fork failed\n");
       break;
     }
     ranks.push_back(pid);
@@ -224,7 +233,7 @@ int main(int argc, char** argv) {
   for (size_t r = 0; r < codes.size(); ++r) {
     if (codes[r] == 0) continue;
     status = 1;
-    std::fprintf(stderr, "netdam-bench-collectives: rank %zu exited with status %d\n", r, codes[r]);
+    std::fprintf(stderr, "netdam-bench: rank %zu exited with status %d\n", r, codes[r]);
   }
   if (status != 0 || stop_requested()) {
     for (size_t r = 0; r < daemons.size(); ++r)
@@ -235,3 +244,5 @@ int main(int argc, char** argv) {
   if (stop_requested()) return 130;
   return status;
 }
+
+}  // namespace netdam::bench

@@ -289,7 +289,7 @@ int run_rank(const BenchConfig& c) {
   const bool lead = c.rank == 0;
   auto fail = [&](const std::string& what) {
     std::fflush(stdout);
-    std::fprintf(stderr, "netdam-bench-collectives: rank %d: %s\n", c.rank, what.c_str());
+    std::fprintf(stderr, "netdam-bench: rank %d: %s\n", c.rank, what.c_str());
     return 1;
   };
 
@@ -319,7 +319,7 @@ int run_rank(const BenchConfig& c) {
   const size_t esize = dtype_size(c.type);
   if (lead) {
     const bool reduces = c.op == CollOp::kAllReduce || c.op == CollOp::kReduceScatter;
-    fmt::print("# netdam-bench-collectives: {} of {} ({}), {}, p={} ranks\n", to_string(c.op),
+    fmt::print("# netdam-bench: {} of {} ({}), {}, p={} ranks\n", to_string(c.op),
                nccl_type_name(c.type), to_string(c.type),
                reduces ? fmt::format("redop {}", to_string(c.redop))
                : c.op == CollOp::kBroadcast ? fmt::format("root {}", c.root) : std::string("no reduction"), p);
@@ -390,12 +390,15 @@ int run_rank(const BenchConfig& c) {
       return {};
     };
 
-    // The first warm-ups (two, or -w if that is fewer; always at least one)
-    // tell how long one collective takes; the first at a new size is often
-    // much slower than the rest (cold pages, the clients' RTT estimates
-    // adapting), so the faster one counts. Every rank then derives the
-    // same iteration counts from the slowest rank's figure.
-    const int probes = std::clamp(c.warmup, 1, 2);
+    // The first warm-ups (two per slot, one per input buffer of each, or -w
+    // if that is fewer; always at least one) tell how long one collective
+    // takes. The first use of a buffer at a new size is often much slower
+    // than the rest: every page a process touches first through its mapping
+    // costs a fault (about 20 us per 4 KiB page in this VM: 130 ms for
+    // 16 MiB), and the clients' RTT estimates adapt; so the fastest counts.
+    // Every rank then derives the same iteration counts from the slowest
+    // rank's figure.
+    const int probes = std::clamp(c.warmup, 1, 2 * c.slots);
     double probe_us = 0;
     int it = 0;
     for (; it < probes; ++it) {
