@@ -1,0 +1,156 @@
+// The proxy's metadata without a network: the SQLite state store and the
+// catalog (planning, all-or-nothing allocation, ids never reused, health
+// marks that persist).
+#include <gtest/gtest.h>
+
+#include "daemon_fixture.h"
+#include "mmu/catalog.h"
+#include "mmu/state_store.h"
+
+using namespace netdam;
+using namespace netdam::mmu;
+using netdam::testing::TempDir;
+
+namespace {
+
+std::unique_ptr<Catalog> Open(const std::string& path, size_t devices = 0, uint64_t capacity = 1u << 20) {
+  std::string why;
+  auto store = StateStore::open(path, &why);
+  EXPECT_TRUE(store) << why;
+  auto c = std::make_unique<Catalog>(std::move(store));
+  EXPECT_TRUE(c->load(&why)) << why;
+  for (size_t i = 0; i < devices; ++i) {
+    auto id = c->add_device("127.0.0.1:" + std::to_string(7001 + i), &why);
+    EXPECT_TRUE(id) << why;
+  }
+  for (auto& d : c->devices()) {
+    c->set_device_seen(d.row.id, d.row.boot ? d.row.boot : 100 + d.row.id, capacity);
+    d.state = pool::DeviceState::kUp;
+  }
+  return c;
+}
+
+pool::AllocRequest Req(const std::string& name, uint64_t size, pool::Policy p = pool::Policy::kInterleaved) {
+  pool::AllocRequest r;
+  r.name = name;
+  r.size = size;
+  r.policy = p;
+  return r;
+}
+
+uint64_t Alloc(Catalog& c, const pool::AllocRequest& r, uint32_t key = 77) {
+  Status s;
+  std::string why;
+  auto plan = c.plan(r, key, &s, &why);
+  EXPECT_TRUE(plan) << why;
+  if (!plan) return 0;
+  EXPECT_TRUE(c.commit(*plan, &why)) << why;
+  return plan->alloc.row.id;
+}
+
+}  // namespace
+
+TEST(PoolState, PersistsAndReloads) {
+  TempDir dir;
+  const std::string db = dir.file("s.db");
+  uint64_t pool_id = 0;
+  {
+    auto c = Open(db, 3);
+    pool_id = c->pool_id();
+    EXPECT_NE(pool_id, 0u);
+    EXPECT_EQ(Alloc(*c, Req("a", 10000)), 1u);
+    EXPECT_EQ(Alloc(*c, Req("b", 5000, pool::Policy::kReplicated)), 2u);
+    EXPECT_EQ(Alloc(*c, Req("c", 100, pool::Policy::kSingle)), 3u);
+    std::string why;
+    ASSERT_TRUE(c->free(2, {}, &why)) << why;
+    ASSERT_TRUE(c->free(3, {0}, &why)) << why;  // its device was down: released later
+  }
+  auto c = Open(db);
+  EXPECT_EQ(c->pool_id(), pool_id);
+  ASSERT_EQ(c->devices().size(), 3u);
+  ASSERT_EQ(c->allocations().size(), 1u);
+  const Allocation* a = c->find("a");
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->row.id, 1u);
+  EXPECT_EQ(a->row.key, 77u);
+  EXPECT_EQ(a->layout.slots, 3u);
+  EXPECT_EQ(a->slots[2].device_id, 2u);
+  ASSERT_EQ(c->releasing().size(), 1u);
+  EXPECT_EQ(c->releasing()[0].alloc_id, 3u);
+  // Ids are never reused, even after a restart.
+  EXPECT_EQ(Alloc(*c, Req("d", 1)), 4u);
+  // Used space: a (3 x 4 KiB rows... one page each) + d (one page each) + c's releasing page.
+  uint64_t used = 0;
+  for (const auto& d : c->devices()) used += d.space.used();
+  EXPECT_EQ(used, 3u * 4096 + 3u * 4096 + 4096);
+  EXPECT_TRUE(c->release(c->releasing()[0]));
+  auto again = Open(db);
+  EXPECT_TRUE(again->releasing().empty());
+}
+
+TEST(PoolState, DeviceRestartMarksLostPersistently) {
+  TempDir dir;
+  const std::string db = dir.file("s.db");
+  {
+    auto c = Open(db, 2);
+    Alloc(*c, Req("plain", 8192));
+    Alloc(*c, Req("rep", 8192, pool::Policy::kReplicated));
+    EXPECT_EQ(c->state(*c->find("plain")), pool::AllocState::kOk);
+    // Device 1 comes back with another boot id.
+    EXPECT_EQ(c->device_restarted(1, 999), 2u);
+    EXPECT_EQ(c->state(*c->find("plain")), pool::AllocState::kLost);
+    EXPECT_EQ(c->state(*c->find("rep")), pool::AllocState::kDegraded);
+    c->devices()[0].state = pool::DeviceState::kDown;
+    EXPECT_EQ(c->state(*c->find("rep")), pool::AllocState::kUnavailable);
+  }
+  auto c = Open(db);
+  EXPECT_EQ(c->state(*c->find("plain")), pool::AllocState::kLost);
+  EXPECT_EQ(c->state(*c->find("rep")), pool::AllocState::kDegraded);
+}
+
+TEST(PoolState, PlanIsAllOrNothing) {
+  auto c = std::make_unique<Catalog>(nullptr);
+  std::string why;
+  ASSERT_TRUE(c->load(&why));
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(c->add_device("127.0.0.1:" + std::to_string(7001 + i), &why));
+    c->set_device_seen(i, 1, (i == 2 ? 64 : 256) * 4096);
+    c->devices()[i].state = pool::DeviceState::kUp;
+  }
+  // Needs 100 pages on each of 3 devices: device 2 has 64, nothing is kept.
+  Status s;
+  auto p = c->plan(Req("x", 300 * 4096), 5, &s, &why);
+  EXPECT_FALSE(p);
+  EXPECT_EQ(s, Status::kNoSpace);
+  EXPECT_NE(why.find("device 2"), std::string::npos) << why;
+  for (const auto& d : c->devices()) EXPECT_EQ(d.space.used(), 0u);
+  // Two devices are enough when asked for: the proxy picks the roomiest.
+  auto r = Req("x", 300 * 4096);
+  r.devices = 2;
+  p = c->plan(r, 5, &s, &why);
+  ASSERT_TRUE(p) << why;
+  EXPECT_EQ(p->alloc.slots[0].device_id, 0u);
+  EXPECT_EQ(p->alloc.slots[1].device_id, 1u);
+  c->abort(*p);
+  EXPECT_EQ(c->devices()[0].space.used(), 0u);
+  // Bad requests.
+  r = Req("y", 4096, pool::Policy::kReplicated);
+  r.devices = 1;
+  EXPECT_FALSE(c->plan(r, 5, &s, &why));
+  EXPECT_EQ(s, Status::kBadPayload);
+  r = Req("y", 0);
+  EXPECT_FALSE(c->plan(r, 5, &s, &why));
+  EXPECT_EQ(s, Status::kBadLength);
+  r = Req("y", 4096);
+  r.stripe = 100;
+  EXPECT_FALSE(c->plan(r, 5, &s, &why));
+  EXPECT_EQ(s, Status::kBadPayload);
+  c->devices()[1].state = pool::DeviceState::kDown;
+  r = Req("y", 4096);
+  r.devices = 3;
+  EXPECT_FALSE(c->plan(r, 5, &s, &why));
+  EXPECT_EQ(s, Status::kUnavailable);
+  Alloc(*c, Req("y", 4096));
+  EXPECT_FALSE(c->plan(Req("y", 4096), 5, &s, &why));
+  EXPECT_EQ(s, Status::kAlreadyExists);
+}
