@@ -101,6 +101,39 @@ TEST(PoolLayout, ExhaustiveSmall) {
   }
 }
 
+TEST(PoolLayout, SplitMerged) {
+  // One device: any range is one contiguous piece.
+  Layout one{100 * 64, 64, 1, 1};
+  auto p = split_merged(one, 10, 1000);
+  ASSERT_EQ(p.size(), 1u);
+  EXPECT_EQ(p[0].offset, 10u);
+  EXPECT_EQ(p[0].length, 1000u);
+  // Interleaved: nothing merges, pieces alternate slots.
+  Layout two{100 * 64, 64, 2, 1};
+  EXPECT_EQ(split_merged(two, 10, 1000).size(), split(two, 10, 1000).size());
+  // Merged pieces still cover the range and stay contiguous on every copy.
+  for (uint32_t d = 1; d <= 3; ++d)
+    for (uint32_t copies = 1; copies <= 2; ++copies) {
+      if (copies == 2 && d < 2) continue;
+      Layout l{50 * 64 + 3, 64, d, copies};
+      for (uint64_t off = 0; off < l.size; off += 29) {
+        const uint64_t len = std::min<uint64_t>(l.size - off, 700);
+        uint64_t at = off;
+        for (const Piece& pc : split_merged(l, off, len)) {
+          ASSERT_EQ(pc.offset, at);
+          for (uint32_t c = 0; c < copies; ++c) {
+            const Place first = locate(l, pc.offset, c);
+            const Place last = locate(l, pc.offset + pc.length - 1, c);
+            ASSERT_EQ(first.slot, last.slot);
+            ASSERT_EQ(first.extent_offset + pc.length - 1, last.extent_offset);
+          }
+          at += pc.length;
+        }
+        ASSERT_EQ(at, off + len);
+      }
+    }
+}
+
 TEST(PoolLayout, ExtentBytes) {
   Layout l{10 * 4096 + 1, 4096, 3, 2};
   EXPECT_EQ(l.stripes(), 11u);

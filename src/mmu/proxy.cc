@@ -446,7 +446,7 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   } else {
     job->buf.resize(len);
   }
-  const auto pieces = pool::split(a->layout, off, len);
+  const auto pieces = pool::split_merged(a->layout, off, len);
   for (const auto& pc : pieces) {
     Status s = start_piece(*job, *a, pc.offset, pc.length, pc.offset - off, write);
     if (s != Status::kOk) {

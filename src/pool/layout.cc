@@ -29,6 +29,20 @@ std::vector<Piece> split(const Layout& l, uint64_t off, uint64_t len) {
   return out;
 }
 
+std::vector<Piece> split_merged(const Layout& l, uint64_t off, uint64_t len) {
+  std::vector<Piece> out;
+  for (const Piece& p : split(l, off, len)) {
+    bool joins = !out.empty() && uint64_t{out.back().length} + p.length <= UINT32_MAX;
+    for (uint32_t c = 0; joins && c < l.copies; ++c) {
+      const Place a = locate(l, out.back().offset, c), b = locate(l, p.offset, c);
+      joins = a.slot == b.slot && a.extent_offset + out.back().length == b.extent_offset;
+    }
+    if (joins) out.back().length += p.length;
+    else out.push_back(p);
+  }
+  return out;
+}
+
 Place locate(const Layout& l, uint64_t off, uint32_t copy) {
   const uint64_t g = l.stripe;
   const uint64_t s = off / g;

@@ -62,6 +62,12 @@ struct Piece {
 // The caller has checked off + len <= size.
 std::vector<Piece> split(const Layout& l, uint64_t off, uint64_t len);
 
+// As split(), then adjacent pieces that are contiguous on their devices for
+// every copy are merged (always the case on one device: D = 1), so a
+// request becomes as few device requests as possible. A merged piece's
+// `stripe` is its first one.
+std::vector<Piece> split_merged(const Layout& l, uint64_t off, uint64_t len);
+
 // Copy `copy` of allocation offset `off`: its slot and the offset within that
 // slot's extent (add the slot's device base for the device address).
 struct Place {

@@ -250,7 +250,7 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint32_t key, boo
   };
   std::vector<Pending> ops;
   Error first;
-  for (const auto& pc : pool::split(map.layout, off, buf.size())) {
+  for (const auto& pc : pool::split_merged(map.layout, off, buf.size())) {
     auto piece = buf.subspan(pc.offset - off, pc.length);
     bool started = false;
     for (uint32_t copy = 0; copy < map.layout.copies; ++copy) {

@@ -89,7 +89,7 @@ int cmd_stat(Session& s) {
               st->devices.size());
   for (size_t i = 0; i < st->devices.size(); ++i) {
     const auto& d = st->devices[i];
-    std::printf("device %zu %s %s boot=%#010x capacity=%s used=%s largest_free=%s\n", i, d.address.c_str(),
+    std::printf("device %zu %s %s boot=0x%08x capacity=%s used=%s largest_free=%s\n", i, d.address.c_str(),
                 d.state.c_str(), d.boot_id, exact_size(d.capacity).c_str(), exact_size(d.used).c_str(),
                 exact_size(d.largest_free).c_str());
   }

@@ -74,7 +74,9 @@ std::string_view explain(Status s, std::string_view op) {
     case Status::kStaleGeneration: return "the region is armed at a newer generation (its host moved on)";
     case Status::kNoSuchAllocation: return "no such pool allocation (never made, or freed)";
     case Status::kDeviceLost: return "a device holding the allocation restarted; its data is gone";
-    case Status::kUnavailable: return "a device holding the allocation is not answering; retry later";
+    case Status::kUnavailable:
+      if (op == "pool alloc") return "too few pool devices are answering; retry later (see pool stat)";
+      return "a device holding the allocation is not answering; retry later";
     case Status::kAlreadyExists: return "an allocation of that name exists";
   }
   return "unknown status";
