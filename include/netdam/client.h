@@ -184,6 +184,9 @@ class Client {
   struct Counters {
     uint64_t packets_sent = 0, retransmits = 0, answers = 0, ignored = 0;
     uint64_t not_ready_resends = 0;  // chains sent again after NOT_READY
+    // retransmits = probes (nothing answered for a timeout) + losses
+    // inferred from later requests' answers
+    uint64_t probes = 0;
   };
   const Counters& counters() const { return counters_; }
 

@@ -629,6 +629,7 @@ void Client::check_timers() {
       resend = true;
       probed[p->h.seg_count] = true;
       lr.on_probe(now);
+      ++counters_.probes;
     } else {
       next = std::min({next, lost, lr.probe_at(p->last_sent)});
     }
