@@ -8,6 +8,7 @@
 #include "core/endian.h"
 #include "core/wire.h"
 #include "netdam/pool.h"
+#include "pool/pool_wire.h"
 #include "pool_fixture.h"
 #include "transport/udp.h"
 
@@ -205,6 +206,26 @@ TEST_F(PoolProxyTest, DuplicateMutationAppliedOnce) {
   ASSERT_EQ(sock->recv_batch({&in, 1}, 2000ms), 1u);
   EXPECT_EQ(core::decode_header(rx.data()).status, Status::kStaleTxn);
   EXPECT_EQ(*pool_->atomic_fetch_add(a.base + 64, 0, a.key), 6u);
+  // A retransmitted POOL_ALLOC makes one allocation and gets the same record twice.
+  auto req = pool::encode(pool::AllocRequest{4096, 0, pool::Policy::kInterleaved, 0, pool::kAnyDevice, "twice"});
+  core::Header ah;
+  ah.opcode = Opcode::kPoolAlloc;
+  ah.txn = 7000;  // above the txns this socket used (the window is per requester)
+  ah.length = static_cast<uint32_t>(req.size());
+  std::array<std::byte, kHeaderSize> ahead;
+  core::encode_header(ah, ahead.data());
+  transport::OutMsg am{*to, {std::span<const std::byte>(ahead), std::span<const std::byte>(req)}};
+  std::vector<std::string> answers;
+  for (int send = 0; send < 2; ++send) {
+    sock->send_batch({&am, 1});
+    transport::InMsg ain;
+    ain.buf = rx;
+    ASSERT_EQ(sock->recv_batch({&ain, 1}, 2000ms), 1u);
+    ASSERT_EQ(core::decode_header(rx.data()).status, Status::kOk);
+    answers.emplace_back(reinterpret_cast<const char*>(rx.data()), ain.len);
+  }
+  EXPECT_EQ(answers[0], answers[1]);
+  EXPECT_EQ(pool_->list()->size(), 2u);
 }
 
 // The proxy crashes and comes back with its state file: the allocations,
@@ -228,6 +249,27 @@ TEST_F(PoolProxyTest, ProxyRestartKeepsState) {
   ASSERT_TRUE(l);
   EXPECT_EQ(l->key, a.key);
   EXPECT_EQ(l->base, a.base);
+  // Mid-stream: the proxy crashes and restarts while writes and reads go
+  // on; the client's retransmissions carry them over the gap.
+  std::thread crasher([&] {
+    std::this_thread::sleep_for(100ms);
+    EXPECT_TRUE(mmu_.crash_and_restart()) << mmu_.error();
+  });
+  const auto end = std::chrono::steady_clock::now() + 600ms;
+  int rounds = 0;
+  while (std::chrono::steady_clock::now() < end || rounds < 20) {
+    const uint64_t off = rng() % 9000;
+    auto chunk = Random(1000, rng);
+    ASSERT_FALSE(pool_->put(a.base + off, chunk, a.key)) << rounds;
+    std::copy(chunk.begin(), chunk.end(), data.begin() + static_cast<std::ptrdiff_t>(off));
+    std::vector<std::byte> back(1000);
+    ASSERT_FALSE(pool_->get(a.base + off, back, a.key)) << rounds;
+    ASSERT_TRUE(back == chunk) << rounds;
+    ++rounds;
+  }
+  crasher.join();
+  ASSERT_FALSE(pool_->get(a.base, got, a.key));
+  EXPECT_TRUE(got == data);
   // Ids are not reused after a restart either.
   ASSERT_FALSE(pool_->free("persist"));
   ASSERT_TRUE(mmu_.crash_and_restart()) << mmu_.error();
