@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "tools/cli_commands.h"
+#include "tools/cli_dataset.h"
 #include "tools/cli_pool.h"
 #include "tools/cli_util.h"
 
@@ -165,6 +166,7 @@ int main(int argc, char** argv) {
           [&](Session& s) { return cmd_region_ls(s); });
 
   add_pool_commands(app, commands);
+  add_dataset_commands(app, commands);
 
   try {
     app.parse(argc, argv);

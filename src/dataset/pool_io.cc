@@ -1,0 +1,258 @@
+#include "dataset/pool_io.h"
+
+#include <fmt/format.h>
+#include <poll.h>
+
+#include <algorithm>
+
+#include "core/endian.h"
+#include "core/wire.h"
+#include "pool/layout.h"
+#include "pool/pool_wire.h"
+#include "transport/udp.h"
+
+namespace netdam::dataset {
+
+using namespace std::chrono_literals;
+
+struct PoolIo::Map {
+  pool::AllocMap m;
+  pool::Layout layout;
+};
+
+struct PoolIo::Device {
+  Client* client = nullptr;         // the proxy's (owned by the Pool) or `owned`
+  std::unique_ptr<Client> owned;
+  int fd = -1;                      // its socket (direct path), for poll(2)
+  Error broken;                     // set if the slot cannot be used
+  bool live = false;                // the map says the slot serves
+  size_t in_flight = 0;
+};
+
+namespace {
+
+// POOL_MAP of the allocation at `base`, asked from the proxy over a socket
+// of our own and retransmitted until answered (the same exchange as
+// Pool's direct path; Pool keeps its maps private).
+Result<pool::AllocMap> fetch_map(Pool& pool, uint64_t base, uint32_t key, std::chrono::milliseconds timeout) {
+  std::string why;
+  auto to = transport::parse_endpoint(pool.proxy_client().device_address(), &why);
+  if (!to) return Error::invalid(why);
+  transport::UdpOptions u;
+  u.bind = transport::Endpoint{0, 0};
+  auto t = transport::UdpTransport::open(u, &why);
+  if (!t) return Error::transport(why);
+  core::Header h;
+  h.opcode = Opcode::kPoolMap;
+  h.rkey = key;
+  h.txn = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                    std::chrono::system_clock::now().time_since_epoch())
+                                    .count());
+  h.addr = base;
+  std::array<std::byte, kHeaderSize> head;
+  core::encode_header(h, head.data());
+  transport::OutMsg m{*to, {std::span<const std::byte>(head), {}}};
+  std::vector<std::byte> rx(kRxBufferSize);
+  const auto start = t->now();
+  auto rto = 50ms;
+  while (t->now() - start < timeout) {
+    t->send_batch({&m, 1});
+    const auto sent = t->now();
+    while (t->now() - sent < rto) {
+      transport::InMsg in;
+      in.buf = rx;
+      if (t->recv_batch({&in, 1}, 5ms) == 0) continue;
+      if (in.truncated || in.len < kHeaderSize || !(in.from == *to) || core::load_be<uint32_t>(rx.data()) != kMagic)
+        continue;
+      const core::Header a = core::decode_header(rx.data());
+      if (!a.is_response() || a.txn != h.txn || a.opcode != Opcode::kPoolMap) continue;
+      if (a.status != Status::kOk) return Error::nak(a.status, fmt::format("POOL_MAP: {}", to_string(a.status)));
+      auto map = pool::decode_map(std::span(rx).subspan(kHeaderSize, in.len - kHeaderSize));
+      if (!map || map->slots.empty()) return Error::protocol("POOL_MAP: malformed answer");
+      return std::move(*map);
+    }
+    rto = std::min<std::chrono::milliseconds>(rto * 2, 500ms);
+  }
+  return Error::timeout(fmt::format("POOL_MAP: no answer within {} ms", timeout.count()));
+}
+
+}  // namespace
+
+PoolIo::PoolIo(Pool& pool, const PoolAllocation& a, Pool::Path path) : pool_(pool), alloc_(a), path_(path) {}
+PoolIo::~PoolIo() = default;
+
+Result<std::unique_ptr<PoolIo>> PoolIo::open(Pool& pool, const PoolAllocation& a, Pool::Path path,
+                                             const ClientOptions& client) {
+  std::unique_ptr<PoolIo> io(new PoolIo(pool, a, path));
+  if (path == Pool::Path::kProxy) {
+    auto d = std::make_unique<Device>();
+    d->client = &pool.proxy_client();
+    io->devices_.push_back(std::move(d));
+    return io;
+  }
+  auto m = fetch_map(pool, a.base, a.key, client.timeout);
+  if (!m) return m.error();
+  io->map_ = std::make_unique<Map>();
+  io->map_->layout = pool::Layout{m->size, m->stripe, static_cast<uint32_t>(m->slots.size()), m->copies};
+  if (pool::validate(io->map_->layout)) return Error::protocol("POOL_MAP: invalid layout");
+  io->map_->m = std::move(*m);
+  for (const pool::MapSlot& s : io->map_->m.slots) {
+    auto d = std::make_unique<Device>();
+    const transport::Endpoint ep{s.ip, s.port};
+    if (!(s.flags & pool::kSlotLive)) {
+      d->broken = s.flags & pool::kSlotLost
+                      ? Error::nak(Status::kDeviceLost, "device " + ep.to_string() + " restarted: its data is gone")
+                      : Error::nak(Status::kUnavailable, "device " + ep.to_string() + " is not answering");
+      io->devices_.push_back(std::move(d));
+      continue;
+    }
+    d->live = true;
+    std::string why;
+    transport::UdpOptions u;
+    u.bind = transport::Endpoint{0, 0};
+    auto t = transport::UdpTransport::open(u, &why);
+    if (!t) return Error::transport(why);
+    d->fd = t->fd();
+    ClientOptions co = client;
+    co.rkey = a.key;
+    auto c = Client::connect(std::move(t), ep, co);
+    if (!c) {
+      d->broken = c.error();
+    } else {
+      d->owned = std::move(*c);
+      d->client = d->owned.get();
+      if (d->client->device_info().boot_id != s.boot)
+        d->broken = Error::nak(Status::kDeviceLost, "device " + ep.to_string() + " restarted: its data is gone");
+    }
+    io->devices_.push_back(std::move(d));
+  }
+  return io;
+}
+
+void PoolIo::fail_now(uint64_t tag, Error e) { immediate_.push_back({tag, std::move(e)}); }
+
+void PoolIo::read(uint64_t off, std::span<std::byte> out, uint64_t tag) { start(off, out, tag, false); }
+
+void PoolIo::write(uint64_t off, std::span<const std::byte> data, uint64_t tag) {
+  // start() only reads from the buffer of a write.
+  start(off, std::span(const_cast<std::byte*>(data.data()), data.size()), tag, true);
+}
+
+void PoolIo::start(uint64_t off, std::span<std::byte> buf, uint64_t tag, bool write) {
+  if (off > alloc_.size || buf.size() > alloc_.size - off)
+    return fail_now(tag, Error::nak(Status::kOutOfBounds,
+                                    fmt::format("[{}, +{}) is outside the {}-byte allocation", off, buf.size(), alloc_.size)));
+  size_t req;
+  if (!free_.empty()) {
+    req = free_.back();
+    free_.pop_back();
+    requests_[req] = Request{tag, 0, {}};
+  } else {
+    req = requests_.size();
+    requests_.push_back(Request{tag, 0, {}});
+  }
+  Request& r = requests_[req];
+  auto issue = [&](Device& d, uint64_t addr, std::span<std::byte> piece) {
+    Op op = write ? d.client->write_async(addr, piece, alloc_.key) : d.client->read_async(addr, piece, alloc_.key);
+    ops_.push_back(Piece{&d, std::move(op), req});
+    ++d.in_flight;
+    ++r.pieces_left;
+  };
+  if (path_ == Pool::Path::kProxy) {
+    issue(*devices_[0], alloc_.base + off, buf);
+  } else {
+    for (const auto& pc : pool::split_merged(map_->layout, off, buf.size())) {
+      auto piece = buf.subspan(pc.offset - off, pc.length);
+      bool started = false;
+      Error why;
+      for (uint32_t copy = 0; copy < map_->layout.copies; ++copy) {
+        const pool::Place pl = pool::locate(map_->layout, pc.offset, copy);
+        Device& d = *devices_[pl.slot];
+        if (!d.client || d.broken) {
+          // A copy the map says is not live is skipped (the proxy marked it
+          // stale or down); a live one we cannot use fails a write.
+          if (!why) why = d.broken;
+          if (write && d.live) r.error = d.broken;
+          continue;
+        }
+        issue(d, map_->m.slots[pl.slot].base + pl.extent_offset, piece);
+        started = true;
+        if (!write) break;
+      }
+      if (!started && !r.error) r.error = why ? why : Error::nak(Status::kUnavailable, "no live copy of these bytes");
+    }
+  }
+  if (r.pieces_left == 0) {
+    fail_now(tag, r.error ? r.error : Error{});
+    free_.push_back(req);
+  }
+}
+
+void PoolIo::reap(std::vector<Completion>& done) {
+  for (size_t i = 0; i < ops_.size();) {
+    Piece& p = ops_[i];
+    if (!p.op.done()) {
+      ++i;
+      continue;
+    }
+    Request& r = requests_[p.request];
+    if (p.op.error() && !r.error) r.error = p.op.error();
+    --p.dev->in_flight;
+    if (--r.pieces_left == 0) {
+      done.push_back({r.tag, std::move(r.error)});
+      free_.push_back(p.request);
+    }
+    p = std::move(ops_.back());
+    ops_.pop_back();
+  }
+}
+
+void PoolIo::progress(bool block, std::vector<Completion>& done) {
+  const size_t before = done.size() + immediate_.size();
+  for (auto& c : immediate_) done.push_back(std::move(c));
+  immediate_.clear();
+  for (;;) {
+    for (auto& d : devices_)
+      if (d->in_flight) d->client->poll();
+    reap(done);
+    if (!block || done.size() > before || ops_.empty()) return;
+    // Wait for an answer. One busy client: let it block (it knows its own
+    // retransmission timers). Several: poll(2) on their sockets, briefly,
+    // so a retransmission due on any of them is not late.
+    std::vector<pollfd> fds;
+    Device* only = nullptr;
+    size_t busy = 0;
+    for (auto& d : devices_)
+      if (d->in_flight) {
+        ++busy;
+        only = d.get();
+        if (d->fd >= 0) fds.push_back(pollfd{d->fd, POLLIN, 0});
+      }
+    if (busy == 1) {
+      only->client->wait_any();
+    } else {
+      ::poll(fds.data(), fds.size(), 2);
+    }
+  }
+}
+
+Error PoolIo::wait_all() {
+  Error first;
+  std::vector<Completion> done;
+  while (!ops_.empty() || !immediate_.empty()) {
+    done.clear();
+    progress(true, done);
+    for (auto& c : done)
+      if (c.error && !first) first = std::move(c.error);
+  }
+  return first;
+}
+
+uint64_t PoolIo::retransmits() const {
+  uint64_t n = 0;
+  for (const auto& d : devices_)
+    if (d->client) n += d->client->counters().retransmits;
+  return n;
+}
+
+}  // namespace netdam::dataset
