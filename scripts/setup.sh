@@ -10,6 +10,7 @@ packages=(
   libfmt-dev libspdlog-dev libcli11-dev libtomlplusplus-dev
   libhwy-dev liburing-dev
   libsqlite3-dev                      # netdam-mmu's state file
+  redis-server                        # the baseline of `netdam-bench pool` (tests do not need it)
   iproute2 procps
 )
 

@@ -93,6 +93,7 @@
 #include "core/reduce.h"
 #include "latency.h"
 #include "netdam/client.h"
+#include "pool_bench.h"
 #include "process.h"
 #include "raw_udp.h"
 #include "throughput.h"
@@ -658,6 +659,7 @@ int main(int argc, char** argv) {
     const std::string_view first = argv[1];
     if (first == "allreduce" || first == "reducescatter" || first == "allgather" || first == "broadcast")
       return netdam::bench::collectives_main(argc, argv);
+    if (first == "pool") return netdam::bench::pool_main(argc, argv);
   }
   CLI::App app{"netdam-bench: netdam latency/throughput against the raw UDP ceiling of this machine; "
                "collectives: netdam-bench allreduce|reducescatter|allgather|broadcast --help"};
