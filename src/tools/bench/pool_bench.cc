@@ -468,7 +468,7 @@ int pool_main(int argc, char** argv) {
 
   PatternPool pat(32u << 20);
   bool failed = false;
-  uint64_t pool_rexmit = 0;
+  uint64_t proxy_rexmit = 0, direct_rexmit = 0;
   // (size, write) -> best ops/s of proxy, direct, redis over c8/pipe; and proxy/redis, direct/redis.
   std::map<std::pair<size_t, bool>, std::array<double, 3>> top;
   std::map<std::pair<size_t, bool>, std::pair<double, double>> best;
@@ -574,7 +574,8 @@ int pool_main(int argc, char** argv) {
         }
       }
     }
-    pool_rexmit += (*proxy_io)->retransmits() + (*direct_io)->retransmits();
+    proxy_rexmit += (*proxy_io)->retransmits();
+    direct_rexmit += (*direct_io)->retransmits();
     proxy_io->reset();
     direct_io->reset();
     (void)(*pool)->free(name);
@@ -594,7 +595,8 @@ int pool_main(int argc, char** argv) {
                  v.second >= 2 ? "met" : "MISSED");
     }
   }
-  fmt::print("# netdam client retransmissions: {}\n", pool_rexmit);
+  fmt::print("# packets the netdam clients retransmitted: proxy path {}, direct path {}\n", proxy_rexmit,
+             direct_rexmit);
   if (failed) {
     fmt::print(stderr, "netdam-bench pool: some operations failed or returned wrong data\n");
     return 1;
