@@ -79,9 +79,11 @@ TEST_P(ClientUnderFaults, LargeWriteReadsBackExactly) {
   auto c = connect(fabric, patient());
   ASSERT_TRUE(c);
   auto data = random_bytes((1 << 20) + 3, 7);  // spans many packets, odd tail
-  ASSERT_FALSE(c->write(100, data));
+  Error e = c->write(100, data);
+  ASSERT_FALSE(e) << e.to_string();
   std::vector<std::byte> back(data.size());
-  ASSERT_FALSE(c->read(100, back));
+  e = c->read(100, back);
+  ASSERT_FALSE(e) << "read: " << e.to_string() << " code " << static_cast<int>(e.code());
   EXPECT_EQ(back, data);
   EXPECT_EQ(0, std::memcmp(dev.memory.data() + 100, data.data(), data.size()));
 }

@@ -37,8 +37,12 @@ struct Cluster {
     o.capacity = capacity;
     o.slots = slots;
     o.key_base = kKeyBase;
-    o.timeout = 2s;
-    o.client.timeout = 2s;
+    // A chain of 2p+1 datagrams at 5% loss each fails most attempts, and
+    // the client's timeout for chains follows their (long) round trips:
+    // heavy loss needs room for tens of attempts. Virtual time costs nothing.
+    const auto timeout = faults.drop >= 0.05 ? 10s : 2s;
+    o.timeout = timeout;
+    o.client.timeout = timeout;
     for (int r = 0; r < p; ++r) o.devices.push_back(device_addr(r).to_string());
     // Slot size as Group computes it (block size depends on p).
     const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;

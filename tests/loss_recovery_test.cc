@@ -72,21 +72,27 @@ TEST(LossRecovery, ProbesAreOnePerTimeoutAndBackOff) {
   EXPECT_EQ(lr.rto(), 20ms);
 }
 
-TEST(LossRecovery, AnswersToResentRequestsGiveNoSampleButStillEvidence) {
+TEST(LossRecovery, AnAnsweredResendBoundsEveryOtherRequestByItsDelay) {
   LossRecovery lr(kLimits);
-  lr.on_answer(t0, t0, 1, t0 + 1ms);  // min RTT 1 ms
+  lr.on_answer(t0, t0, 1, t0 + 1ms);
   const auto srtt = lr.srtt();
-  // Sent at t0 + 10 ms, resent at + 40 ms, answered 100 us after the resend:
-  // too soon to be the resend's answer, so it answers the first send.
+  const auto rto = lr.rto();
+  // A request first sent at +10 ms and probed at +40 ms is answered at
+  // +45 ms: maybe the probe's answer, maybe the first send's. No sample.
   const TP first = t0 + 10ms, resent = t0 + 40ms;
-  lr.on_answer(first, resent, 2, resent + 100us);
+  lr.on_probe(resent);
+  lr.on_answer(first, resent, 2, resent + 5ms);
   EXPECT_EQ(lr.srtt(), srtt);
-  EXPECT_EQ(lr.lost_at(first - 1us), first - 1us + 30ms + 100us + 1ms);
-  // Answered 5 ms after the resend: the resend's answer.
-  const TP first2 = t0 + 100ms, resent2 = t0 + 150ms;
-  lr.on_answer(first2, resent2, 2, resent2 + 5ms);
-  EXPECT_EQ(lr.srtt(), srtt);
-  EXPECT_EQ(lr.lost_at(resent2 - 1us), resent2 - 1us + 5ms + 1ms);
+  EXPECT_EQ(lr.rto(), 2 * rto);  // still backed off
+  // Every request is now lost 35 ms (that request's delay) plus the
+  // reordering window after its last send, whether sent before or after.
+  EXPECT_EQ(lr.lost_at(t0 + 12ms), t0 + 12ms + 35ms + 1ms);
+  EXPECT_EQ(lr.lost_at(t0 + 5ms), t0 + 5ms + 35ms + 1ms);
+  // The next probe may go at once.
+  EXPECT_TRUE(lr.probe_due(t0 + 5ms, resent + 5ms));
+  // An answer to a request sent once ends that bound.
+  lr.on_answer(t0 + 50ms, t0 + 50ms, 1, t0 + 51ms);
+  EXPECT_EQ(lr.lost_at(t0 + 60ms), TP::max());
 }
 
 }  // namespace

@@ -6,28 +6,34 @@ namespace netdam::client_detail {
 
 using namespace std::chrono_literals;
 
-void LossRecovery::on_answer(TimePoint first, TimePoint last, int sends, TimePoint now) {
-  // Which send does this answer? The first, unless the request went again
-  // and the answer came at least one minimal round trip after that.
-  TimePoint xmit = first;
-  bool unambiguous = sends == 1;
-  if (sends > 1 && min_rtt_ != Ns::max() && now - last >= min_rtt_) xmit = last;
-  if (unambiguous) {
-    const Ns rtt = now - first;
-    min_rtt_ = std::min(min_rtt_, rtt);
-    if (srtt_.count() == 0) {
-      srtt_ = rtt;
-      rttvar_ = rtt / 2;
-    } else {
-      const Ns dev = rtt > srtt_ ? rtt - srtt_ : srtt_ - rtt;
-      rttvar_ = (3 * rttvar_ + dev) / 4;
-      srtt_ = (7 * srtt_ + rtt) / 8;
-    }
-    backoff_ = 0;
+void LossRecovery::on_answer(TimePoint first, TimePoint /*last*/, int sends, TimePoint now) {
+  if (sends > 1) {
+    // Which send does this answer? Without a timestamp in the answer there
+    // is no telling, and guessing "the last" when it was the first (the
+    // request was only slow) makes every request sent in between look lost:
+    // one spurious probe then resends a whole window. So it is no sample.
+    // But it bounds the others: a request still unanswered as long after
+    // its own send as this one was after its first is lost. After a stall
+    // every request was delayed about as much, so none is resent; after a
+    // tail of losses they all are, in parallel.
+    last_probe_ = {};
+    tail_delay_ = now - first;
+    return;
   }
-  if (xmit > rack_xmit_) {
-    rack_xmit_ = xmit;
-    rack_rtt_ = now - xmit;
+  tail_delay_ = Ns{0};
+  const Ns rtt = now - first;
+  if (srtt_.count() == 0) {
+    srtt_ = rtt;
+    rttvar_ = rtt / 2;
+  } else {
+    const Ns dev = rtt > srtt_ ? rtt - srtt_ : srtt_ - rtt;
+    rttvar_ = (3 * rttvar_ + dev) / 4;
+    srtt_ = (7 * srtt_ + rtt) / 8;
+  }
+  backoff_ = 0;
+  if (first > rack_xmit_) {
+    rack_xmit_ = first;
+    rack_rtt_ = rtt;
   }
 }
 
@@ -39,8 +45,10 @@ LossRecovery::Ns LossRecovery::reordering_window() const {
 }
 
 LossRecovery::TimePoint LossRecovery::lost_at(TimePoint last_sent) const {
-  if (rack_xmit_ == TimePoint{} || last_sent >= rack_xmit_) return TimePoint::max();
-  return last_sent + rack_rtt_ + reordering_window();
+  TimePoint at = TimePoint::max();
+  if (rack_xmit_ != TimePoint{} && last_sent < rack_xmit_) at = last_sent + rack_rtt_ + reordering_window();
+  if (tail_delay_.count()) at = std::min(at, last_sent + tail_delay_ + reordering_window());
+  return at;
 }
 
 LossRecovery::Ns LossRecovery::rto() const {

@@ -13,10 +13,13 @@
 //    overdue relative to that one (one reordering window later): real
 //    losses are repaired in about one round trip, by evidence;
 //  - without evidence (nothing answered), the timer sends one probe per
-//    timeout per class, the oldest request, and backs off; the probe's
-//    answer (or its original's) then proves which others are lost.
-// RTT samples follow Karn: a request sent more than once gives a sample
-// only when its answer is clearly for the last send.
+//    timeout per class, the oldest request, and backs off;
+//  - once a resent request is answered, every request still unanswered as
+//    long after its last send as that one was after its first is lost: after
+//    a stall (everything delayed alike) nothing more is resent, after a tail
+//    of losses everything missing is, at once.
+// Answers to requests sent once are the only RTT samples (Karn): an answer
+// to a resent request may be the first send's.
 //
 // Pure logic on time points: tested without sockets or clocks.
 #pragma once
@@ -59,9 +62,9 @@ class LossRecovery {
 
   Limits limits_;
   Ns srtt_{0}, rttvar_{0};
-  Ns min_rtt_ = Ns::max();
   TimePoint rack_xmit_{};  // send time of the latest-sent request answered
   Ns rack_rtt_{0};         // and its round trip
+  Ns tail_delay_{0};       // first send to answer of the last resent request answered
   TimePoint last_probe_{};
   int backoff_ = 0;
 };
