@@ -11,7 +11,7 @@ packages=(
   libhwy-dev liburing-dev
   libsqlite3-dev                      # netdam-mmu's state file
   redis-server                        # the baseline of `netdam-bench pool` (tests do not need it)
-  iproute2 procps
+  iproute2 procps python3              # python3: the demo's plain UDP pool client
 )
 
 missing=()
