@@ -18,6 +18,7 @@
 // Threading: like Client, one thread drives a Group.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -67,6 +68,11 @@ struct GroupOptions {
   // Let devices pass blocks that are more than half zero as (index, value)
   // pairs; results stay bit-identical to dense.
   bool sparse = false;
+  // "GROUP:PORT" of an IPv4 multicast group every device joined (netdamd
+  // --multicast): AllGather and Broadcast then send each block once to the
+  // group and repair what got lost by unicast. The group checks at setup
+  // that multicast through it reaches every device, and uses chains if not.
+  std::string multicast;
   ClientOptions client;
 };
 
@@ -104,6 +110,9 @@ class Group {
   int size() const { return static_cast<int>(devices_.size()); }
   // Largest payload of one chain packet for this group.
   size_t block_bytes() const { return block_; }
+  // AllGather and Broadcast go through GroupOptions::multicast (its probe
+  // at setup reached every device).
+  bool uses_multicast() const { return multicast_.ip != 0; }
 
   // AllReduce: out[i] = in_0[i] OP ... OP in_{p-1}[i]. `out` may be `in`.
   Work allreduce_async(std::span<const std::byte> in, std::span<std::byte> out, DType t,
@@ -148,6 +157,9 @@ class Group {
   bool start(detail::WorkState& w);
   bool stamps_complete(detail::WorkState& w);
   void send_phase(detail::WorkState& w);
+  void start_verify(detail::WorkState& w);
+  bool verify(detail::WorkState& w);
+  void probe_multicast();
   uint8_t chain_flags() const { return opts_.sparse ? kFlagSparseOk : 0; }
   void finish(detail::WorkState& w, Error e);
 
@@ -161,6 +173,10 @@ class Group {
   std::vector<std::unique_ptr<Slot>> slots_;
   size_t next_slot_ = 0;
   std::deque<std::shared_ptr<detail::WorkState>> active_;
+  Hop multicast_;  // the group, if it reaches every device (ip 0: chains only)
+  std::array<std::byte, 8> probe_token_{};
+  Op probe_;
+
 };
 
 }  // namespace netdam

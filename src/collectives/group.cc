@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <random>
 #include <thread>
 
 #include "collectives/plan.h"
@@ -47,7 +48,7 @@ struct Group::Slot {
 
 namespace detail {
 struct WorkState {
-  enum class Phase : uint8_t { kQueued, kWriting, kArming, kChains, kStamps, kReading, kDone };
+  enum class Phase : uint8_t { kQueued, kWriting, kArming, kChains, kVerify, kStamps, kReading, kDone };
   Phase phase = Phase::kQueued;
   Error error;
   std::function<collectives::Plan(const collectives::Context&)> make_plan;
@@ -60,6 +61,11 @@ struct WorkState {
   std::vector<bool> fell_back;
   size_t chains_left = 0;
   size_t chains_sent = 0;  // plan.chains[0, chains_sent) have been sent
+  // Multicast deliveries: stamps read from every device, then repairs.
+  bool verified = false;
+  std::vector<Op> verify_reads;
+  std::vector<std::vector<std::byte>> verify_stamps;  // per device, from index verify_first
+  uint32_t verify_first = 0;
   size_t stamps_seen = 0;  // plan.stamps[0, stamps_seen) are known complete
   Clock::time_point deadline;
   std::vector<std::byte> stamp_copy;  // stamps read over the network
@@ -127,6 +133,15 @@ Error Group::setup() {
                                         opts_.torus_dims.size(), product, p, kMaxSegments / 2));
     partials = static_cast<int>(opts_.torus_dims.size()) - 1;
   }
+  if (!opts_.multicast.empty()) {
+    std::string why;
+    auto group = transport::parse_endpoint(opts_.multicast, &why);
+    if (!group || !transport::is_multicast(group->ip))
+      return Error::invalid("multicast '" + opts_.multicast + "': " +
+                            (group ? "not a multicast address (224.0.0.0/4)" : why));
+    multicast_.ip = group->ip;  // until probe_multicast() says otherwise
+    multicast_.port = group->port;
+  }
   for (const auto& d : opts_.devices) {
     std::string why;
     auto ep = transport::parse_endpoint(d, &why);
@@ -187,7 +202,64 @@ Error Group::setup() {
       }
     }
   }
+  if (multicast_.ip != 0) probe_multicast();
   return {};
+}
+
+// Has this rank's device send a token to the multicast group and checks
+// that every device stored it; otherwise (no member, no route, too lossy)
+// the group's AllGather and Broadcast use chains. The token goes to slot 0's
+// IN0, which no collective touches before every rank has finished setup
+// (generation 1 uses IN1; generation 2 begins only once every rank has
+// finished generation 1). Ranks decide independently: a rank without
+// multicast sends its blocks by chains, which store the same stamps.
+void Group::probe_multicast() {
+  const Hop group = std::exchange(multicast_, Hop{});
+  const auto& slot = slots_.front()->layout;
+  const size_t p = devices_.size();
+  if (slot.cap < 16 * p) return;
+  // The token goes out from one place and is looked for at another, so the
+  // sending device itself must also have received it through the group.
+  const uint64_t at = slot.in(0) + 8 * static_cast<uint64_t>(opts_.rank);
+  const uint64_t from = at + 8 * p;
+  std::random_device seed;
+  const uint64_t token = (uint64_t{seed()} << 32 | seed()) | 1;
+  std::memcpy(probe_token_.data(), &token, 8);
+  if (client_->write(from, probe_token_, slot.key)) return;
+  std::vector<Hop> hops = {devices_[static_cast<size_t>(opts_.rank)], group};
+  hops[0].op = Opcode::kRead;
+  hops[0].rkey = slot.key;
+  hops[0].addr = from;
+  hops[1].op = Opcode::kWrite;
+  hops[1].rkey = slot.key;
+  hops[1].addr = at;
+  std::vector<bool> reached(p, false);
+  size_t left = p;
+  // Up to 20 attempts, each waiting up to 50 ms for a member's answer and
+  // 5 ms more: memberships take a moment to reach the switches (and, on
+  // one host, bridges) after a device joins, so one miss proves nothing.
+  // This (at most about a second) is the setup time a group pays when
+  // multicast does not work.
+  for (int attempt = 0; attempt < 20 && left > 0; ++attempt) {
+    if (attempt > 0) std::this_thread::sleep_for(5ms);
+    probe_ = client_->chain_async(hops, 0, DType::kBytes, RedOp::kNone, 8, {}, {});
+    const auto until = client_->now() + 50ms;
+    while (!probe_.done() && client_->now() < until) client_->wait_any();
+    for (size_t j = 0; j < p; ++j) {
+      if (reached[j]) continue;
+      std::vector<Hop> read = {devices_[j]};
+      read[0].op = Opcode::kRead;
+      read[0].rkey = slot.key;
+      read[0].addr = at;
+      std::array<std::byte, 8> seen{};
+      Op op = client_->chain_async(read, 0, DType::kBytes, RedOp::kNone, 8, {}, seen);
+      if (!client_->wait(op) && seen == probe_token_) {
+        reached[j] = true;
+        --left;
+      }
+    }
+  }
+  if (left == 0) multicast_ = group;
 }
 
 // ---------------------------------------------------------------- submitting
@@ -313,7 +385,10 @@ Work Group::allgather_async(std::span<const std::byte> in, std::span<std::byte> 
   if (out.size() > opts_.capacity)
     return Work(failed(Error::invalid("allgather exceeds the group capacity")));
   auto w = std::make_shared<detail::WorkState>();
-  w->make_plan = [=](const collectives::Context& c) { return collectives::ring_allgather(c, in, out); };
+  w->make_plan = [=, group = multicast_](const collectives::Context& c) {
+    if (group.ip != 0) return collectives::multicast_allgather(c, group, in, out);
+    return collectives::ring_allgather(c, in, out);
+  };
   return submit(std::move(w));
 }
 
@@ -322,7 +397,10 @@ Work Group::broadcast_async(std::span<std::byte> buf, int root) {
   if (buf.size() > opts_.capacity)
     return Work(failed(Error::invalid("broadcast exceeds the group capacity")));
   auto w = std::make_shared<detail::WorkState>();
-  w->make_plan = [=](const collectives::Context& c) { return collectives::ring_broadcast(c, buf, root); };
+  w->make_plan = [=, group = multicast_](const collectives::Context& c) {
+    if (group.ip != 0) return collectives::multicast_broadcast(c, group, buf, root);
+    return collectives::ring_broadcast(c, buf, root);
+  };
   return submit(std::move(w));
 }
 
@@ -440,6 +518,67 @@ bool Group::stamps_complete(detail::WorkState& w) {
   return w.stamps_seen == w.plan.stamps.size();
 }
 
+// Multicast deliveries (collectives/multicast.cc): read, from every device,
+// the stamps of the blocks this rank is responsible for.
+void Group::start_verify(detail::WorkState& w) {
+  w.verified = true;
+  w.phase = detail::WorkState::Phase::kVerify;
+  uint32_t first = UINT32_MAX, last = 0;
+  for (const auto& d : w.plan.deliveries) {
+    first = std::min(first, d.index);
+    last = std::max(last, d.index);
+  }
+  w.verify_first = first;
+  const size_t bytes = 4 * (size_t{last} - first + 1);
+  w.verify_stamps.assign(devices_.size(), std::vector<std::byte>(bytes));
+  for (size_t j = 0; j < devices_.size(); ++j) {
+    for (size_t off = 0; off < bytes; off += block_) {
+      const size_t len = std::min(block_, bytes - off);
+      std::vector<Hop> read = {devices_[j]};
+      read[0].op = Opcode::kRead;
+      read[0].rkey = w.slot->layout.key;
+      read[0].addr = w.slot->layout.stamp_addr(first) + off;
+      w.verify_reads.push_back(client_->chain_async(read, 0, DType::kBytes, RedOp::kNone,
+                                                    static_cast<uint32_t>(len), {},
+                                                    std::span(w.verify_stamps[j]).subspan(off, len)));
+    }
+  }
+}
+
+// Once the stamps are in: a unicast repair chain to every device that lacks
+// a block (its stamp behind this generation), then on as after the chains.
+bool Group::verify(detail::WorkState& w) {
+  for (Op& op : w.verify_reads) {
+    if (!op.done()) return false;
+    if (op.error()) {
+      finish(w, op.error());
+      return true;
+    }
+  }
+  w.verify_reads.clear();
+  for (size_t j = 0; j < devices_.size(); ++j) {
+    for (const auto& d : w.plan.deliveries) {
+      uint32_t stamp;
+      std::memcpy(&stamp, w.verify_stamps[j].data() + 4 * (d.index - w.verify_first), 4);
+      if (static_cast<int32_t>(stamp - w.generation) >= 0) continue;  // there, or its host moved on
+      collectives::ChainPlan repair = d.repair;
+      for (auto* hops : {&repair.hops, &repair.fallback}) {
+        if (hops->empty()) continue;
+        hops->back().ip = devices_[j].ip;
+        hops->back().port = devices_[j].port;
+      }
+      repair.phase = UINT8_MAX;
+      w.plan.chains.push_back(std::move(repair));
+    }
+  }
+  w.verify_stamps.clear();
+  w.chains.resize(w.plan.chains.size());
+  w.fell_back.resize(w.plan.chains.size(), false);
+  w.chains_left = w.plan.chains.size() - w.chains_sent;
+  w.phase = detail::WorkState::Phase::kChains;
+  return true;
+}
+
 // Sends the plan's next phase of chains.
 void Group::send_phase(detail::WorkState& w) {
   const auto& chains = w.plan.chains;
@@ -515,6 +654,10 @@ bool Group::step(detail::WorkState& w) {
         return true;
       }
       if (w.chains.size() - w.chains_left == w.chains_sent && w.chains_left > 0) send_phase(w);
+      if (w.chains_left == 0 && !w.pending.valid() && !w.plan.deliveries.empty() && !w.verified) {
+        start_verify(w);
+        return true;
+      }
       if (w.chains_left == 0 && !w.pending.valid()) {
         w.chains.clear();
         w.phase = Phase::kStamps;
@@ -522,6 +665,7 @@ bool Group::step(detail::WorkState& w) {
       }
       return advanced;
     }
+    case Phase::kVerify: return verify(w);
     case Phase::kStamps: {
       if (w.pending.valid() && w.pending.done() && w.pending.error()) {
         finish(w, w.pending.error());

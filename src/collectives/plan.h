@@ -58,6 +58,15 @@ struct ChainPlan {
   uint8_t phase = 0;
 };
 
+// A block this rank had a device send to the multicast group. Multicast is
+// lossy, so after its chains the Group reads the block's stamp on every
+// device and sends `repair` by unicast to each that lacks it, with the last
+// hop of `repair.hops` (and of `repair.fallback`) aimed at that device.
+struct Delivery {
+  uint32_t index;  // stamp index
+  ChainPlan repair;
+};
+
 struct Plan {
   DType dtype = DType::kBytes;
   RedOp redop = RedOp::kNone;
@@ -67,6 +76,7 @@ struct Plan {
   std::vector<uint32_t> stamps;      // result blocks this rank waits for
   std::span<std::byte> output;       // copied from OUT + out_offset
   uint64_t out_offset = 0;
+  std::vector<Delivery> deliveries;  // multicast blocks to check everywhere
 };
 
 // What every algorithm needs to know to build a plan.
@@ -99,6 +109,11 @@ Plan direct_allreduce(const Context& c, std::span<const std::byte> in, std::span
 // y = r / X % Y, z = r / (X*Y). Needs c.slot.partials == dims.size() - 1.
 Plan torus_allreduce(const Context& c, const std::vector<int>& dims, std::span<const std::byte> in,
                      std::span<std::byte> out, DType t, RedOp op);
+
+// multicast.cc: `group` is the multicast group's ip/port.
+Plan multicast_allgather(const Context& c, const Hop& group, std::span<const std::byte> in,
+                         std::span<std::byte> out);
+Plan multicast_broadcast(const Context& c, const Hop& group, std::span<std::byte> buf, int root);
 
 // ring_chain.cc
 Plan ring_allreduce(const Context& c, std::span<const std::byte> in, std::span<std::byte> out,

@@ -64,6 +64,10 @@ int main(int argc, char** argv) {
   // for tests and benchmarks only, never for a device in real use.
   transport::FaultModel inject;
   const char* kInjectGroup = "Fault injection (test/benchmark aids; never in production)";
+  std::string multicast;
+  app.add_option("--multicast", multicast,
+                 "GROUP:PORT: also serve what is sent to this IPv4 multicast group, joined on the "
+                 "--listen address's interface (collectives' AllGather and Broadcast use it)");
   app.add_option("--inject-drop", inject.drop, "drop each datagram the device sends with probability P")
       ->check(CLI::Range(0.0, 1.0))->group(kInjectGroup);
   app.add_option("--inject-dup", inject.duplicate, "send each datagram twice with probability P")
@@ -169,6 +173,16 @@ int main(int argc, char** argv) {
     sockets.push_back(std::move(s));
   }
   const auto bound = sockets.front()->local();
+  // --multicast: one more socket and serving thread, for datagrams sent to
+  // the group (docs/COLLECTIVES.md, section 9).
+  if (!multicast.empty()) {
+    auto group = transport::parse_endpoint(multicast, &why);
+    if (!group) return fail("--multicast: " + why);
+    auto s = transport::UdpTransport::open_multicast(*group, cfg.listen.ip, &why);
+    if (!s) return fail("--multicast: " + why);
+    spdlog::info("member of multicast group {}", group->to_string());
+    sockets.push_back(std::move(s));
+  }
 
   // Each socket, wrapped in a FaultyTransport if faults are injected (the
   // UdpTransports above stay alive underneath).

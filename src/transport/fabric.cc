@@ -139,19 +139,41 @@ void Fabric::send(Endpoint from, std::span<const OutMsg> msgs) {
   std::lock_guard lock(mu_);
   for (const OutMsg& msg : msgs) {
     ++counters_.sent;
-    if (chance(faults_.drop)) {
-      ++counters_.dropped;
+    auto group = groups_.find(msg.to.key());
+    if (group == groups_.end()) {
+      send_one(from, msg.to, msg);
       continue;
     }
-    std::vector<std::byte> data;
-    data.reserve(msg.size());
-    for (const auto& part : msg.parts) data.insert(data.end(), part.begin(), part.end());
-    if (chance(faults_.duplicate)) {
-      ++counters_.duplicated;
-      schedule(from, msg.to, data);  // a copy, with its own delay
-    }
-    schedule(from, msg.to, std::move(data));
+    if (group->second.empty()) ++counters_.undeliverable;
+    for (Endpoint member : group->second) send_one(from, member, msg);
   }
+}
+
+void Fabric::send_one(Endpoint from, Endpoint to, const OutMsg& msg) {
+  if (chance(faults_.drop)) {
+    ++counters_.dropped;
+    return;
+  }
+  std::vector<std::byte> data;
+  data.reserve(msg.size());
+  for (const auto& part : msg.parts) data.insert(data.end(), part.begin(), part.end());
+  if (chance(faults_.duplicate)) {
+    ++counters_.duplicated;
+    schedule(from, to, data);  // a copy, with its own delay
+  }
+  schedule(from, to, std::move(data));
+}
+
+void Fabric::join(Endpoint group, Endpoint member) {
+  std::lock_guard lock(mu_);
+  auto& members = groups_[group.key()];
+  if (std::find(members.begin(), members.end(), member) == members.end()) members.push_back(member);
+}
+
+void Fabric::leave(Endpoint group, Endpoint member) {
+  std::lock_guard lock(mu_);
+  auto it = groups_.find(group.key());
+  if (it != groups_.end()) std::erase(it->second, member);
 }
 
 void Fabric::schedule(Endpoint from, Endpoint to, std::vector<std::byte> data) {

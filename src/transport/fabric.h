@@ -59,6 +59,12 @@ class Fabric {
   // device; a polled endpoint's unread inbox is discarded. The address may
   // be attached again (a restarted device).
   void detach(Endpoint addr);
+  // Multicast: a datagram sent to `group` reaches every member, each copy
+  // dropped, duplicated, delayed and reordered on its own, as on a real
+  // network. A group without members swallows what is sent to it (counted
+  // undeliverable), like a network without multicast.
+  void join(Endpoint group, Endpoint member);
+  void leave(Endpoint group, Endpoint member);
   // Also reseeds the generator from faults.seed.
   void set_faults(const FaultModel& faults);
   TimePoint now() const;
@@ -85,6 +91,7 @@ class Fabric {
   std::unique_ptr<Port> add_port(Endpoint addr, Handler handler);
   void remove_port(const Port* port);
   void send(Endpoint from, std::span<const OutMsg> msgs);
+  void send_one(Endpoint from, Endpoint to, const OutMsg& msg);
   void schedule(Endpoint from, Endpoint to, std::vector<std::byte> data);
   size_t receive(Port& port, std::span<InMsg> msgs, Duration timeout);
   void deliver(Event& event);
@@ -100,6 +107,7 @@ class Fabric {
   std::unordered_map<uint64_t, Port*> routes_;     // Endpoint::key() -> port
   std::vector<std::unique_ptr<Port>> handlers_;    // handler ports, owned here
   std::vector<Port*> polled_;                      // polled ports, owned by callers
+  std::unordered_map<uint64_t, std::vector<Endpoint>> groups_;  // multicast group -> members
   Counters counters_;
 };
 

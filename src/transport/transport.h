@@ -28,6 +28,9 @@ struct Endpoint {
 // getaddrinfo, e.g. "localhost"). nullopt with `error` set on failure.
 std::optional<Endpoint> parse_endpoint(std::string_view text, std::string* error = nullptr);
 
+// 224.0.0.0/4: an IPv4 multicast group address.
+inline bool is_multicast(uint32_t ip) { return (ip >> 28) == 0xE; }
+
 using Clock = std::chrono::steady_clock;
 using TimePoint = Clock::time_point;
 using Duration = std::chrono::nanoseconds;

@@ -85,6 +85,31 @@ std::unique_ptr<UdpTransport> UdpTransport::open(const UdpOptions& options, std:
   return transport;
 }
 
+std::unique_ptr<UdpTransport> UdpTransport::open_multicast(Endpoint group, uint32_t interface_ip,
+                                                          std::string* error) {
+  if (!is_multicast(group.ip) || group.port == 0)
+    return fail(error, group.to_string() + " is not a multicast group and port (224.0.0.0/4)");
+  const int fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return fail(error, "cannot create UDP socket: " + errno_text(errno));
+  std::unique_ptr<UdpTransport> transport(new UdpTransport(fd, group));
+  const int one = 1;
+  if (setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0)
+    return fail(error, "cannot set SO_REUSEADDR: " + errno_text(errno));
+  set_buffer(fd, SO_RCVBUFFORCE, SO_RCVBUF, 4 << 20);
+  set_buffer(fd, SO_SNDBUFFORCE, SO_SNDBUF, 4 << 20);
+  // Bound to the group address, the socket gets only that group's datagrams.
+  const sockaddr_in bind_addr = to_sockaddr(group);
+  if (bind(fd, reinterpret_cast<const sockaddr*>(&bind_addr), sizeof bind_addr) != 0)
+    return fail(error, "cannot bind " + group.to_string() + ": " + errno_text(errno));
+  ip_mreq mreq{};
+  mreq.imr_multiaddr.s_addr = htonl(group.ip);
+  mreq.imr_interface.s_addr = htonl(interface_ip);
+  if (setsockopt(fd, IPPROTO_IP, IP_ADD_MEMBERSHIP, &mreq, sizeof mreq) != 0)
+    return fail(error, "cannot join multicast group " + group.to_string() + " on " +
+                           Endpoint{interface_ip, 0}.to_string() + ": " + errno_text(errno));
+  return transport;
+}
+
 UdpTransport::~UdpTransport() { ::close(fd_); }
 
 size_t UdpTransport::send_batch(std::span<const OutMsg> msgs) {

@@ -29,6 +29,14 @@ class UdpTransport final : public Transport {
   // nullptr and, if `error` is given, a message such as
   // "cannot bind 127.0.0.1:7000: Address already in use".
   static std::unique_ptr<UdpTransport> open(const UdpOptions& options, std::string* error);
+  // A socket that receives what is sent to the IPv4 multicast `group`
+  // (224.0.0.0/4): bound to group:port with SO_REUSEADDR (several devices
+  // on one host may join), membership (IP_ADD_MEMBERSHIP) on the interface
+  // that has address `interface_ip` (0: the kernel's choice). It sends like
+  // any other socket. nullptr and `error` on failure (no such interface,
+  // no multicast route, not a multicast address).
+  static std::unique_ptr<UdpTransport> open_multicast(Endpoint group, uint32_t interface_ip,
+                                                      std::string* error);
 
   ~UdpTransport() override;
   UdpTransport(const UdpTransport&) = delete;
