@@ -41,7 +41,9 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 
 #include "common/units.h"
@@ -108,7 +110,9 @@ int collectives_main(int argc, char** argv) {
   app.add_option("--time-per-size", c.time_per_size, "seconds of timed iterations per size, about (default 2)")
       ->check(CLI::Range(0.001, 3600.0));
   app.add_option("-r,--root", c.root, "broadcast root (default 0)");
-  app.add_option("--algo", algo_s, "auto | ring | direct (default auto; direct applies to allreduce only)");
+  app.add_option("--algo", algo_s, "auto | ring | direct | torus (default auto; direct and torus apply to allreduce only)");
+  std::string torus_s;
+  app.add_option("--torus", torus_s, "--algo torus: the shape XxY or XxYxZ (default: X x P/X, X the largest divisor <= sqrt(P))");
   app.add_flag("--sparse", c.sparse, "let devices send mostly-zero blocks as (index, value) pairs");
   app.add_option("--local", local, "start P devices and P ranks on this machine")->check(CLI::Range(1, 16));
   app.add_option("--devices", devices, "every rank's device HOST:PORT, in rank order (comma-separated)")
@@ -152,7 +156,22 @@ int collectives_main(int argc, char** argv) {
   if (algo_s == "auto") c.algorithm = Algorithm::kAuto;
   else if (algo_s == "ring") c.algorithm = Algorithm::kRing;
   else if (algo_s == "direct") c.algorithm = Algorithm::kDirect;
+  else if (algo_s == "torus") c.algorithm = Algorithm::kTorus;
   else return usage_error("unknown --algo '" + algo_s + "'");
+  for (size_t at = 0; !torus_s.empty() && at <= torus_s.size();) {
+    const size_t x = std::min(torus_s.find('x', at), torus_s.size());
+    const int n = std::atoi(torus_s.substr(at, x - at).c_str());
+    if (n <= 0) return usage_error("bad --torus '" + torus_s + "' (XxY or XxYxZ)");
+    c.torus_dims.push_back(n);
+    at = x + 1;
+  }
+  if (c.algorithm == Algorithm::kTorus && c.torus_dims.empty()) {
+    const int p = local > 0 ? local : static_cast<int>(devices.size());
+    int x = 1;
+    for (int d = 1; d * d <= p; ++d)
+      if (p % d == 0) x = d;
+    c.torus_dims = {x, p / x};
+  }
   c.check = check != 0;
   c.timeout = std::chrono::milliseconds(timeout_ms);
   c.csv = csv;

@@ -37,6 +37,7 @@ std::string_view nccl_type_name(DType t) {
 // kDirectMaxBytes.
 Algorithm algorithm_for(CollOp op, Algorithm requested, uint64_t bytes) {
   if (op != CollOp::kAllReduce) return Algorithm::kRing;
+  if (requested == Algorithm::kTorus) return Algorithm::kTorus;
   if (requested == Algorithm::kDirect || (requested == Algorithm::kAuto && bytes <= kDirectMaxBytes))
     return Algorithm::kDirect;
   return Algorithm::kRing;
@@ -279,7 +280,8 @@ uint64_t group_capacity(const BenchConfig& c) {
 }
 
 uint64_t device_memory_needed(const BenchConfig& c, size_t p) {
-  const uint64_t slot = collectives::SlotLayout::bytes(group_capacity(c), block_for(p), p);
+  const int partials = c.algorithm == Algorithm::kTorus ? static_cast<int>(c.torus_dims.size()) - 1 : 0;
+  const uint64_t slot = collectives::SlotLayout::bytes(group_capacity(c), block_for(p), p, partials);
   const uint64_t bytes = slot * static_cast<uint64_t>(c.slots) + (1u << 20);
   return (bytes + (1u << 20) - 1) / (1u << 20) * (1u << 20);
 }
@@ -303,6 +305,7 @@ int run_rank(const BenchConfig& c) {
   o.timeout = c.timeout;
   o.client.timeout = c.timeout;
   o.algorithm = c.algorithm;
+  o.torus_dims = c.torus_dims;
   o.sparse = c.sparse;
   if (c.window) o.client.window_packets = c.window;
   auto created = Group::create(o);

@@ -27,6 +27,7 @@ struct BenchConfig {
   double time_per_size = 2.0;  // seconds of timed iterations per size, at most (about)
   int root = 0;                // broadcast
   Algorithm algorithm = Algorithm::kAuto;
+  std::vector<int> torus_dims;  // --algo torus: GroupOptions::torus_dims
   bool sparse = false;         // GroupOptions::sparse
 
   // The group.
