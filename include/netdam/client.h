@@ -4,7 +4,9 @@
 // - Every call names a device address and uses a region key: the one in
 //   ClientOptions unless the call passes its own (rkey != 0).
 // - Large transfers are split into packets of at most the device's maximum
-//   payload; up to `window_packets` / `window_bytes` are in flight at once.
+//   payload; up to `window_packets` / `window_bytes` are in flight at once
+//   (a request's bytes: what it carries or, for READ and chains, what it
+//   brings back, whichever is more).
 // - Lost packets are retransmitted with an adaptive timeout. READ, WRITE and
 //   FILL are idempotent; atomics, REDUCE_MEM and COPY are executed exactly
 //   once by the device even when retransmitted (it remembers recent txns).

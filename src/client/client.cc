@@ -60,6 +60,13 @@ struct Client::Packet {
   int not_ready = 0;  // NOT_READY answers so far (they are not losses)
 
   bool is_chain() const { return !chain_head.empty(); }
+  // Bytes this request puts on the network, for the window: a READ or a
+  // chain carries `length` bytes back (a chain's first hop loads its block),
+  // however small the request itself is.
+  size_t window_cost() const {
+    const bool returns_data = is_chain() || h.opcode == Opcode::kRead || h.opcode == Opcode::kReducePayload;
+    return returns_data ? std::max<size_t>(payload.size(), h.length) : payload.size();
+  }
   std::span<const std::byte> head() const {
     return is_chain() ? std::span<const std::byte>(chain_head) : std::span<const std::byte>(wire);
   }
@@ -555,7 +562,7 @@ void Client::fail_op(detail::OpState& op, Error e) {
   for (auto it = inflight_.begin(); it != inflight_.end();) {
     if (it->second->op.get() == &op) {
       --op.outstanding;
-      inflight_bytes_ -= it->second->payload.size();
+      inflight_bytes_ -= it->second->window_cost();
       it = inflight_.erase(it);
     } else {
       ++it;
@@ -566,7 +573,7 @@ void Client::fail_op(detail::OpState& op, Error e) {
 void Client::finish(Packet& p, Error e) {
   auto op = p.op;  // p dies below
   const uint64_t txn = p.h.txn;
-  inflight_bytes_ -= p.payload.size();
+  inflight_bytes_ -= p.window_cost();
   inflight_.erase(txn);
   --op->outstanding;
   if (e) fail_op(*op, std::move(e));
@@ -583,7 +590,7 @@ void Client::send_queued() {
   const uint64_t oldest = inflight_.empty() ? next_txn_ : inflight_.begin()->first;
   std::vector<std::unique_ptr<Packet>> unacked;  // alive until the batch is flushed
   while (!queue_.empty() && inflight_.size() < opts_.window_packets &&
-         (inflight_.empty() || inflight_bytes_ + queue_.front()->payload.size() <= opts_.window_bytes) &&
+         (inflight_.empty() || inflight_bytes_ + queue_.front()->window_cost() <= opts_.window_bytes) &&
          next_txn_ - oldest < txn_span) {
     auto p = std::move(queue_.front());
     queue_.pop_front();
@@ -596,7 +603,7 @@ void Client::send_queued() {
     batch[n++] = transport::OutMsg{p->is_chain() ? p->to : *device_, {p->head(), p->payload}};
     ++counters_.packets_sent;
     if (p->expect_answer) {
-      inflight_bytes_ += p->payload.size();
+      inflight_bytes_ += p->window_cost();
       inflight_.emplace(p->h.txn, std::move(p));
     } else {
       --p->op->outstanding;

@@ -19,7 +19,10 @@ namespace netdam::transport {
 struct UdpOptions {
   Endpoint bind;            // port 0: the kernel picks one; local() tells which
   bool reuse_port = false;  // SO_REUSEPORT, for one socket per device thread
-  int rcvbuf = 4 << 20;     // bytes; <= 0 keeps the kernel default
+  // Bytes; <= 0 keeps the kernel default. A device hears every rank's
+  // window at once (4 ranks x 2 MiB, counted twice by the kernel's truesize
+  // for 64 KiB datagrams): less drops chains that were merely early.
+  int rcvbuf = 16 << 20;
   int sndbuf = 4 << 20;
 };
 
