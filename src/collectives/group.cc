@@ -176,9 +176,13 @@ Error Group::setup() {
       // for this group's generations (0 is none). No chain writes here
       // yet: the new region is armed at 0 until this host arms it.
       const std::byte zero[1] = {};
-      const uint64_t stamps = slot->layout.base + 3 * opts_.capacity;
-      if (Error e = client_->fill(stamps, slot->layout.base + slot_bytes_ - stamps, zero, slot->layout.key))
-        return e;
+      const auto& l = slot->layout;
+      const uint64_t stamps = l.base + 3 * l.cap;
+      if (Error e = client_->fill(stamps, 4 * l.stamp_count, zero, l.key)) return e;
+      if (l.partials > 0) {  // the partial buffers' stamps, after the buffers
+        const uint64_t part_stamps = l.base + l.part_stamp_aux(0, 0);
+        if (Error e = client_->fill(part_stamps, l.base + slot_bytes_ - part_stamps, zero, l.key)) return e;
+      }
     }
   }
   // Wait until every device has every slot: a one-byte READ through each
