@@ -208,7 +208,7 @@ void PoolIo::reap(std::vector<Completion>& done) {
 }
 
 void PoolIo::progress(bool block, std::vector<Completion>& done) {
-  const size_t before = done.size() + immediate_.size();
+  const size_t before = done.size();
   for (auto& c : immediate_) done.push_back(std::move(c));
   immediate_.clear();
   for (;;) {
