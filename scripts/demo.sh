@@ -72,7 +72,7 @@ step "a memory pool: 3 devices behind one address-translating proxy (netdam-mmu)
 pool_pids=()
 for i in 0 1 2; do
   "$bin/daemon/netdamd" --listen 127.0.0.1:0 --port-file "$work/pool$i.port" --memory 16MiB \
-    --admin-key 0xAD --log-level error &
+    --admin-key 0xAD --no-default-region &
   pool_pids+=($!)
 done
 for i in 0 1 2; do for _ in $(seq 100); do [[ -s "$work/pool$i.port" ]] && break; sleep 0.05; done; done

@@ -161,6 +161,22 @@ TEST(Daemon, HostMapsDeviceMemory) {
   EXPECT_EQ(d.stop(), 0);
 }
 
+TEST(Daemon, PrefaultedDeviceWithoutDefaultRegionServesOnlyAddedRegions) {
+  TestDaemon d;
+  ASSERT_TRUE(d.start({"--memory", "4MiB", "--prefault", "--no-default-region", "--admin-key", "0xAD"}))
+      << d.error();
+  auto c = connect(d);
+  ASSERT_TRUE(c);
+  std::vector<std::byte> buf(64);
+  Error e = c->read(0, buf);  // key 1, the usual default region: not there
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e.status(), Status::kBadKey) << e.to_string();
+  ASSERT_FALSE(c->region_add(0xAD, RegionInfo{4096, 8192, 0x55, 3}));
+  ASSERT_FALSE(c->read(4096, buf, 0x55));
+  EXPECT_EQ(buf, std::vector<std::byte>(64));  // prefaulted memory is still zero
+  EXPECT_EQ(d.stop(), 0);
+}
+
 TEST(Daemon, ThreadsShareOneDevice) {
   TestDaemon d;
   ASSERT_TRUE(d.start({"--memory", "4MiB", "--threads", "2"})) << d.error();
@@ -206,6 +222,7 @@ TEST(Daemon, RefusesBadStartWithClearMessages) {
       {{"--memory", "1MiB", "--region", "0:2MiB:5"}, "outside"},
       {{"--max-payload", "100"}, "max_payload"},
       {{"--config", "/nonexistent.toml"}, "nonexistent"},
+      {{"--no-default-region"}, "without --admin-key"},
   };
   for (const auto& c : cases) {
     TestDaemon d;

@@ -82,7 +82,7 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
   };
   static const std::vector<std::string_view> kKnown = {
       "listen", "memory", "threads", "max_payload", "shm", "prefault", "admin_key", "replay_window",
-      "replay_requesters", "default_key", "region", "port_file", "log_level"};
+      "replay_requesters", "default_key", "default_region", "region", "port_file", "log_level"};
   for (const auto& [k, v] : t)
     if (std::find(kKnown.begin(), kKnown.end(), k.str()) == kKnown.end())
       return err(k.str(), "is not a known setting");
@@ -115,6 +115,7 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
     if (*v <= 0 || *v > UINT32_MAX) return err("admin_key", "must be 1..2^32-1");
     cfg.admin_key = static_cast<uint32_t>(*v);
   }
+  if (auto v = t["default_region"].value<bool>()) cfg.default_region = *v;
   if (auto v = t["default_key"].value<int64_t>()) {
     if (*v <= 0 || *v > UINT32_MAX) return err("default_key", "must be 1..2^32-1");
     cfg.default_key = static_cast<uint32_t>(*v);

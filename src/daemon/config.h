@@ -24,6 +24,7 @@ struct DaemonConfig {
   size_t replay_requesters = 4096;
   std::vector<core::Region> regions;   // empty: one region over all memory
   uint32_t default_key = 1;            // key of that region
+  bool default_region = true;          // false: start with no region at all (pool devices)
   std::string port_file;               // write "HOST:PORT" here once listening
   std::string log_level = "info";
 };

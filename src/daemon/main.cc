@@ -51,7 +51,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "serving threads, each with its own socket (default 1)")
       ->check(CLI::Range(1, 64));
   app.add_option("--max-payload", max_payload, "largest payload in bytes (default 8192: 9000-byte jumbo frames)");
-  bool prefault = false;
+  bool prefault = false, no_default_region = false;
+  app.add_flag("--no-default-region", no_default_region,
+               "without --region, register no region at all (only the admin key can add them: pool devices)");
   app.add_flag("--prefault", prefault,
                "write every page of memory once at start, so the first requests do not pay for page "
                "faults (and, in a VM, for the hypervisor backing the pages)");
@@ -101,6 +103,7 @@ int main(int argc, char** argv) {
   if (threads) cfg.threads = threads;
   if (!shm.empty()) cfg.shm = shm;
   if (prefault) cfg.prefault = true;
+  if (no_default_region) cfg.default_region = false;
   if (!port_file.empty()) cfg.port_file = port_file;
   if (!log_level.empty()) cfg.log_level = log_level;
   if (!admin_key.empty()) {
@@ -148,7 +151,10 @@ int main(int argc, char** argv) {
   dc.replay_window = cfg.replay_window;
   dc.replay_requesters = cfg.replay_requesters;
   core::Device dev(mem->bytes(), dc);
-  if (cfg.regions.empty()) {
+  if (cfg.regions.empty() && !cfg.default_region) {
+    if (!cfg.admin_key)
+      return fail("--no-default-region without --admin-key: no region could ever be used");
+  } else if (cfg.regions.empty()) {
     cfg.regions.push_back(core::Region{0, cfg.memory, cfg.default_key, core::kPermAll});
     spdlog::warn("no regions configured: registering key {:#x} over all {} of memory (read-write); "
                  "configure [[region]] entries or --region to restrict access",
