@@ -70,6 +70,7 @@ struct Options {
   std::string sizes = "64,4KiB,64KiB";
   unsigned devices = 2;
   std::string stripe;  // empty: the pool's default (4 KiB)
+  std::string max_payload;  // empty: the daemons' default (8 KiB)
   size_t iters = 2000;
   double duration = 0.5;
   size_t clients = 8, depth = 128;
@@ -339,6 +340,8 @@ int pool_main(int argc, char** argv) {
   app.add_option("--devices", o.devices, "devices to start behind the proxy (default 2)")->check(CLI::Range(1, 16));
   app.add_option("--netdamd", o.netdamd, "netdamd to start (default: <bench dir>/../../daemon/netdamd)");
   app.add_option("--mmu", o.mmu, "netdam-mmu to start (default: <bench dir>/../../mmu/netdam-mmu)");
+  app.add_option("--max-payload", o.max_payload,
+                 "--max-payload of the started devices and proxy (default: theirs, 8KiB; loopback takes 63KiB)");
   app.add_option("--stripe", o.stripe, "stripe of the benchmark's allocations (default: the pool's, 4KiB)");
   app.add_option("--redis", o.redis, "HOST:PORT of a running Redis (IPv4; default: start redis-server)");
   app.add_option("--redis-server", o.redis_server, "redis-server to start (default: from PATH)");
@@ -382,11 +385,15 @@ int pool_main(int argc, char** argv) {
         return 2;
       }
     std::vector<std::string> margs = {mmu, "--listen", "127.0.0.1:0", "--device-admin-key", "0xAD", "--log-level", "warn"};
+    std::vector<std::string> payload;
+    if (!o.max_payload.empty()) payload = {"--max-payload", o.max_payload};
+    margs.insert(margs.end(), payload.begin(), payload.end());
     for (unsigned i = 0; i < o.devices; ++i) {
       Child d;
-      if (!start_server({netdamd, "--listen", "127.0.0.1:0", "--memory", "256MiB", "--admin-key", "0xAD",
-                         "--log-level", "warn"},
-                        fmt::format("{}/netdamd{}.log", tmp, i), d, error)) {
+      std::vector<std::string> dargs = {netdamd, "--listen", "127.0.0.1:0", "--memory", "256MiB", "--admin-key", "0xAD",
+                                        "--log-level", "warn"};
+      dargs.insert(dargs.end(), payload.begin(), payload.end());
+      if (!start_server(dargs, fmt::format("{}/netdamd{}.log", tmp, i), d, error)) {
         fmt::print(stderr, "netdam-bench pool: {}\n", error);
         return 2;
       }
