@@ -8,10 +8,8 @@
 #include <random>
 
 #include "collectives/plan.h"
-#include "core/engine.h"
+#include "collectives_cluster.h"
 #include "core/reduce.h"
-#include "daemon/device_loop.h"
-#include "fabric_device.h"
 #include "netdam/group.h"
 #include "transport/fabric.h"
 
@@ -19,77 +17,22 @@ namespace netdam {
 namespace {
 
 using namespace std::chrono_literals;
-using transport::Endpoint;
-using transport::Fabric;
 using transport::FaultModel;
 
-constexpr uint32_t kKeyBase = 0x4E440100;
-
-struct Cluster {
-  using Device = testing::FabricDevice;
-
-  Cluster(int p, FaultModel faults, uint64_t capacity, int slots = 2,
-          Algorithm algorithm = Algorithm::kAuto, bool sparse = false)
-      : fabric(faults) {
-    GroupOptions o;
-    o.algorithm = algorithm;
-    o.sparse = sparse;
-    o.capacity = capacity;
-    o.slots = slots;
-    o.key_base = kKeyBase;
-    // A chain of 2p+1 datagrams at 5% loss each fails most attempts, and
-    // the client's timeout for chains follows their (long) round trips:
-    // heavy loss needs room for tens of attempts. Virtual time costs nothing.
-    const auto timeout = faults.drop >= 0.05 ? 10s : 2s;
-    o.timeout = timeout;
-    o.client.timeout = timeout;
-    for (int r = 0; r < p; ++r) o.devices.push_back(device_addr(r).to_string());
-    // Slot size as Group computes it (block size depends on p).
-    const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
-    const size_t block = (kDefaultMaxPayload - route) / 64 * 64;
-    const uint64_t slot = collectives::SlotLayout::bytes(capacity, block, p);
-    for (int r = 0; r < p; ++r) {
-      devices.push_back(std::make_unique<Device>(fabric, device_addr(r), 100 + r, slot * slots));
-      for (int s = 0; s < slots; ++s)
-        devices.back()->device.regions().add(
-            core::Region{slot * s, slot, kKeyBase + static_cast<uint32_t>(s), core::kPermAll});
-    }
-    for (int r = 0; r < p; ++r) {
-      o.rank = r;
-      auto g = Group::create(o, fabric.attach({0x0B000000u + r, 5000}), devices[r]->memory);
-      EXPECT_TRUE(g.ok()) << g.error().to_string();
-      if (!g.ok()) return;
-      groups.push_back(std::move(g.value()));
-    }
-    idle = fabric.attach({0x0C000001, 1});
-  }
-  static Endpoint device_addr(int r) { return {0x0A000000u + static_cast<uint32_t>(r), 7000}; }
-
-  // Drives every rank until all `works` are done (or virtual time runs out).
-  void run(std::vector<Work>& works) {
-    const auto limit = fabric.now() + 60s;
-    for (;;) {
-      bool all_done = true, advanced = false;
-      for (auto& g : groups) advanced |= g->progress();
-      for (auto& w : works) all_done &= w.done();
-      if (all_done) return;
-      if (fabric.now() > limit) {
-        ADD_FAILURE() << "collective did not finish in 60 s of virtual time";
-        return;
-      }
-      if (!advanced) {
-        std::array<std::byte, 16> sink;
-        transport::InMsg m;
-        m.buf = sink;
-        idle->recv_batch({&m, 1}, 20us);  // let the network move
-      }
-    }
-  }
-
-  Fabric fabric;
-  std::vector<std::unique_ptr<Device>> devices;
-  std::vector<std::unique_ptr<Group>> groups;
-  std::unique_ptr<transport::Transport> idle;
+struct Cluster : testing::CollectivesCluster {
+  Cluster(int p, FaultModel faults, uint64_t capacity, int slots = 2, Algorithm algorithm = Algorithm::kAuto,
+          bool sparse = false)
+      : CollectivesCluster({.p = p,
+                            .faults = faults,
+                            .capacity = capacity,
+                            .slots = slots,
+                            // A chain of 2p+1 datagrams at 5% loss each fails most
+                            // attempts, and the client's timeout for chains follows
+                            // their (long) round trips: heavy loss needs room for
+                            // tens of attempts. Virtual time costs nothing.
+                            .timeout = faults.drop >= 0.05 ? 10s : 2s,
+                            .algorithm = algorithm,
+                            .sparse = sparse}) {}
 };
 
 std::vector<std::byte> random_elements(DType t, size_t n, uint64_t seed) {

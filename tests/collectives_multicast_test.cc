@@ -9,7 +9,7 @@
 #include <random>
 
 #include "collectives/plan.h"
-#include "fabric_device.h"
+#include "collectives_cluster.h"
 #include "netdam/group.h"
 #include "transport/fabric.h"
 
@@ -21,66 +21,21 @@ using transport::Endpoint;
 using transport::Fabric;
 using transport::FaultModel;
 
-constexpr uint32_t kKeyBase = 0x4E440100;
+using testing::kKeyBase;
 const Endpoint kGroup{0xEF010203, 7600};  // 239.1.2.3:7600
 const char* kGroupText = "239.1.2.3:7600";
 
-struct McastCluster {
+struct McastCluster : testing::CollectivesCluster {
   // `members`: which devices join the group (all by default).
   McastCluster(int p, FaultModel faults, uint64_t capacity, std::vector<bool> members = {},
                std::string group = kGroupText)
-      : fabric(faults) {
-    GroupOptions o;
-    o.capacity = capacity;
-    o.slots = 2;
-    o.key_base = kKeyBase;
-    o.timeout = 2s;
-    o.client.timeout = 2s;
-    o.multicast = group;
-    for (int r = 0; r < p; ++r) o.devices.push_back(device_addr(r).to_string());
-    const size_t block = (kDefaultMaxPayload - kSrPreambleSize - 2 * p * kSegmentSize) / 64 * 64;
-    const uint64_t slot = collectives::SlotLayout::bytes(capacity, block, p);
-    for (int r = 0; r < p; ++r) {
-      devices.push_back(std::make_unique<testing::FabricDevice>(fabric, device_addr(r), 100 + r, slot * 2));
-      for (int s = 0; s < 2; ++s)
-        devices.back()->device.regions().add(
-            core::Region{slot * s, slot, kKeyBase + static_cast<uint32_t>(s), core::kPermAll});
-      if (members.empty() || members[r]) fabric.join(kGroup, device_addr(r));
-    }
-    for (int r = 0; r < p; ++r) {
-      o.rank = r;
-      auto g = Group::create(o, fabric.attach({0x0B000000u + r, 5000}), devices[r]->memory);
-      EXPECT_TRUE(g.ok()) << g.error().to_string();
-      if (!g.ok()) return;
-      groups.push_back(std::move(g.value()));
-    }
-    idle = fabric.attach({0x0C000001, 1});
-  }
-  static Endpoint device_addr(int r) { return {0x0A000000u + static_cast<uint32_t>(r), 7000}; }
-
-  void run(std::vector<Work>& works) {
-    const auto limit = fabric.now() + 60s;
-    for (;;) {
-      bool all_done = true, advanced = false;
-      for (auto& g : groups) advanced |= g->progress();
-      for (auto& w : works) all_done &= w.done();
-      if (all_done) return;
-      if (fabric.now() > limit) {
-        ADD_FAILURE() << "collective did not finish in 60 s of virtual time";
-        return;
-      }
-      if (!advanced) {
-        std::array<std::byte, 16> sink;
-        transport::InMsg m;
-        m.buf = sink;
-        idle->recv_batch({&m, 1}, 20us);
-      }
-    }
-  }
-  Fabric fabric;
-  std::vector<std::unique_ptr<testing::FabricDevice>> devices;
-  std::vector<std::unique_ptr<Group>> groups;
-  std::unique_ptr<transport::Transport> idle;
+      : CollectivesCluster({.p = p,
+                            .faults = faults,
+                            .capacity = capacity,
+                            .multicast = std::move(group),
+                            .on_device = [members = std::move(members)](Fabric& f, int r) {
+                              if (members.empty() || members[r]) f.join(kGroup, device_addr(r));
+                            }}) {}
 };
 
 std::vector<std::byte> random_bytes(size_t n, uint64_t seed) {

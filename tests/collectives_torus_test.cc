@@ -13,8 +13,8 @@
 #include <random>
 
 #include "collectives/plan.h"
+#include "collectives_cluster.h"
 #include "core/reduce.h"
-#include "fabric_device.h"
 #include "netdam/group.h"
 #include "transport/fabric.h"
 
@@ -22,11 +22,9 @@ namespace netdam {
 namespace {
 
 using namespace std::chrono_literals;
-using transport::Endpoint;
+using testing::block_bytes;
 using transport::Fabric;
 using transport::FaultModel;
-
-constexpr uint32_t kKeyBase = 0x4E440100;
 
 int product(const std::vector<int>& dims) {
   int p = 1;
@@ -40,70 +38,17 @@ std::string shape_name(const std::vector<int>& dims) {
   return s;
 }
 
-size_t block_bytes(int p) {
-  const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
-  return (kDefaultMaxPayload - route) / 64 * 64;
-}
-
-struct TorusCluster {
+struct TorusCluster : testing::CollectivesCluster {
   TorusCluster(std::vector<int> dims, FaultModel faults, uint64_t capacity, int slots = 2,
                std::chrono::milliseconds timeout = 2s)
-      : fabric(faults), p(product(dims)) {
-    GroupOptions o;
-    o.algorithm = Algorithm::kTorus;
-    o.torus_dims = dims;
-    o.capacity = capacity;
-    o.slots = slots;
-    o.key_base = kKeyBase;
-    o.timeout = timeout;
-    o.client.timeout = timeout;
-    for (int r = 0; r < p; ++r) o.devices.push_back(device_addr(r).to_string());
-    const uint64_t slot = collectives::SlotLayout::bytes(capacity, block_bytes(p), p,
-                                                         static_cast<int>(dims.size()) - 1);
-    for (int r = 0; r < p; ++r) {
-      devices.push_back(std::make_unique<testing::FabricDevice>(fabric, device_addr(r), 100 + r, slot * slots));
-      for (int s = 0; s < slots; ++s)
-        devices.back()->device.regions().add(
-            core::Region{slot * s, slot, kKeyBase + static_cast<uint32_t>(s), core::kPermAll});
-    }
-    for (int r = 0; r < p; ++r) {
-      o.rank = r;
-      auto g = Group::create(o, fabric.attach({0x0B000000u + r, 5000}), devices[r]->memory);
-      EXPECT_TRUE(g.ok()) << g.error().to_string();
-      if (!g.ok()) return;
-      groups.push_back(std::move(g.value()));
-    }
-    idle = fabric.attach({0x0C000001, 1});
-  }
-  static Endpoint device_addr(int r) { return {0x0A000000u + static_cast<uint32_t>(r), 7000}; }
-
-  // Drives every rank until all `works` are done (or virtual time runs out).
-  void run(std::vector<Work>& works) {
-    const auto limit = fabric.now() + 60s;
-    for (;;) {
-      bool all_done = true, advanced = false;
-      for (auto& g : groups) advanced |= g->progress();
-      for (auto& w : works) all_done &= w.done();
-      if (all_done) return;
-      if (fabric.now() > limit) {
-        ADD_FAILURE() << "collective did not finish in 60 s of virtual time";
-        return;
-      }
-      if (!advanced) wait(20us);
-    }
-  }
-  void wait(std::chrono::microseconds t) {
-    std::array<std::byte, 16> sink;
-    transport::InMsg m;
-    m.buf = sink;
-    idle->recv_batch({&m, 1}, t);  // lets the network move
-  }
-
-  Fabric fabric;
-  int p;
-  std::vector<std::unique_ptr<testing::FabricDevice>> devices;
-  std::vector<std::unique_ptr<Group>> groups;
-  std::unique_ptr<transport::Transport> idle;
+      : CollectivesCluster({.p = product(dims),
+                            .faults = faults,
+                            .capacity = capacity,
+                            .slots = slots,
+                            .timeout = timeout,
+                            .algorithm = Algorithm::kTorus,
+                            .torus_dims = dims,
+                            .partials = static_cast<int>(dims.size()) - 1}) {}
 };
 
 std::vector<std::byte> random_elements(DType t, size_t n, uint64_t seed) {

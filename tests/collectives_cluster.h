@@ -1,0 +1,112 @@
+// p in-process devices on the fault-injecting fabric, each with its slot
+// regions, and one netdam::Group per rank over them, all driven
+// cooperatively from one thread on the fabric's virtual clock (so a run is
+// reproducible from the fault model's seed).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "collectives/plan.h"
+#include "fabric_device.h"
+#include "netdam/group.h"
+#include "transport/fabric.h"
+
+namespace netdam::testing {
+
+inline constexpr uint32_t kKeyBase = 0x4E440100;
+
+// Largest payload of one chain packet for p ranks, as Group computes it.
+inline size_t block_bytes(int p) {
+  const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
+  return (kDefaultMaxPayload - route) / 64 * 64;
+}
+
+// What differs between the clusters of the collectives tests.
+struct ClusterSpec {
+  int p = 0;
+  transport::FaultModel faults{};
+  uint64_t capacity = 0;
+  int slots = 2;
+  std::chrono::milliseconds timeout = std::chrono::seconds(2);  // GroupOptions and client
+  Algorithm algorithm = Algorithm::kAuto;
+  std::vector<int> torus_dims{};
+  bool sparse = false;
+  std::string multicast{};
+  int partials = 0;  // partial buffers per slot (collectives::SlotLayout)
+  // Called for each device once its regions are registered, before any
+  // Group exists (e.g. to join it to a fabric multicast group).
+  std::function<void(transport::Fabric&, int rank)> on_device{};
+};
+
+struct CollectivesCluster {
+  explicit CollectivesCluster(const ClusterSpec& spec) : fabric(spec.faults) {
+    const int p = spec.p;
+    GroupOptions o;
+    o.algorithm = spec.algorithm;
+    o.torus_dims = spec.torus_dims;
+    o.sparse = spec.sparse;
+    o.multicast = spec.multicast;
+    o.capacity = spec.capacity;
+    o.slots = spec.slots;
+    o.key_base = kKeyBase;
+    o.timeout = spec.timeout;
+    o.client.timeout = spec.timeout;
+    for (int r = 0; r < p; ++r) o.devices.push_back(device_addr(r).to_string());
+    const uint64_t slot = collectives::SlotLayout::bytes(spec.capacity, block_bytes(p), p, spec.partials);
+    for (int r = 0; r < p; ++r) {
+      devices.push_back(std::make_unique<FabricDevice>(fabric, device_addr(r), 100 + r, slot * spec.slots));
+      for (int s = 0; s < spec.slots; ++s)
+        devices.back()->device.regions().add(
+            core::Region{slot * s, slot, kKeyBase + static_cast<uint32_t>(s), core::kPermAll});
+      if (spec.on_device) spec.on_device(fabric, r);
+    }
+    for (int r = 0; r < p; ++r) {
+      o.rank = r;
+      auto g = Group::create(o, fabric.attach({0x0B000000u + r, 5000}), devices[r]->memory);
+      EXPECT_TRUE(g.ok()) << g.error().to_string();
+      if (!g.ok()) return;
+      groups.push_back(std::move(g.value()));
+    }
+    idle = fabric.attach({0x0C000001, 1});
+  }
+  static transport::Endpoint device_addr(int r) { return {0x0A000000u + static_cast<uint32_t>(r), 7000}; }
+
+  // Drives every rank until all `works` are done (or virtual time runs out).
+  void run(std::vector<Work>& works) {
+    using namespace std::chrono_literals;
+    const auto limit = fabric.now() + 60s;
+    for (;;) {
+      bool all_done = true, advanced = false;
+      for (auto& g : groups) advanced |= g->progress();
+      for (auto& w : works) all_done &= w.done();
+      if (all_done) return;
+      if (fabric.now() > limit) {
+        ADD_FAILURE() << "collective did not finish in 60 s of virtual time";
+        return;
+      }
+      if (!advanced) wait(20us);
+    }
+  }
+  // Lets the network move for `t` of virtual time.
+  void wait(std::chrono::microseconds t) {
+    std::array<std::byte, 16> sink;
+    transport::InMsg m;
+    m.buf = sink;
+    idle->recv_batch({&m, 1}, t);
+  }
+
+  transport::Fabric fabric;
+  std::vector<std::unique_ptr<FabricDevice>> devices;
+  std::vector<std::unique_ptr<Group>> groups;
+  std::unique_ptr<transport::Transport> idle;
+};
+
+}  // namespace netdam::testing
