@@ -142,6 +142,31 @@ inline int exit_code_of(int status) {
   return -1;
 }
 
+// Waits up to `wait` for the process `pid`, started with --port-file
+// `port_file`, to write "HOST:PORT\n" there: true with `endpoint` set. False
+// if it exits first (`pid` then 0, `exit_code` its code) or the time passes
+// (`pid` unchanged).
+inline bool await_port_file(pid_t& pid, const std::string& port_file, std::chrono::milliseconds wait,
+                            std::string& endpoint, int& exit_code) {
+  const auto deadline = std::chrono::steady_clock::now() + wait;
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::string text = read_text_file(port_file);
+    if (!text.empty() && text.back() == '\n') {
+      text.pop_back();
+      endpoint = text;
+      return true;
+    }
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      pid = 0;
+      exit_code = exit_code_of(status);
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
 }  // namespace detail
 
 struct ProcessResult {
@@ -227,21 +252,9 @@ class TestDaemon {
       pid_ = 0;
       return fail(why);
     }
-    const auto deadline = std::chrono::steady_clock::now() + wait;
-    while (std::chrono::steady_clock::now() < deadline) {
-      std::string text = read_text_file(port_file);
-      if (!text.empty() && text.back() == '\n') {
-        text.pop_back();
-        endpoint_ = text;
-        return true;
-      }
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = 0;
-        return fail("netdamd exited with code " + std::to_string(detail::exit_code_of(status)));
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+    int code = 0;
+    if (detail::await_port_file(pid_, port_file, wait, endpoint_, code)) return true;
+    if (pid_ == 0) return fail("netdamd exited with code " + std::to_string(code));
     return fail("netdamd did not write its port file within " + std::to_string(wait.count()) + " ms");
   }
 

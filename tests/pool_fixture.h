@@ -33,23 +33,10 @@ class TestMmu {
       pid_ = 0;
       return false;
     }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (std::chrono::steady_clock::now() < deadline) {
-      std::string text = read_text_file(port_file);
-      if (!text.empty() && text.back() == '\n') {
-        text.pop_back();
-        endpoint_ = text;
-        return true;
-      }
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = 0;
-        error_ = "netdam-mmu exited with code " + std::to_string(detail::exit_code_of(status)) + "\n" + log();
-        return false;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    error_ = "netdam-mmu did not start\n" + log();
+    int code = 0;
+    if (detail::await_port_file(pid_, port_file, std::chrono::seconds(10), endpoint_, code)) return true;
+    error_ = (pid_ == 0 ? "netdam-mmu exited with code " + std::to_string(code) : "netdam-mmu did not start") +
+             "\n" + log();
     return false;
   }
   // SIGKILL (a crash), then the same arguments on the same port.
