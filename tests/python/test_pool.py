@@ -1,0 +1,105 @@
+"""netdam.Pool against a netdam-mmu in front of two netdamd devices."""
+
+import unittest
+
+import numpy as np
+
+import netdam
+from netdam.local import Device, Mmu
+
+DEVICE_ADMIN = 0xAD
+
+
+class PoolTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.devices = [Device(memory="8MiB", admin_key=DEVICE_ADMIN, args=["--no-default-region"])
+                       for _ in range(2)]
+        cls.mmu = Mmu([d.endpoint for d in cls.devices], DEVICE_ADMIN)
+        cls.pool = netdam.Pool(cls.mmu.endpoint)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.pool.close()
+        cls.mmu.close()
+        for d in cls.devices:
+            d.close()
+
+    def test_alloc_lookup_list_free(self):
+        a = self.pool.alloc("t-meta", 64 << 10, stripe=4096)
+        self.assertIsInstance(a, netdam.Allocation)
+        self.assertEqual((a.name, a.size, a.stripe, a.policy, a.devices, a.state),
+                         ("t-meta", 64 << 10, 4096, "interleaved", 2, "ok"))
+        self.assertNotEqual(a.key, 0)
+        self.assertEqual(self.pool.lookup("t-meta")._asdict(), a._asdict())
+        self.assertIn("t-meta", [x.name for x in self.pool.list()])
+        self.assertIn("t-meta", repr(a))
+        with self.assertRaises(netdam.Nak) as cm:
+            self.pool.alloc("t-meta", 4096)
+        self.assertEqual(cm.exception.status, "ALREADY_EXISTS")
+        info = self.pool.stat()
+        self.assertEqual(len(info["devices"]), 2)
+        self.assertGreaterEqual(info["used"], 64 << 10)
+        self.pool.free("t-meta")
+        with self.assertRaises(netdam.Nak) as cm:
+            self.pool.lookup("t-meta")
+        self.assertEqual(cm.exception.status, "NO_SUCH_ALLOCATION")
+
+    def test_put_get_both_paths(self):
+        a = self.pool.alloc("t-data", 256 << 10, stripe=4096)
+        try:
+            x = np.arange(40_000, dtype=np.float32)  # 160 KB over both devices
+            self.pool.put(a.base + 64, x, a.key)
+            got = np.frombuffer(self.pool.get(a.base + 64, x.nbytes, a.key, path="direct"), np.float32)
+            np.testing.assert_array_equal(got, x)
+            y = np.zeros_like(x)
+            self.assertIs(self.pool.get_into(a.base + 64, y, a.key), y)
+            np.testing.assert_array_equal(y, x)
+            self.pool.put(a.base, b"direct!", a.key, path="direct")
+            self.assertEqual(self.pool.get(a.base, 7, a.key), b"direct!")
+            with self.assertRaises(netdam.Nak) as cm:
+                self.pool.get(a.base, 8, a.key + 1)
+            self.assertEqual(cm.exception.status, "BAD_KEY")
+            with self.assertRaises(netdam.Nak) as cm:
+                self.pool.get(a.base + a.size - 4, 8, a.key)
+            self.assertEqual(cm.exception.status, "OUT_OF_BOUNDS")
+            with self.assertRaisesRegex(ValueError, "path"):
+                self.pool.get(a.base, 8, a.key, path="sideways")
+        finally:
+            self.pool.free("t-data")
+
+    def test_atomics(self):
+        a = self.pool.alloc("t-atomics", 8192, policy="single")
+        try:
+            self.assertEqual(a.policy, "single")
+            w = a.base + 4096
+            self.pool.put(w, bytes(8), a.key)
+            self.assertEqual(self.pool.fetch_add(w, 3, a.key), 0)
+            self.assertEqual(self.pool.fetch_add(w, 4, a.key, path="direct"), 3)
+            self.assertEqual(self.pool.compare_swap(w, 7, 100, a.key), 7)
+            self.assertEqual(self.pool.swap(w, 5, a.key, path="direct"), 100)
+            self.assertEqual(int.from_bytes(self.pool.get(w, 8, a.key), "little"), 5)
+            self.pool.forget_maps()
+        finally:
+            self.pool.free("t-atomics")
+
+    def test_replicated(self):
+        a = self.pool.alloc("t-repl", 8192, policy="replicated")
+        try:
+            self.assertEqual((a.policy, a.copies), ("replicated", 2))
+            self.pool.put(a.base, bytes(8), a.key)
+            self.assertEqual(self.pool.fetch_add(a.base, 1, a.key), 0)
+            with self.assertRaises(netdam.Error):  # direct atomics on replicas are refused
+                self.pool.fetch_add(a.base, 1, a.key, path="direct")
+        finally:
+            self.pool.free("t-repl")
+
+    def test_closed(self):
+        p = netdam.Pool(self.mmu.endpoint)
+        p.close()
+        with self.assertRaisesRegex(ValueError, "closed"):
+            p.list()
+
+
+if __name__ == "__main__":
+    unittest.main()
