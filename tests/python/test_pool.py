@@ -89,8 +89,10 @@ class PoolTest(unittest.TestCase):
             self.assertEqual((a.policy, a.copies), ("replicated", 2))
             self.pool.put(a.base, bytes(8), a.key)
             self.assertEqual(self.pool.fetch_add(a.base, 1, a.key), 0)
-            with self.assertRaises(netdam.Error):  # direct atomics on replicas are refused
+            # Direct atomics on replicas are refused before anything is sent.
+            with self.assertRaises(netdam.InvalidArgument) as cm:
                 self.pool.fetch_add(a.base, 1, a.key, path="direct")
+            self.assertEqual(cm.exception.code, "invalid")
         finally:
             self.pool.free("t-repl")
 
