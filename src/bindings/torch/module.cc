@@ -1,0 +1,64 @@
+// netdam._torch_backend: the Python face of ProcessGroupNetdam. The
+// rendezvous (which device each rank has) is done in Python through the
+// torch Store (python/netdam/distributed.py); this module only creates the
+// process group from its result, and starts a rank's own netdamd.
+#include <torch/csrc/utils/pybind.h>
+
+#include <chrono>
+
+#include "bindings/torch/process_group_netdam.h"
+
+namespace py = pybind11;
+using netdam::torch_backend::LocalDevice;
+using netdam::torch_backend::LocalDeviceOptions;
+using netdam::torch_backend::NetdamOptions;
+using netdam::torch_backend::ProcessGroupNetdam;
+
+PYBIND11_MODULE(_torch_backend, m) {
+  m.doc() = "netdam's torch.distributed backend (use netdam.distributed)";
+  py::object dist = py::module_::import("torch._C._distributed_c10d");
+
+  py::class_<LocalDevice, std::shared_ptr<LocalDevice>>(m, "LocalDevice")
+      .def_property_readonly("endpoint", &LocalDevice::endpoint)
+      .def_property_readonly("shm", &LocalDevice::shm)
+      .def_property_readonly("pid", &LocalDevice::pid)
+      .def("stop", &LocalDevice::stop, py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "start_device",
+      [](const std::string& netdamd, uint64_t memory, uint32_t admin_key, const std::string& max_payload) {
+        LocalDeviceOptions o;
+        o.netdamd = netdamd;
+        o.memory = memory;
+        o.admin_key = admin_key;
+        o.max_payload = max_payload;
+        auto d = LocalDevice::start(o);
+        if (!d) throw std::runtime_error("netdam: cannot start a device: " + d.error().to_string());
+        return std::shared_ptr<LocalDevice>(std::move(d.value()));
+      },
+      py::arg("netdamd"), py::arg("memory"), py::arg("admin_key") = 0xAD, py::arg("max_payload") = "63KiB",
+      py::call_guard<py::gil_scoped_release>(),
+      "Starts netdamd on 127.0.0.1 (port chosen by the kernel, memory in /dev/shm).");
+
+  m.def("device_memory_bytes", &netdam::torch_backend::device_memory_bytes, py::arg("capacity"), py::arg("slots"),
+        py::arg("ranks"), py::arg("max_payload"), "Device memory a group's slots take.");
+
+  py::class_<ProcessGroupNetdam, c10::intrusive_ptr<ProcessGroupNetdam>>(m, "ProcessGroupNetdam",
+                                                                         dist.attr("ProcessGroup"))
+      .def(py::init([](int rank, const std::vector<std::string>& devices, const std::string& shm, uint32_t admin_key,
+                       uint64_t capacity, int slots, double timeout_s, std::shared_ptr<LocalDevice> device) {
+             NetdamOptions o;
+             o.group.rank = rank;
+             o.group.devices = devices;
+             o.group.shm = shm;
+             o.group.admin_key = admin_key;
+             o.group.capacity = capacity;
+             o.group.slots = slots;
+             o.group.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+             return c10::make_intrusive<ProcessGroupNetdam>(o, std::move(device));
+           }),
+           py::arg("rank"), py::arg("devices"), py::arg("shm") = "", py::arg("admin_key") = 0xAD,
+           py::arg("capacity") = 64ull << 20, py::arg("slots") = 2, py::arg("timeout") = 1800.0,
+           py::arg("device") = nullptr, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("capacity", &ProcessGroupNetdam::capacity);
+}
