@@ -1,0 +1,274 @@
+#!/usr/bin/env python3
+"""torch.distributed through the netdam backend, on 4 ranks (processes).
+
+One set of processes runs everything (importing torch takes seconds per
+process here): every collective of the backend on every dtype and
+reduction, against values computed exactly in each rank (all inputs are
+small integers, so every sum is exact in every dtype and in any order);
+tensors larger than the group capacity (NETDAM_CAPACITY=256KiB here, so
+they are cut into chunks), non-contiguous tensors, asynchronous work and
+its futures, the barrier, errors (unsupported dtype and op, a rank that
+does not show up: timeout), all_gather_object, and DDP training with the
+netdam backend against the same training with gloo (examples/ddp_train.py),
+losses within 1e-5.
+
+    PYTHONPATH=build/python NETDAM_DAEMON=build/src/daemon/netdamd /usr/bin/python3 tests/torch/test_backend.py
+
+Prints one line per check and rank; exits non-zero if any check failed.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+
+WORLD = 4
+CAPACITY = 256 << 10
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ------------------------------------------------------------------ launcher
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch():
+    port = free_port()
+    env = dict(os.environ, NETDAM_CAPACITY=str(CAPACITY))
+    env.pop("NETDAM_DEVICE", None)
+    env.pop("NETDAM_DEVICES", None)
+    env.pop("NETDAM_TIMEOUT", None)
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(WORLD), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(WORLD)]
+    failed = False
+    for r, p in enumerate(procs):
+        try:
+            out, _ = p.communicate(timeout=170 - (time.monotonic() - start))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            out += "\nTIMED OUT\n"
+        sys.stdout.write(f"----- rank {r} (exit {p.returncode})\n{out}")
+        failed |= p.returncode != 0
+    print(f"{'FAILED' if failed else 'passed'} in {time.monotonic() - start:.1f} s")
+    return 1 if failed else 0
+
+
+# ------------------------------------------------------------------ worker
+
+class Checks:
+    def __init__(self, rank):
+        self.rank = rank
+        self.failures = 0
+
+    def run(self, name, fn, *args):
+        t = time.monotonic()
+        try:
+            fn(*args)
+            print(f"ok   {name} ({(time.monotonic() - t) * 1e3:.0f} ms)", flush=True)
+        except Exception:  # noqa: BLE001  report and go on: the other ranks do the same calls
+            self.failures += 1
+            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+
+
+def worker(rank, size, port):
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    import netdam.distributed  # noqa: F401
+
+    sys.path.insert(0, os.path.join(os.environ.get("NETDAM_SOURCE_DIR", os.path.join(HERE, "..", "..")),
+                                    "examples"))
+    import ddp_train
+
+    dist.init_process_group("netdam", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    gloo = dist.new_group(backend="gloo")
+    R = dist.ReduceOp
+    check = Checks(rank)
+    reducible = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+
+    def inputs(r, n, dtype, salt=0):
+        g = torch.Generator().manual_seed(1000 * salt + 17 * r + n)
+        return torch.randint(-8, 9, (n,), generator=g).to(dtype)
+
+    def itemsize(dtype):
+        return torch.empty(0, dtype=dtype).element_size()
+
+    def expect_equal(got, want, what=""):
+        if not torch.equal(got, want):
+            bad = (got != want).nonzero()[:5].flatten().tolist()
+            raise AssertionError(f"{what}: differs at {bad}: got {got.flatten()[bad]}, want {want.flatten()[bad]}")
+
+    # Sizes: 1 element, odd, and more than the capacity (chunked) for 8-byte types.
+    sizes = [1, 1001, CAPACITY // 8 + 4099]
+
+    def allreduce_all():
+        for dtype in reducible:
+            for n in sizes:
+                all_in = [inputs(r, n, dtype).double() for r in range(size)]
+                ops = [(R.SUM, sum(all_in)), (R.MIN, torch.stack(all_in).min(0).values),
+                       (R.MAX, torch.stack(all_in).max(0).values)]
+                if dtype.is_floating_point:
+                    ops.append((R.AVG, sum(all_in) / size))
+                for op, want in ops:
+                    t = inputs(rank, n, dtype)
+                    dist.all_reduce(t, op=op)
+                    expect_equal(t, want.to(dtype), f"all_reduce {dtype} n={n} {op}")
+
+    def allreduce_noncontiguous():
+        base = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64) * (rank + 1)
+        view = base[:, ::3]
+        dist.all_reduce(view)
+        want = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)[:, ::3] * sum(range(1, size + 1))
+        expect_equal(view, want, "strided view")
+        expect_equal(base[:, 1], torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)[:, 1] * (rank + 1),
+                     "untouched columns")
+
+    def broadcast_all():
+        for dtype in reducible + [torch.uint8, torch.bool, torch.int8]:
+            for n in sizes:
+                for root in (0, size - 1):
+                    t = inputs(rank, n, torch.int64).to(dtype)
+                    dist.broadcast(t, src=root)
+                    expect_equal(t, inputs(root, n, torch.int64).to(dtype), f"broadcast {dtype} n={n} root={root}")
+
+    def reduce_all():
+        for dtype in (torch.float32, torch.int64):
+            for n in sizes:
+                root = n % size
+                t = inputs(rank, n, dtype)
+                dist.reduce(t, dst=root, op=R.SUM)
+                if rank == root:
+                    expect_equal(t, sum(inputs(r, n, dtype) for r in range(size)), f"reduce {dtype} n={n}")
+
+    def allgather_all():
+        for dtype in (torch.float32, torch.float16, torch.int64, torch.uint8):
+            # The largest: p * n above the capacity, so gathered in pieces.
+            for n in (1, 999, CAPACITY // 4 // itemsize(dtype) + 13):
+                out = [torch.empty(n, dtype=dtype) for _ in range(size)]
+                dist.all_gather(out, inputs(rank, n, torch.int64).to(dtype))
+                for r in range(size):
+                    expect_equal(out[r], inputs(r, n, torch.int64).to(dtype), f"all_gather {dtype} n={n} from {r}")
+                flat = torch.empty(size * n, dtype=dtype)
+                dist.all_gather_into_tensor(flat, inputs(rank, n, torch.int64).to(dtype))
+                expect_equal(flat, torch.cat([inputs(r, n, torch.int64).to(dtype) for r in range(size)]),
+                             f"all_gather_into_tensor {dtype} n={n}")
+
+    def reduce_scatter_all():
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int32):
+            for n in (1, 777, CAPACITY // 4 // itemsize(dtype) + 5):
+                ins = [inputs(rank, n, dtype, salt=k + 1) for k in range(size)]
+                out = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter(out, ins, op=R.SUM)
+                want = sum(inputs(r, n, dtype, salt=rank + 1).double() for r in range(size)).to(dtype)
+                expect_equal(out, want, f"reduce_scatter {dtype} n={n}")
+                out2 = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(out2, torch.cat(ins), op=R.MAX)
+                want = torch.stack([inputs(r, n, dtype, salt=rank + 1) for r in range(size)]).max(0).values
+                expect_equal(out2, want, f"reduce_scatter_tensor {dtype} n={n}")
+
+    def coalesced():
+        a = torch.full((10,), float(rank))
+        b = torch.full((3, 7), float(2 * rank))
+        dist.all_reduce_coalesced([a, b])
+        expect_equal(a, torch.full((10,), float(sum(range(size)))), "coalesced a")
+        expect_equal(b, torch.full((3, 7), float(2 * sum(range(size)))), "coalesced b")
+
+    def async_and_futures():
+        ts = [torch.full((1000 * (k + 1),), float(rank + k)) for k in range(8)]
+        works = [dist.all_reduce(t, async_op=True) for t in ts]
+        futs = [w.get_future().then(lambda f: f.value()[0] * 2) for w in works]
+        for k, (w, f) in enumerate(zip(works, futs)):
+            w.wait()
+            want = float(sum(r + k for r in range(size)))
+            expect_equal(ts[k], torch.full_like(ts[k], want), f"async {k}")
+            expect_equal(f.wait(), torch.full_like(ts[k], 2 * want), f"future {k}")
+            assert w.is_completed()
+        # A future that is already complete when asked for.
+        t = torch.ones(4)
+        w = dist.all_reduce(t, async_op=True)
+        w.wait()
+        expect_equal(w.get_future().wait()[0], torch.full((4,), float(size)), "late future")
+
+    def barrier():
+        dist.barrier()
+        if rank == 0:
+            time.sleep(0.5)
+        t = time.monotonic()
+        dist.barrier()
+        waited = time.monotonic() - t
+        if rank != 0 and waited < 0.4:
+            raise AssertionError(f"barrier returned after {waited:.3f} s, before rank 0 arrived")
+
+    def objects():
+        got = [None] * size
+        dist.all_gather_object(got, {"rank": rank, "name": "r" * rank})
+        assert got == [{"rank": r, "name": "r" * r} for r in range(size)], got
+
+    def errors():
+        def raises(fn, text):
+            try:
+                fn()
+            except RuntimeError as e:
+                if text not in str(e):
+                    raise AssertionError(f"error {e!r} does not say {text!r}")
+                return
+            raise AssertionError(f"no error (expected one saying {text!r})")
+        raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool)), "cannot reduce")
+        raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint8)), "cannot reduce")
+        raises(lambda: dist.all_reduce(torch.ones(3), op=R.PRODUCT), "unsupported reduce op")
+        raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=R.AVG), "AVG needs")
+        # The group still works after refused calls.
+        t = torch.ones(5)
+        dist.all_reduce(t)
+        expect_equal(t, torch.full((5,), float(size)), "after errors")
+
+    def timeout():
+        # A group of its own (its own devices): rank size-1 never calls the
+        # collective, so the others' fail within the group's timeout.
+        g = dist.new_group(backend="netdam", timeout=timedelta(seconds=2))
+        if rank != size - 1:
+            t = time.monotonic()
+            try:
+                dist.all_reduce(torch.ones(100), group=g)
+                raise AssertionError("all_reduce with a missing rank succeeded")
+            except RuntimeError as e:
+                took = time.monotonic() - t
+                if "netdam" not in str(e) or took > 20:
+                    raise AssertionError(f"after {took:.1f} s: {e!r}")
+        dist.barrier(group=gloo)
+        dist.destroy_process_group(g)
+
+    def ddp():
+        for opt in ("sgd", "adam"):
+            a = ddp_train.train(steps=6, seed=3, optimizer=opt)
+            b = ddp_train.train(steps=6, seed=3, optimizer=opt, process_group=gloo)
+            diff = max(abs(x - y) for x, y in zip(a, b))
+            print(f"     ddp {opt}: netdam {a[-1]:.7f} gloo {b[-1]:.7f} max |diff| {diff:.2e}", flush=True)
+            if diff > 1e-5:
+                raise AssertionError(f"ddp {opt}: losses differ by {diff}: {a} vs {b}")
+
+    for name, fn in [("all_reduce", allreduce_all), ("all_reduce non-contiguous", allreduce_noncontiguous),
+                     ("broadcast", broadcast_all), ("reduce", reduce_all), ("all_gather", allgather_all),
+                     ("reduce_scatter", reduce_scatter_all), ("all_reduce_coalesced", coalesced),
+                     ("async work and futures", async_and_futures), ("barrier", barrier),
+                     ("all_gather_object", objects), ("errors", errors), ("timeout", timeout),
+                     ("ddp netdam vs gloo", ddp)]:
+        check.run(name, fn)
+    dist.destroy_process_group()
+    return 1 if check.failures else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+        sys.exit(worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))
+    sys.exit(launch())
