@@ -39,10 +39,10 @@ FEATURES = 64
 HIDDEN = 256
 
 
-def build_model(seed, classes):
+def build_model(seed, classes, hidden=HIDDEN):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
-                         nn.Linear(HIDDEN, classes))
+    return nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, classes))
 
 
 def batch(seed, step, rank, size, classes):
@@ -63,11 +63,11 @@ OPTIMIZERS = {
 
 
 def train(steps=20, seed=1, optimizer="sgd", batch_size=32, classes=10, lr=0.05, process_group=None,
-          log=None):
+          log=None, hidden=HIDDEN):
     """Trains with DDP over `process_group` (default: the default group);
     returns the per-step losses of this rank's batches."""
     rank = dist.get_rank(process_group)
-    model = DDP(build_model(seed, classes), process_group=process_group)
+    model = DDP(build_model(seed, classes, hidden), process_group=process_group)
     opt = OPTIMIZERS[optimizer](model.parameters(), lr)
     loss_fn = nn.CrossEntropyLoss()
     losses = []
