@@ -91,7 +91,8 @@ def free_port():
 
 def spawn(args):
     """Runs `--ranks` copies of this script as rank 0..N-1 (env:// rendezvous)."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(args.ranks))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(args.ranks),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))  # as torch.distributed.run does
     procs = [subprocess.Popen([sys.executable] + sys.argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
              for r in range(args.ranks)]
     codes = [p.wait() for p in procs]

@@ -127,7 +127,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -136,7 +136,10 @@ def main():
         return worker(args, args.worker, args.ranks)
     port = free_port()
     argv = [sys.executable, os.path.abspath(__file__)] + sys.argv[1:] + ["--port", str(port)]
-    procs = [subprocess.Popen(argv + ["--worker", str(r)]) for r in range(args.ranks)]
+    # One intra-op thread per rank, as torch.distributed.run sets it: the
+    # ranks share this host's cores with each other and with the devices.
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    procs = [subprocess.Popen(argv + ["--worker", str(r)], env=env) for r in range(args.ranks)]
     return max((p.wait() for p in procs), key=abs)
 
 

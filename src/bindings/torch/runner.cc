@@ -202,7 +202,6 @@ bool Runner::retire_done() {
 
 void Runner::run() {
   std::deque<Request> incoming;
-  auto idle = 1us;
   for (;;) {
     {
       std::unique_lock lk(mu_);
@@ -214,18 +213,24 @@ void Runner::run() {
     }
     for (auto& r : incoming) expand(std::move(r));
     incoming.clear();
-    bool moved = false;
-    while (in_flight_.size() < max_in_flight_ && issue_next()) moved = true;
-    if (!in_flight_.empty()) moved |= group_->progress();
-    moved |= retire_done();
-    if (moved) {
-      idle = 1us;
-    } else {
-      // Waiting for answers or for other ranks' stamps: back off a little,
-      // as Group::wait does, but keep an eye on the queue.
-      std::this_thread::sleep_for(idle);
-      idle = std::min(idle * 2, std::chrono::microseconds(64));
+    while (in_flight_.size() < max_in_flight_ && issue_next()) {
     }
+    if (in_flight_.empty()) continue;
+    bool queued = false;
+    {
+      std::lock_guard lk(mu_);
+      queued = !queue_.empty();
+    }
+    if (queued && in_flight_.size() < max_in_flight_) {
+      group_->progress();  // new requests may take the free slot: expand them next
+    } else {
+      // Nothing else to start: let the Group wait for the oldest collective
+      // as it does best (blocking in the socket for answers, backing off
+      // while other ranks' chains fill its stamps). A request submitted
+      // meanwhile starts when that collective is done.
+      group_->wait(in_flight_.front()->work);
+    }
+    retire_done();
   }
 }
 

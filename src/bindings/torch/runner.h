@@ -11,7 +11,9 @@
 // collective of its own: AllReduce, Reduce and Broadcast by element ranges;
 // AllGather and ReduceScatter by per-rank ranges through a staging buffer
 // (their buffers are p times the per-rank size). Up to `slots` chunks or
-// requests are in flight at once (one per Group slot).
+// requests are in flight at once (one per Group slot). While nothing else
+// can start, the thread waits in Group::wait for the oldest; a request
+// submitted meanwhile starts when that one is done.
 //
 // This file knows nothing of torch: buffers are spans of bytes.
 #pragma once
