@@ -8,8 +8,9 @@
 //   (a request's bytes: what it carries or, for READ and chains, what it
 //   brings back, whichever is more).
 // - Lost packets are retransmitted with an adaptive timeout. READ, WRITE and
-//   FILL are idempotent; atomics, REDUCE_MEM and COPY are executed exactly
-//   once by the device even when retransmitted (it remembers recent txns).
+//   FILL are idempotent; atomics, REDUCE_MEM, COPY, OPT_CONFIG and OPT_STEP
+//   are executed exactly once by the device even when retransmitted (it
+//   remembers recent txns).
 // - A packet unanswered for `timeout` since it was first sent fails its
 //   operation with Error::Code::kTimeout. A NAK fails it with kNak and the
 //   device's status. If the device restarted (its boot id changed, so its
@@ -36,6 +37,7 @@
 #include <vector>
 
 #include "netdam/error.h"
+#include "netdam/optimizer.h"
 #include "netdam/types.h"
 
 namespace netdam::transport {
@@ -77,8 +79,8 @@ enum class Sparse : uint8_t { kAuto, kNever, kAlways };
 struct Hop {
   uint32_t ip = 0;    // IPv4 of the device, host byte order
   uint16_t port = 0;
-  Opcode op = Opcode::kWrite;  // READ, WRITE, REDUCE_MEM or REDUCE_PAYLOAD
-  uint8_t flags = 0;           // kSegGen, kSegSkipStale, kSegStamp
+  Opcode op = Opcode::kWrite;  // READ, WRITE, REDUCE_MEM, REDUCE_PAYLOAD or OPT_STEP
+  uint8_t flags = 0;           // kSegGen, kSegSkipStale, kSegStamp (after WRITE or OPT_STEP)
   uint32_t rkey = 0;
   uint32_t aux = 0;            // kSegStamp: region offset of the stamp
   uint64_t addr = 0;
@@ -143,6 +145,16 @@ class Client {
   Error reduce_fetch(uint64_t addr, DType t, RedOp op, std::span<std::byte> inout,
                      uint32_t rkey = 0);
 
+  // Optimizer offload (optimizer.h, PROTOCOL.md 6.11-6.12). opt_config sets
+  // the region's optimizer config; send it again with config.step = t
+  // before each step t. opt_step applies one step to the float32 parameters
+  // at [addr, addr + grad_f32.size()) with the float32 gradient grad_f32
+  // (little-endian, a multiple of 4 bytes), split into packets of at most
+  // the payload limit, each applied exactly once. A failed multi-packet
+  // step may have updated some of its packets' parameters.
+  Error opt_config(const OptimizerConfig& config, uint32_t rkey = 0);
+  Error opt_step(uint64_t addr, std::span<const std::byte> grad_f32, uint32_t rkey = 0);
+
   // Region administration; needs the device's admin key.
   Error region_add(uint32_t admin_key, const RegionInfo& region);
   Error region_del(uint32_t admin_key, uint32_t key);
@@ -158,6 +170,8 @@ class Client {
                   Sparse sparse = Sparse::kAuto, uint32_t rkey = 0);
   Op reduce_fetch_async(uint64_t addr, DType t, RedOp op, std::span<std::byte> inout,
                         uint32_t rkey = 0);
+  Op opt_config_async(const OptimizerConfig& config, uint32_t rkey = 0);
+  Op opt_step_async(uint64_t addr, std::span<const std::byte> grad_f32, uint32_t rkey = 0);
 
   // Chains (docs/COLLECTIVES.md): sent to hops[0]; the last hop answers,
   // with `length` bytes into `answer_to` if given. A NOT_READY answer is

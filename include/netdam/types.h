@@ -46,6 +46,8 @@ enum class Opcode : uint8_t {
   kSwap = 0x22,
   kReduceMem = 0x30,      // memory = memory OP payload (not idempotent)
   kReducePayload = 0x31,  // payload = payload OP memory, returned (read-only)
+  kOptConfig = 0x33,      // set a region's optimizer (SGD, Adam, AdamW), see optimizer.h
+  kOptStep = 0x34,        // apply one optimizer step with the payload's gradient (not idempotent)
   kChain = 0x40,          // execute the segment list
   kRegionAdd = 0x50,
   kRegionDel = 0x51,
@@ -70,7 +72,7 @@ inline constexpr uint8_t kFlagsKnown = kFlagResponse | kFlagAckReq | kFlagSparse
 // Flags byte of a segment (see docs/COLLECTIVES.md).
 inline constexpr uint8_t kSegGen = 0x01;        // run only if the region is armed at the chain's generation
 inline constexpr uint8_t kSegSkipStale = 0x02;  // region armed newer: skip the op, forward anyway
-inline constexpr uint8_t kSegStamp = 0x04;      // after a WRITE, store the generation at region base + aux
+inline constexpr uint8_t kSegStamp = 0x04;      // after a WRITE or OPT_STEP, store the generation at region base + aux
 inline constexpr uint8_t kSegAwait = 0x08;      // run only once the stamp at region base + aux is the chain's generation
 inline constexpr uint8_t kSegFlagsKnown = kSegGen | kSegSkipStale | kSegStamp | kSegAwait;
 
@@ -98,8 +100,9 @@ enum class Status : uint8_t {
   kDeviceLost = 19,        // a device of the allocation restarted: its data is gone
   kUnavailable = 20,       // a device of the allocation is not answering; retry later
   kAlreadyExists = 21,     // POOL_ALLOC: the name is taken
+  kNoOptimizer = 22,       // OPT_STEP: the region has no optimizer config (OPT_CONFIG first)
 };
-inline constexpr uint8_t kStatusCount = 22;
+inline constexpr uint8_t kStatusCount = 23;
 
 enum class DType : uint8_t {
   kBytes = 0,  // raw bytes: READ/WRITE/FILL/COPY only

@@ -10,6 +10,7 @@
 #include "client/loss_recovery.h"
 #include "core/endian.h"
 #include "core/engine.h"
+#include "core/optimizer.h"
 #include "core/sparse.h"
 #include "core/wire.h"
 #include "transport/transport.h"
@@ -290,6 +291,46 @@ Op Client::reduce_fetch_async(uint64_t addr, DType t, RedOp rop, std::span<std::
     p.answer_to = inout.data() + off;
   }
   return start(std::move(op));
+}
+
+Op Client::opt_config_async(const OptimizerConfig& config, uint32_t rkey) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kOptConfig;
+  Packet& p = new_packet(op, Opcode::kOptConfig, key(rkey), 0, kOptConfigRecordSize);
+  p.owned.resize(kOptConfigRecordSize);
+  core::encode_opt_config(config, p.owned.data());
+  p.payload = p.owned;
+  return start(std::move(op));
+}
+
+Op Client::opt_step_async(uint64_t addr, std::span<const std::byte> grad_f32, uint32_t rkey) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kOptStep;
+  if (grad_f32.size() % 4) {
+    op->error = Error::invalid(fmt::format("opt_step: {} gradient bytes are not whole float32", grad_f32.size()));
+    return start(std::move(op));
+  }
+  if ((op->error = check_range(addr, grad_f32.size()))) return start(std::move(op));
+  // Element-aligned packets: each updates its own parameters (and their
+  // state, at the same offsets) once.
+  const size_t chunk = chunk_size(DType::kF32);
+  for (size_t off = 0; off < grad_f32.size(); off += chunk) {
+    const size_t n = std::min(chunk, grad_f32.size() - off);
+    Packet& p = new_packet(op, Opcode::kOptStep, key(rkey), addr + off, static_cast<uint32_t>(n));
+    p.h.dtype = DType::kF32;
+    p.payload = grad_f32.subspan(off, n);
+  }
+  return start(std::move(op));
+}
+
+Error Client::opt_config(const OptimizerConfig& config, uint32_t rkey) {
+  Op op = opt_config_async(config, rkey);
+  return wait(op);
+}
+
+Error Client::opt_step(uint64_t addr, std::span<const std::byte> grad_f32, uint32_t rkey) {
+  Op op = opt_step_async(addr, grad_f32, rkey);
+  return wait(op);
 }
 
 Op Client::chain_async(std::span<const Hop> hops, uint32_t generation, DType t, RedOp rop,

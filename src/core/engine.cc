@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "core/endian.h"
+#include "core/optimizer.h"
 #include "core/reduce.h"
 #include "core/sparse.h"
 
@@ -25,6 +26,10 @@ bool is_mutation(Opcode op) {
     case Opcode::kCompareSwap:
     case Opcode::kSwap:
     case Opcode::kReduceMem:
+    case Opcode::kOptStep:
+    // OPT_CONFIG only sets values, but a late duplicate must never roll
+    // back a newer config (its step t), as for ARM.
+    case Opcode::kOptConfig:
     case Opcode::kRegionAdd:
     case Opcode::kRegionDel:
     case Opcode::kArm: return true;  // a late duplicate must never roll back a newer ARM
@@ -34,11 +39,14 @@ bool is_mutation(Opcode op) {
 
 bool allowed_in_chain(Opcode op) {
   return op == Opcode::kRead || op == Opcode::kWrite || op == Opcode::kReduceMem ||
-         op == Opcode::kReducePayload;
+         op == Opcode::kReducePayload || op == Opcode::kOptStep;
 }
 
+bool takes_stamp(Opcode op) { return op == Opcode::kWrite || op == Opcode::kOptStep; }
+
 bool takes_sparse(Opcode op) {
-  return op == Opcode::kWrite || op == Opcode::kReduceMem || op == Opcode::kReducePayload;
+  return op == Opcode::kWrite || op == Opcode::kReduceMem || op == Opcode::kReducePayload ||
+         op == Opcode::kOptStep;
 }
 
 Status check_reduce_types(const Header& h, uint64_t addr) {
@@ -249,7 +257,7 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
     Segment n;
     if (!last) n = segment(i + 1);
     if (!allowed_in_chain(s.opcode) || (s.flags & ~kSegFlagsKnown) ||
-        ((s.flags & kSegStamp) && s.opcode != Opcode::kWrite) ||
+        ((s.flags & kSegStamp) && !takes_stamp(s.opcode)) ||
         ((s.flags & kSegStamp) && (s.flags & kSegAwait)) ||  // one aux, one stamp
         (!last && (n.ip == 0 || n.port == 0)))
       return answer(h, reply_to, Status::kBadSegment, {}, out);
@@ -539,6 +547,8 @@ Outcome Engine::run_mutation(const Request& q, std::span<std::byte> out) {
                      operand.size() / dtype_size(q.h.dtype));
       return {Status::kOk};
     }
+    case Opcode::kOptConfig: return {opt_config(q)};
+    case Opcode::kOptStep: return {opt_step(q, out)};
     case Opcode::kCopy: {
       if (q.payload.size() != 16) return {Status::kBadLength};
       const uint64_t src = load_be<uint64_t>(q.payload.data());
@@ -574,6 +584,52 @@ Outcome Engine::run_mutation(const Request& q, std::span<std::byte> out) {
     }
     default: return {Status::kBadOpcode};
   }
+}
+
+// OPT_CONFIG: checks in the order PROTOCOL.md 6.11 lists them.
+Status Engine::opt_config(const Request& q) {
+  if (q.h.length != kOptConfigRecordSize || q.payload.size() != kOptConfigRecordSize)
+    return Status::kBadLength;
+  if (q.addr != 0) return Status::kOutOfBounds;
+  OptimizerConfig c;
+  if (!decode_opt_config(q.payload, c)) return Status::kBadPayload;
+  return device_.regions().set_optimizer(q.rkey, c);
+}
+
+// OPT_STEP: checks in the order PROTOCOL.md 6.12 lists them. In a chain the
+// header's redop belongs to the reducing segments and is not checked here.
+Status Engine::opt_step(const Request& q, std::span<std::byte> out) {
+  if (q.h.dtype != DType::kF32) return Status::kBadType;
+  if (!q.in_chain && q.h.redop != RedOp::kNone) return Status::kBadRedop;
+  if (q.h.length % 4) return Status::kBadLength;
+  if (q.addr % 4) return Status::kMisaligned;
+  std::span<const std::byte> grad;
+  if (Status s = decode_operand(q, out.subspan(kHeaderSize), grad); s != Status::kOk) return s;
+  auto& regions = device_.regions();
+  const std::optional<Region> region = regions.find(q.rkey);
+  if (!region) return Status::kBadKey;
+  if (!region->optimizer) return Status::kNoOptimizer;
+  const OptimizerConfig& c = *region->optimizer;
+  const uint64_t len = grad.size();
+  auto check = [&](uint64_t offset) {
+    if (offset > UINT64_MAX - q.addr) return Status::kOutOfBounds;
+    return regions.check(q.rkey, q.addr + offset, len, kPermRead | kPermWrite);
+  };
+  if (Status s = check(0); s != Status::kOk) return s;
+  if (c.uses_state1())
+    if (Status s = check(c.state1_offset); s != Status::kOk) return s;
+  if (c.uses_state2())
+    if (Status s = check(c.state2_offset); s != Status::kOk) return s;
+  auto mem = device_.memory();
+  auto at = [&](bool used, uint64_t offset) {
+    return used ? mem.subspan(q.addr + offset, len) : std::span<std::byte>{};
+  };
+  // Concurrent steps on the same parameters serialise on the parameters'
+  // stripes; their state belongs to the same parameters.
+  Device::StripeLock lock(device_, q.addr, len);
+  optimizer_step(c, grad, mem.subspan(q.addr, len), at(c.uses_state1(), c.state1_offset),
+                 at(c.uses_state2(), c.state2_offset));
+  return Status::kOk;
 }
 
 Engine::Result Engine::ping(std::span<std::byte> out) {

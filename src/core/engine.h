@@ -168,6 +168,8 @@ class Engine {
   Result execute(const Request& q, std::span<std::byte> out);
   Result execute_once(const Request& q, std::span<std::byte> out);
   Outcome run_mutation(const Request& q, std::span<std::byte> out);
+  Status opt_config(const Request& q);
+  Status opt_step(const Request& q, std::span<std::byte> out);
   Result read_like(const Request& q, std::span<std::byte> out);
   Result ping(std::span<std::byte> out);
   Result stats_page(const Request& q, std::span<std::byte> out);

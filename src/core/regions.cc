@@ -49,6 +49,15 @@ Status RegionTable::arm(uint32_t key, uint32_t generation, uint32_t* previous) {
   return Status::kOk;
 }
 
+Status RegionTable::set_optimizer(uint32_t key, const OptimizerConfig& c) {
+  std::unique_lock lock(mu_);
+  auto it = by_key_.find(key);
+  if (it == by_key_.end()) return Status::kBadKey;
+  if (!(it->second.perms & kPermWrite)) return Status::kNotPermitted;
+  it->second.optimizer = c;
+  return Status::kOk;
+}
+
 std::vector<Region> RegionTable::list(size_t index, size_t max) const {
   std::vector<Region> all;
   {

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "netdam/optimizer.h"
 #include "netdam/types.h"
 
 namespace netdam::core {
@@ -26,6 +27,7 @@ struct Region {
   uint32_t key = 0;
   uint32_t perms = kPermAll;
   uint32_t generation = 0;  // armed generation (ARM), for generation-checked chain hops
+  std::optional<OptimizerConfig> optimizer = std::nullopt;  // set by OPT_CONFIG, dropped with the region
 };
 
 class RegionTable {
@@ -46,6 +48,10 @@ class RegionTable {
   // Sets the armed generation; `previous` receives the old one. kBadKey,
   // or kNotPermitted without write permission.
   Status arm(uint32_t key, uint32_t generation, uint32_t* previous);
+
+  // Sets the region's optimizer config (OPT_CONFIG). kBadKey, or
+  // kNotPermitted without write permission.
+  Status set_optimizer(uint32_t key, const OptimizerConfig& c);
 
   // Regions sorted by key, starting at the index-th; at most `max` of them.
   std::vector<Region> list(size_t index, size_t max) const;

@@ -18,6 +18,8 @@ std::string_view to_string(Opcode op) {
     case Opcode::kSwap: return "SWAP";
     case Opcode::kReduceMem: return "REDUCE_MEM";
     case Opcode::kReducePayload: return "REDUCE_PAYLOAD";
+    case Opcode::kOptConfig: return "OPT_CONFIG";
+    case Opcode::kOptStep: return "OPT_STEP";
     case Opcode::kChain: return "CHAIN";
     case Opcode::kRegionAdd: return "REGION_ADD";
     case Opcode::kRegionDel: return "REGION_DEL";
@@ -58,6 +60,7 @@ std::string_view to_string(Status s) {
     case Status::kDeviceLost: return "DEVICE_LOST";
     case Status::kUnavailable: return "UNAVAILABLE";
     case Status::kAlreadyExists: return "ALREADY_EXISTS";
+    case Status::kNoOptimizer: return "NO_OPTIMIZER";
   }
   return "UNKNOWN_STATUS";
 }

@@ -78,6 +78,7 @@ std::string_view explain(Status s, std::string_view op) {
       if (op == "pool alloc") return "too few pool devices are answering; retry later (see pool stat)";
       return "a device holding the allocation is not answering; retry later";
     case Status::kAlreadyExists: return "an allocation of that name exists";
+    case Status::kNoOptimizer: return "the region has no optimizer config (send OPT_CONFIG first)";
   }
   return "unknown status";
 }
