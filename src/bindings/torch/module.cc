@@ -2,11 +2,18 @@
 // rendezvous (which device each rank has) is done in Python through the
 // torch Store (python/netdam/distributed.py); this module only creates the
 // process group from its result, and starts a rank's own netdamd.
-#include <torch/csrc/utils/pybind.h>
+//
+// It includes pybind11 itself, not torch/csrc/utils/pybind.h (whose tensor
+// casters this module does not need; it would double the compile time), and
+// declares c10::intrusive_ptr a holder exactly as that header does.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <chrono>
 
 #include "bindings/torch/process_group_netdam.h"
+
+PYBIND11_DECLARE_HOLDER_TYPE(T, c10::intrusive_ptr<T>, true);
 
 namespace py = pybind11;
 using netdam::torch_backend::LocalDevice;
