@@ -336,5 +336,455 @@ TEST(OptimizerStep, AgreesWithTorchValues) {
   }
 }
 
+// ---------------------------------------------------------------- engine
+
+constexpr uint32_t kKeyRW = 7;     // [0, 32 KiB) read/write
+constexpr uint32_t kKeyRO = 9;     // [32 KiB, 48 KiB) read-only
+constexpr uint32_t kAdmin = 0xAD;
+constexpr uint64_t kRwSize = 32 << 10;
+constexpr Address kClient{0x0A000001, 5000};
+constexpr Address kDev[3] = {{0x0A000010, 7000}, {0x0A000011, 7000}, {0x0A000012, 7000}};
+
+struct Answer {
+  Action::Kind kind = Action::Kind::kNone;
+  Header h;
+  Bytes wire;
+  Status status() const { return h.status; }
+};
+
+struct Dev {
+  Dev() : mem(64 << 10) {
+    for (size_t i = 0; i < mem.size(); ++i) mem[i] = static_cast<std::byte>(i * 7 + 3);
+    DeviceConfig c;
+    c.boot_id = 0xB0071;
+    c.admin_key = kAdmin;
+    dev = std::make_unique<Device>(mem, c);
+    eng = std::make_unique<Engine>(*dev);
+    out.resize(Engine::out_buffer_size(dev->config()));
+    EXPECT_EQ(dev->regions().add(Region{0, kRwSize, kKeyRW, kPermAll}), Status::kOk);
+    EXPECT_EQ(dev->regions().add(Region{kRwSize, 16 << 10, kKeyRO, kPermRead}), Status::kOk);
+  }
+  ~Dev() { eng.reset(); }
+  Answer Send(Address from, Bytes d) {
+    Action a = eng->handle(from, d, out);
+    Answer r;
+    r.kind = a.kind;
+    r.wire.assign(a.head.begin(), a.head.end());
+    r.wire.insert(r.wire.end(), a.data.begin(), a.data.end());
+    if (r.wire.size() >= kHeaderSize) r.h = decode_header(r.wire.data());
+    return r;
+  }
+  uint64_t Stat(const std::string& name) const {
+    for (auto& [k, v] : dev->stats())
+      if (k == name) return v;
+    return 0;
+  }
+  std::vector<float> At(uint64_t addr, size_t n) const { return Floats(std::span(mem).subspan(addr, 4 * n)); }
+  void Put(uint64_t addr, const std::vector<float>& v) {
+    Bytes b = F32s(v);
+    std::copy(b.begin(), b.end(), mem.begin() + static_cast<ptrdiff_t>(addr));
+  }
+
+  Bytes mem;
+  std::unique_ptr<Device> dev;
+  std::unique_ptr<Engine> eng;
+  Bytes out;
+};
+
+Bytes Datagram(const Header& h, const Bytes& payload) {
+  Bytes d(kHeaderSize + payload.size());
+  encode_header(h, d.data());
+  std::copy(payload.begin(), payload.end(), d.begin() + kHeaderSize);
+  return d;
+}
+
+class OptEngine : public ::testing::Test {
+ protected:
+  Bytes Record(const OptimizerConfig& c) {
+    Bytes r(kOptConfigRecordSize);
+    encode_opt_config(c, r.data());
+    return r;
+  }
+  Header ConfigHeader(uint32_t rkey = kKeyRW) {
+    Header h;
+    h.opcode = Opcode::kOptConfig;
+    h.rkey = rkey;
+    h.txn = ++txn_;
+    h.length = kOptConfigRecordSize;
+    return h;
+  }
+  Status Config(const OptimizerConfig& c, uint32_t rkey = kKeyRW) {
+    return d_.Send(kClient, Datagram(ConfigHeader(rkey), Record(c))).status();
+  }
+  Header StepHeader(uint64_t addr, uint32_t length, uint32_t rkey = kKeyRW) {
+    Header h;
+    h.opcode = Opcode::kOptStep;
+    h.rkey = rkey;
+    h.txn = ++txn_;
+    h.addr = addr;
+    h.length = length;
+    h.dtype = DType::kF32;
+    return h;
+  }
+  Status Step(uint64_t addr, const std::vector<float>& g, uint32_t rkey = kKeyRW) {
+    return d_.Send(kClient, Datagram(StepHeader(addr, static_cast<uint32_t>(4 * g.size()), rkey), F32s(g)))
+        .status();
+  }
+
+  Dev d_;
+  uint64_t txn_ = 100;
+};
+
+TEST_F(OptEngine, ConfigErrors) {
+  const Bytes good = Record(Adam(1));
+  auto send = [&](Header h, const Bytes& payload) { return d_.Send(kClient, Datagram(h, payload)).status(); };
+  Header h = ConfigHeader();
+  h.length = 79;
+  EXPECT_EQ(send(h, Bytes(good.begin(), good.end() - 1)), Status::kBadLength);
+  EXPECT_EQ(send(ConfigHeader(), Bytes(good.begin(), good.end() - 1)), Status::kBadLength);
+  h = ConfigHeader();
+  h.addr = 4;
+  EXPECT_EQ(send(h, good), Status::kOutOfBounds);
+  for (auto [off, value] : {std::pair<size_t, uint8_t>{0, 0}, {0, 4}, {1, 2}, {1, 1}, {3, 1}, {15, 0}}) {
+    Bytes bad = good;
+    bad[off] = static_cast<std::byte>(value);
+    EXPECT_EQ(send(ConfigHeader(), bad), Status::kBadPayload) << off << " " << int(value);
+  }
+  EXPECT_EQ(send(ConfigHeader(99), good), Status::kBadKey);
+  EXPECT_EQ(send(ConfigHeader(kKeyRO), good), Status::kNotPermitted);
+  h = ConfigHeader();
+  h.flags = kFlagSparse;
+  EXPECT_EQ(send(h, good), Status::kBadFlags);
+  EXPECT_EQ(send(ConfigHeader(), good), Status::kOk);
+  EXPECT_EQ(d_.Stat("op.OPT_CONFIG"), 13u);
+}
+
+TEST_F(OptEngine, StepErrorsWriteNothing) {
+  const Bytes snap = d_.mem;
+  EXPECT_EQ(Step(0x100, {1, 2}), Status::kNoOptimizer);
+  EXPECT_EQ(d_.Stat("nak.NO_OPTIMIZER"), 1u);
+  ASSERT_EQ(Config(Adam(1)), Status::kOk);  // state at +0x1000, +0x2000
+  const Bytes grad = F32s({1, 2});
+  auto send = [&](Header h, const Bytes& payload = {}) {
+    return d_.Send(kClient, Datagram(h, payload.empty() ? grad : payload)).status();
+  };
+  Header h = StepHeader(0x100, 8);
+  h.dtype = DType::kF64;
+  EXPECT_EQ(send(h), Status::kBadType);
+  h = StepHeader(0x100, 8);
+  h.redop = RedOp::kSum;
+  EXPECT_EQ(send(h), Status::kBadRedop);
+  EXPECT_EQ(send(StepHeader(0x100, 6), Bytes(grad.begin(), grad.begin() + 6)), Status::kBadLength);
+  EXPECT_EQ(send(StepHeader(0x100, 12)), Status::kBadLength);  // payload != length
+  EXPECT_EQ(send(StepHeader(0x102, 8)), Status::kMisaligned);
+  EXPECT_EQ(send(StepHeader(0x100, 8, 99)), Status::kBadKey);
+  EXPECT_EQ(send(StepHeader(kRwSize - 4, 8)), Status::kOutOfBounds);  // parameters
+  // Parameters inside, exp_avg_sq (+0x2000) past the region's end.
+  EXPECT_EQ(send(StepHeader(kRwSize - 0x2000, 8)), Status::kOutOfBounds);
+  // Offsets that wrap around 2^64.
+  OptimizerConfig wrap = Adam(1);
+  wrap.state2_offset = ~uint64_t{0} - 0x40;
+  ASSERT_EQ(Config(wrap), Status::kOk);
+  EXPECT_EQ(send(StepHeader(0x100, 8)), Status::kOutOfBounds);
+  // Malformed sparse gradient.
+  h = StepHeader(0x100, 8);
+  h.flags = kFlagSparse;
+  EXPECT_EQ(send(h, Bytes(5)), Status::kBadPayload);
+  // The read-only region may hold no config at all.
+  EXPECT_EQ(Step(kRwSize, {1}, kKeyRO), Status::kNoOptimizer);
+  EXPECT_TRUE(d_.mem == snap);
+}
+
+TEST_F(OptEngine, StateNeedsReadWriteAccess) {
+  // SGD with momentum: state1 in the read-only region -> out of the key's region.
+  OptimizerConfig c;
+  c.momentum = 0.9;
+  c.state1_offset = kRwSize;
+  ASSERT_EQ(Config(c), Status::kOk);
+  EXPECT_EQ(Step(0x100, {1}), Status::kOutOfBounds);
+  // Without momentum SGD has no state: the offset is not checked.
+  c.momentum = 0.0;
+  ASSERT_EQ(Config(c), Status::kOk);
+  EXPECT_EQ(Step(0x100, {1}), Status::kOk);
+}
+
+TEST_F(OptEngine, StepMatchesCoreAndSparseMatchesDense) {
+  std::mt19937_64 rng(3);
+  std::vector<float> p = RandomFloats(64, rng), g = RandomFloats(64, rng);
+  for (size_t i = 0; i < g.size(); i += 3) g[i] = 0.0f;
+  for (size_t i = 0; i < g.size(); i += 2) g[i] = 0.0f;
+  const OptimizerConfig c = Adam(1, OptimizerKind::kAdamW);
+  Bytes want_p = F32s(p), want_m(256), want_v(256);
+  optimizer_step(c, F32s(g), want_p, want_m, want_v);
+  for (bool sparse : {false, true}) {
+    Dev fresh;
+    fresh.Put(0x400, p);
+    std::fill(fresh.mem.begin() + 0x1400, fresh.mem.begin() + 0x1500, std::byte{0});
+    std::fill(fresh.mem.begin() + 0x2400, fresh.mem.begin() + 0x2500, std::byte{0});
+    ASSERT_EQ(fresh.Send(kClient, Datagram(ConfigHeader(), Record(c))).status(), Status::kOk);
+    Header h = StepHeader(0x400, 256);
+    Bytes payload = F32s(g);
+    if (sparse) {
+      h.flags = kFlagSparse;
+      payload.resize(sparse_encoded_size(DType::kF32, F32s(g)));
+      sparse_encode(DType::kF32, F32s(g), payload);
+      ASSERT_LT(payload.size(), 256u);
+    }
+    ASSERT_EQ(fresh.Send(kClient, Datagram(h, payload)).status(), Status::kOk) << sparse;
+    EXPECT_EQ(fresh.At(0x400, 64), Floats(want_p)) << sparse;
+    EXPECT_EQ(fresh.At(0x1400, 64), Floats(want_m)) << sparse;
+    EXPECT_EQ(fresh.At(0x2400, 64), Floats(want_v)) << sparse;
+  }
+}
+
+TEST_F(OptEngine, DuplicateAppliesOnce) {
+  OptimizerConfig c;
+  c.lr = 1.0;
+  ASSERT_EQ(Config(c), Status::kOk);
+  d_.Put(0x100, {10.0f, 20.0f});
+  const Bytes d = Datagram(StepHeader(0x100, 8), F32s({1.0f, 2.0f}));
+  EXPECT_EQ(d_.Send(kClient, d).status(), Status::kOk);
+  EXPECT_EQ(d_.Send(kClient, d).status(), Status::kOk);  // retransmission: answered, not run
+  EXPECT_EQ(d_.At(0x100, 2), (std::vector<float>{9.0f, 18.0f}));
+  EXPECT_EQ(d_.Stat("replayed"), 1u);
+  // The same txn from another port is another requester: it runs.
+  EXPECT_EQ(d_.Send(Address{kClient.ip, 5001}, d).status(), Status::kOk);
+  EXPECT_EQ(d_.At(0x100, 2), (std::vector<float>{8.0f, 16.0f}));
+}
+
+TEST_F(OptEngine, LateConfigDuplicateDoesNotRollBack) {
+  OptimizerConfig c;
+  c.lr = 1.0;
+  const Bytes old = Datagram(ConfigHeader(), Record(c));
+  ASSERT_EQ(d_.Send(kClient, old).status(), Status::kOk);
+  c.lr = 2.0;
+  ASSERT_EQ(Config(c), Status::kOk);
+  EXPECT_EQ(d_.Send(kClient, old).status(), Status::kOk);  // a late copy of the first
+  d_.Put(0x100, {10.0f});
+  ASSERT_EQ(Step(0x100, {1.0f}), Status::kOk);
+  EXPECT_EQ(d_.At(0x100, 1), (std::vector<float>{8.0f}));  // lr 2
+}
+
+TEST_F(OptEngine, ConfigIsDroppedWithItsRegion) {
+  ASSERT_EQ(Config(OptimizerConfig{}), Status::kOk);
+  ASSERT_EQ(Step(0x100, {1.0f}), Status::kOk);
+  ASSERT_EQ(d_.dev->regions().remove(kKeyRW), Status::kOk);
+  ASSERT_EQ(d_.dev->regions().add(Region{0, kRwSize, kKeyRW, kPermAll}), Status::kOk);
+  EXPECT_EQ(Step(0x100, {1.0f}), Status::kNoOptimizer);
+}
+
+Segment Seg(Address at, Opcode op, uint64_t addr, uint8_t flags = 0, uint32_t aux = 0) {
+  Segment s;
+  s.ip = at.ip;
+  s.port = at.port;
+  s.opcode = op;
+  s.flags = flags;
+  s.rkey = kKeyRW;
+  s.aux = aux;
+  s.addr = addr;
+  return s;
+}
+
+Bytes ChainDatagram(uint64_t txn, uint32_t generation, const std::vector<Segment>& segs,
+                    const Bytes& payload, uint8_t flags = 0) {
+  Header h;
+  h.opcode = Opcode::kChain;
+  h.txn = txn;
+  h.dtype = DType::kF32;
+  h.redop = RedOp::kSum;
+  h.flags = flags;
+  h.length = static_cast<uint32_t>(payload.size());
+  h.seg_count = static_cast<uint8_t>(segs.size());
+  Bytes d(payload_offset(segs.size()) + payload.size());
+  encode_header(h, d.data());
+  SrPreamble sr;
+  sr.generation = generation;
+  encode_preamble(sr, d.data() + kHeaderSize);
+  for (size_t i = 0; i < segs.size(); ++i)
+    encode_segment(segs[i], d.data() + kHeaderSize + kSrPreambleSize + i * kSegmentSize);
+  std::copy(payload.begin(), payload.end(), d.begin() + static_cast<ptrdiff_t>(payload_offset(segs.size())));
+  return d;
+}
+
+// The gradient of three ranks summed along a chain (REDUCE_PAYLOAD at the
+// first two devices) and applied by the device holding the parameters,
+// which then stamps the generation: the offload pattern of a collective.
+TEST_F(OptEngine, ChainEndsInOptStepWithStamp) {
+  Dev d0, d1, d2;
+  std::mt19937_64 rng(9);
+  const size_t n = 32;
+  std::vector<float> g0 = RandomFloats(n, rng), g1 = RandomFloats(n, rng), g2 = RandomFloats(n, rng);
+  std::vector<float> p = RandomFloats(n, rng);
+  d0.Put(0x200, g0);
+  d1.Put(0x200, g1);
+  d2.Put(0x800, p);
+  std::fill(d2.mem.begin() + 0x1800, d2.mem.begin() + 0x1880, std::byte{0});
+  OptimizerConfig c;
+  c.momentum = 0.9;
+  c.lr = 0.1;
+  c.grad_scale = 1.0 / 3;
+  c.state1_offset = 0x1000;
+  Bytes rec(kOptConfigRecordSize);
+  encode_opt_config(c, rec.data());
+  Header ch;
+  ch.opcode = Opcode::kOptConfig;
+  ch.rkey = kKeyRW;
+  ch.txn = 1;
+  ch.length = kOptConfigRecordSize;
+  ASSERT_EQ(d2.Send(kClient, Datagram(ch, rec)).status(), Status::kOk);
+
+  const uint32_t kStampAux = 0x7000, kGen = 0x55;
+  const Bytes d = ChainDatagram(600, kGen,
+                                {Seg(kDev[0], Opcode::kReducePayload, 0x200), Seg(kDev[1], Opcode::kReducePayload, 0x200),
+                                 Seg(kDev[2], Opcode::kOptStep, 0x800, kSegStamp, kStampAux)},
+                                F32s(g2));
+  Answer a0 = d0.Send(kClient, d);
+  ASSERT_EQ(a0.kind, Action::Kind::kForward);
+  Answer a1 = d1.Send(kDev[0], a0.wire);
+  ASSERT_EQ(a1.kind, Action::Kind::kForward);
+  const Bytes last_hop = a1.wire;
+  Answer a2 = d2.Send(kDev[1], last_hop);
+  ASSERT_EQ(a2.kind, Action::Kind::kReply);
+  EXPECT_EQ(a2.status(), Status::kOk);
+  EXPECT_EQ(a2.h.length, 0u);  // an ACK
+  EXPECT_EQ(a2.h.seg_index, 2);
+
+  // What the device must have done: g = (g2 + g0) + g1, in the chain's order.
+  Bytes sum = F32s(g2);
+  reduce_reference(DType::kF32, RedOp::kSum, sum.data(), F32s(g0).data(), n);
+  reduce_reference(DType::kF32, RedOp::kSum, sum.data(), F32s(g1).data(), n);
+  Bytes want_p = F32s(p), want_buf(4 * n);
+  optimizer_step(c, sum, want_p, want_buf, {});
+  EXPECT_EQ(d2.At(0x800, n), Floats(want_p));
+  EXPECT_EQ(d2.At(0x1800, n), Floats(want_buf));
+  EXPECT_EQ(load_le<uint32_t>(d2.mem.data() + kStampAux), kGen);
+
+  // The last hop delivered twice (a duplicate on the link): applied once.
+  Answer again = d2.Send(kDev[1], last_hop);
+  EXPECT_EQ(again.status(), Status::kOk);
+  EXPECT_EQ(d2.At(0x800, n), Floats(want_p));
+  EXPECT_EQ(d2.Stat("replayed"), 1u);
+}
+
+TEST_F(OptEngine, ChainSegmentChecks) {
+  OptimizerConfig c;
+  c.lr = 1.0;
+  ASSERT_EQ(Config(c), Status::kOk);
+  d_.Put(0x100, {10.0f});
+  // STAMP outside the region: refused before the step runs.
+  Answer a = d_.Send(kClient, ChainDatagram(700, 1, {Seg(kDev[0], Opcode::kOptStep, 0x100, kSegStamp, kRwSize)},
+                                            F32s({1.0f})));
+  EXPECT_EQ(a.status(), Status::kBadSegment);
+  EXPECT_EQ(d_.At(0x100, 1), (std::vector<float>{10.0f}));
+  // dtype must be f32 in a chain too (the redop is the reducing segments').
+  Bytes bad = ChainDatagram(701, 1, {Seg(kDev[0], Opcode::kOptStep, 0x100)}, F32s({1.0f}));
+  store_be<uint8_t>(bad.data() + hdr::kDType, static_cast<uint8_t>(DType::kI32));
+  EXPECT_EQ(d_.Send(kClient, bad).status(), Status::kBadType);
+  // A sparse gradient, then the segment applies it and ACKs.
+  Bytes g = F32s({0.0f, 0.0f, 0.0f, 2.0f});
+  Bytes pairs(sparse_encoded_size(DType::kF32, g));
+  sparse_encode(DType::kF32, g, pairs);
+  Bytes sp = ChainDatagram(702, 1, {Seg(kDev[0], Opcode::kOptStep, 0x100)}, pairs, kFlagSparse);
+  store_be<uint32_t>(sp.data() + hdr::kLength, 16);
+  d_.Put(0x100, {1.0f, 2.0f, 3.0f, 4.0f});
+  EXPECT_EQ(d_.Send(kClient, sp).status(), Status::kOk);
+  EXPECT_EQ(d_.At(0x100, 4), (std::vector<float>{1.0f, 2.0f, 3.0f, 2.0f}));
+}
+
 }  // namespace
 }  // namespace netdam::core
+
+// ---------------------------------------------------------------- client
+
+namespace netdam {
+namespace {
+
+using core::Bytes;
+using transport::Endpoint;
+using namespace std::chrono_literals;
+
+const Endpoint kDeviceAddr{0x0A000001, 7000};
+const Endpoint kClientAddr{0x0A000002, 40000};
+
+struct FabricDev {
+  FabricDev(transport::Fabric& f, size_t mem_size)
+      : memory(mem_size), device(memory, core::DeviceConfig{0x77, {}}), engine(device),
+        out(core::Engine::out_buffer_size(device.config())) {
+    device.regions().add(core::Region{0, mem_size, 1, core::kPermAll});
+    f.attach_handler(kDeviceAddr, [this](transport::InMsg& m, transport::Transport& self) {
+      device::DeviceLoop::serve_one(engine, m, self, out);
+    });
+  }
+  Bytes memory;
+  core::Device device;
+  core::Engine engine;
+  Bytes out;
+};
+
+// A multi-packet step under 10% drop, duplication and reordering updates
+// every parameter exactly once: the result equals one local application.
+TEST(OptClient, MultiPacketStepUnderLossAppliesOnce) {
+  transport::FaultModel m;
+  m.drop = 0.1;
+  m.duplicate = 0.1;
+  m.reorder = 0.1;
+  m.delay_min = 1us;
+  m.delay_max = 20us;
+  m.seed = 11;
+  transport::Fabric fabric(m);
+  FabricDev dev(fabric, 1 << 20);
+  ClientOptions o;
+  o.timeout = 30s;
+  o.max_payload = 512;  // 128 floats a packet
+  auto c = Client::connect(fabric.attach(kClientAddr), kDeviceAddr, o);
+  ASSERT_TRUE(c.ok()) << c.error().to_string();
+  Client& client = *c.value();
+
+  const size_t n = 4000;  // 32 packets, the last one partial
+  std::mt19937_64 rng(21);
+  std::vector<float> p = core::RandomFloats(n, rng);
+  const uint64_t kParams = 0x10000, kS1 = 0x10000, kS2 = 0x20000;
+  Bytes want_p = core::F32s(p), want_m(4 * n), want_v(4 * n);
+  ASSERT_FALSE(client.write(kParams, want_p));
+  ASSERT_FALSE(client.fill(kParams + kS1, 4 * n, std::vector<std::byte>{std::byte{0}}));
+  ASSERT_FALSE(client.fill(kParams + kS2, 4 * n, std::vector<std::byte>{std::byte{0}}));
+  const uint64_t before = client.counters().packets_sent;
+  for (uint64_t t = 1; t <= 2; ++t) {
+    OptimizerConfig cfg = core::Adam(t, OptimizerKind::kAdamW);
+    cfg.state1_offset = kS1;
+    cfg.state2_offset = kS2;
+    ASSERT_FALSE(client.opt_config(cfg)) << t;
+    Bytes g = core::F32s(core::RandomFloats(n, rng));
+    Error e = client.opt_step(kParams, g);
+    ASSERT_FALSE(e) << e.to_string();
+    core::optimizer_step(cfg, g, want_p, want_m, want_v);
+  }
+  EXPECT_GE(client.counters().packets_sent - before, 2u * 33);
+  EXPECT_GT(client.counters().retransmits, 0u);
+  Bytes got(4 * n);
+  ASSERT_FALSE(client.read(kParams, got));
+  EXPECT_EQ(got, want_p);
+  ASSERT_FALSE(client.read(kParams + kS1, got));
+  EXPECT_EQ(got, want_m);
+  ASSERT_FALSE(client.read(kParams + kS2, got));
+  EXPECT_EQ(got, want_v);
+}
+
+TEST(OptClient, ArgumentsAndNaks) {
+  transport::Fabric fabric;
+  FabricDev dev(fabric, 1 << 16);
+  auto c = Client::connect(fabric.attach(kClientAddr), kDeviceAddr);
+  ASSERT_TRUE(c.ok());
+  Client& client = *c.value();
+  Bytes three(3);
+  EXPECT_EQ(client.opt_step(0, three).code(), Error::Code::kInvalidArgument);
+  Error e = client.opt_step(0, Bytes(8));
+  EXPECT_EQ(e.code(), Error::Code::kNak);
+  EXPECT_EQ(e.status(), Status::kNoOptimizer);
+  ASSERT_FALSE(client.opt_config(OptimizerConfig{}));
+  EXPECT_FALSE(client.opt_step(0, Bytes(8)));
+  EXPECT_FALSE(client.opt_step(0, {}));  // nothing to do
+}
+
+}  // namespace
+}  // namespace netdam
