@@ -213,6 +213,9 @@ def worker(rank, size, port):
         got = [None] * size
         dist.all_gather_object(got, {"rank": rank, "name": "r" * rank})
         assert got == [{"rank": r, "name": "r" * r} for r in range(size)], got
+        objs = [rank, "x" * (rank + 1)]
+        dist.broadcast_object_list(objs, src=2)
+        assert objs == [2, "xxx"], objs
 
     def errors():
         def raises(fn, text):
@@ -261,7 +264,7 @@ def worker(rank, size, port):
                      ("broadcast", broadcast_all), ("reduce", reduce_all), ("all_gather", allgather_all),
                      ("reduce_scatter", reduce_scatter_all), ("all_reduce_coalesced", coalesced),
                      ("async work and futures", async_and_futures), ("barrier", barrier),
-                     ("all_gather_object", objects), ("errors", errors), ("timeout", timeout),
+                     ("all_gather_object, broadcast_object_list", objects), ("errors", errors), ("timeout", timeout),
                      ("ddp netdam vs gloo", ddp)]:
         check.run(name, fn)
     dist.destroy_process_group()
