@@ -770,6 +770,31 @@ TEST(OptClient, MultiPacketStepUnderLossAppliesOnce) {
   EXPECT_EQ(got, want_v);
 }
 
+// Client::chain_async takes OPT_STEP hops: a gradient summed at the device
+// (REDUCE_PAYLOAD) and applied there, acknowledged without data.
+TEST(OptClient, ChainWithOptStepHop) {
+  transport::Fabric fabric;
+  FabricDev dev(fabric, 1 << 16);
+  auto c = Client::connect(fabric.attach(kClientAddr), kDeviceAddr);
+  ASSERT_TRUE(c.ok());
+  Client& client = *c.value();
+  OptimizerConfig cfg;
+  cfg.lr = 1.0;
+  ASSERT_FALSE(client.opt_config(cfg));
+  ASSERT_FALSE(client.write(0x100, core::F32s({10.0f, 20.0f})));  // parameters
+  ASSERT_FALSE(client.write(0x200, core::F32s({1.0f, 2.0f})));    // a partial gradient
+  const Hop hops[] = {Hop{kDeviceAddr.ip, kDeviceAddr.port, Opcode::kReducePayload, 0, 1, 0, 0x200},
+                      Hop{kDeviceAddr.ip, kDeviceAddr.port, Opcode::kOptStep, kSegStamp, 1, 0x300, 0x100}};
+  const Bytes grad = core::F32s({0.5f, 0.5f});
+  Op op = client.chain_async(hops, 9, DType::kF32, RedOp::kSum, 8, grad);
+  Error e = client.wait(op);
+  ASSERT_FALSE(e) << e.to_string();
+  Bytes got(8);
+  ASSERT_FALSE(client.read(0x100, got));
+  EXPECT_EQ(core::Floats(got), (std::vector<float>{8.5f, 17.5f}));
+  EXPECT_EQ(core::load_le<uint32_t>(dev.memory.data() + 0x300), 9u);
+}
+
 TEST(OptClient, ArgumentsAndNaks) {
   transport::Fabric fabric;
   FabricDev dev(fabric, 1 << 16);
