@@ -200,14 +200,21 @@ def worker(rank, size, port):
         expect_equal(w.get_future().wait()[0], torch.full((4,), float(size)), "late future")
 
     def barrier():
+        # Rank 0 arrives 2.5 s late: longer than a device's packet timeout
+        # (2 s by default), which must not apply to a peer that is merely late.
         dist.barrier()
         if rank == 0:
-            time.sleep(0.5)
+            time.sleep(2.5)
         t = time.monotonic()
         dist.barrier()
         waited = time.monotonic() - t
-        if rank != 0 and waited < 0.4:
+        if rank != 0 and waited < 2.0:
             raise AssertionError(f"barrier returned after {waited:.3f} s, before rank 0 arrived")
+        x = torch.ones(1000)
+        if rank == 1:
+            time.sleep(2.5)
+        dist.all_reduce(x)
+        expect_equal(x, torch.full((1000,), float(size)), "all_reduce with a late rank")
 
     def objects():
         got = [None] * size

@@ -62,6 +62,11 @@ PYBIND11_MODULE(_torch_backend, m) {
              o.group.capacity = capacity;
              o.group.slots = slots;
              o.group.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+             // Ranks may arrive far apart (one checkpoints, the others wait
+             // in a collective): a chain is answered NOT_READY and resent
+             // meanwhile, which must not count against a shorter per-packet
+             // deadline. Only the process group's timeout applies.
+             o.group.client.timeout = o.group.timeout;
              return c10::make_intrusive<ProcessGroupNetdam>(o, std::move(device));
            }),
            py::arg("rank"), py::arg("devices"), py::arg("shm") = "", py::arg("admin_key") = 0xAD,
