@@ -1,5 +1,7 @@
 #include "core/optimizer.h"
 
+#include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -21,8 +23,25 @@ constexpr uint8_t kFlagNesterov = 0x01;
 void put_f64(std::byte* p, double v) { store_be<uint64_t>(p, std::bit_cast<uint64_t>(v)); }
 double get_f64(const std::byte* p) { return std::bit_cast<double>(load_be<uint64_t>(p)); }
 
-float ld(const std::byte* p) { return std::bit_cast<float>(load_le<uint32_t>(p)); }
-void st(std::byte* p, float v) { store_le<uint32_t>(p, std::bit_cast<uint32_t>(v)); }
+// Elements are processed in blocks copied into local float arrays: the
+// arithmetic then runs on unaliased, aligned, fixed-size arrays the compiler
+// vectorises (a partial last block is padded with zeros, computed and not
+// stored). Every element still gets exactly the operations below.
+constexpr size_t kBlock = 64;
+using Block = std::array<float, kBlock>;
+
+void load(Block& dst, const std::byte* src, size_t n) {
+  if (n < kBlock) dst.fill(0.0f);
+  std::memcpy(dst.data(), src, 4 * n);
+  if constexpr (std::endian::native == std::endian::big)
+    for (float& x : dst) x = std::bit_cast<float>(bswap(std::bit_cast<uint32_t>(x)));
+}
+
+void store(std::byte* dst, Block& src, size_t n) {
+  if constexpr (std::endian::native == std::endian::big)
+    for (float& x : src) x = std::bit_cast<float>(bswap(std::bit_cast<uint32_t>(x)));
+  std::memcpy(dst, src.data(), 4 * n);
+}
 
 // Scalars as torch applies them to a float32 tensor: computed in double,
 // rounded to float32.
@@ -30,23 +49,75 @@ struct SgdScalars {
   float gs, wd, momentum, one_minus_dampening, neg_lr;
 };
 
+template <bool kWd, bool kMomentum, bool kNesterov, bool kFirst>
+void sgd(const SgdScalars k, const std::byte* grad, std::byte* param, std::byte* buf, size_t n) {
+  Block g, p, b;
+  for (size_t i = 0; i < n; i += kBlock) {
+    const size_t m = std::min(kBlock, n - i);
+    load(g, grad + 4 * i, m);
+    load(p, param + 4 * i, m);
+    if (kMomentum && !kFirst) load(b, buf + 4 * i, m);
+    for (size_t j = 0; j < kBlock; ++j) {
+      float d = g[j] * k.gs;
+      if (kWd) d = d + k.wd * p[j];
+      if (kMomentum) {
+        b[j] = kFirst ? d : b[j] * k.momentum + k.one_minus_dampening * d;
+        d = kNesterov ? d + k.momentum * b[j] : b[j];
+      }
+      p[j] = p[j] + k.neg_lr * d;
+    }
+    if (kMomentum) store(buf + 4 * i, b, m);
+    store(param + 4 * i, p, m);
+  }
+}
+
+using SgdFn = void (*)(SgdScalars, const std::byte*, std::byte*, std::byte*, size_t);
+
+template <bool kWd, bool kMomentum>
+SgdFn pick_sgd(bool nesterov, bool first) {
+  if (!kMomentum) return sgd<kWd, false, false, false>;
+  if (nesterov) return first ? sgd<kWd, true, true, true> : sgd<kWd, true, true, false>;
+  return first ? sgd<kWd, true, false, true> : sgd<kWd, true, false, false>;
+}
+
 void sgd(const OptimizerConfig& c, const std::byte* grad, std::byte* param, std::byte* buf,
          size_t n) {
   const SgdScalars k{static_cast<float>(c.grad_scale), static_cast<float>(c.weight_decay),
                      static_cast<float>(c.momentum), static_cast<float>(1.0 - c.dampening),
                      static_cast<float>(-c.lr)};
   const bool wd = c.weight_decay != 0.0, momentum = c.momentum != 0.0, first = c.step == 1;
-  for (size_t i = 0; i < n; ++i) {
-    const size_t o = 4 * i;
-    const float p = ld(param + o);
-    float g = ld(grad + o) * k.gs;
-    if (wd) g = g + k.wd * p;
-    if (momentum) {
-      const float b = first ? g : ld(buf + o) * k.momentum + k.one_minus_dampening * g;
-      st(buf + o, b);
-      g = c.nesterov ? g + k.momentum * b : b;
+  SgdFn f = wd ? (momentum ? pick_sgd<true, true>(c.nesterov, first) : pick_sgd<true, false>(false, false))
+               : (momentum ? pick_sgd<false, true>(c.nesterov, first) : pick_sgd<false, false>(false, false));
+  f(k, grad, param, buf, n);
+}
+
+struct AdamScalars {
+  float gs, wd, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
+};
+
+// kDecoupled: AdamW (p = p * (1 - lr*wd)); else Adam with kWd: g = g + wd*p.
+template <bool kDecoupled, bool kWd>
+void adam(const AdamScalars k, const std::byte* grad, std::byte* param, std::byte* exp_avg,
+          std::byte* exp_avg_sq, size_t n) {
+  Block g, p, m, v;
+  for (size_t i = 0; i < n; i += kBlock) {
+    const size_t len = std::min(kBlock, n - i);
+    load(g, grad + 4 * i, len);
+    load(p, param + 4 * i, len);
+    load(m, exp_avg + 4 * i, len);
+    load(v, exp_avg_sq + 4 * i, len);
+    for (size_t j = 0; j < kBlock; ++j) {
+      float d = g[j] * k.gs;
+      if (kDecoupled) p[j] = p[j] * k.decay;
+      else if (kWd) d = d + k.wd * p[j];
+      m[j] = m[j] * k.beta1 + k.one_minus_beta1 * d;
+      v[j] = v[j] * k.beta2 + k.one_minus_beta2 * d * d;
+      const float denom = std::sqrt(v[j]) / k.bc2_sqrt + k.eps;
+      p[j] = p[j] + k.neg_step_size * m[j] / denom;
     }
-    st(param + o, p + k.neg_lr * g);
+    store(exp_avg + 4 * i, m, len);
+    store(exp_avg_sq + 4 * i, v, len);
+    store(param + 4 * i, p, len);
   }
 }
 
@@ -56,32 +127,22 @@ void adam(const OptimizerConfig& c, const std::byte* grad, std::byte* param, std
   const double bias_correction1 = 1.0 - std::pow(c.beta1, t);
   const double bias_correction2 = 1.0 - std::pow(c.beta2, t);
   const double step_size = c.lr / bias_correction1;
-  const auto gs = static_cast<float>(c.grad_scale);
-  const bool adamw = c.kind == OptimizerKind::kAdamW;
-  const bool wd = c.weight_decay != 0.0;
-  const auto wd_f = static_cast<float>(c.weight_decay);
-  const auto decay = static_cast<float>(1.0 - c.lr * c.weight_decay);  // AdamW
-  const auto beta1 = static_cast<float>(c.beta1), one_minus_beta1 = static_cast<float>(1.0 - c.beta1);
-  const auto beta2 = static_cast<float>(c.beta2), one_minus_beta2 = static_cast<float>(1.0 - c.beta2);
-  const auto bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
-  const auto eps = static_cast<float>(c.eps);
-  const auto neg_step_size = static_cast<float>(-step_size);
-  for (size_t i = 0; i < n; ++i) {
-    const size_t o = 4 * i;
-    float p = ld(param + o);
-    float g = ld(grad + o) * gs;
-    if (adamw) {
-      p = p * decay;
-    } else if (wd) {
-      g = g + wd_f * p;
-    }
-    const float m = ld(exp_avg + o) * beta1 + one_minus_beta1 * g;
-    const float v = ld(exp_avg_sq + o) * beta2 + one_minus_beta2 * g * g;
-    const float denom = std::sqrt(v) / bc2_sqrt + eps;
-    st(exp_avg + o, m);
-    st(exp_avg_sq + o, v);
-    st(param + o, p + neg_step_size * m / denom);
-  }
+  const AdamScalars k{static_cast<float>(c.grad_scale),
+                      static_cast<float>(c.weight_decay),
+                      static_cast<float>(1.0 - c.lr * c.weight_decay),
+                      static_cast<float>(c.beta1),
+                      static_cast<float>(1.0 - c.beta1),
+                      static_cast<float>(c.beta2),
+                      static_cast<float>(1.0 - c.beta2),
+                      static_cast<float>(std::sqrt(bias_correction2)),
+                      static_cast<float>(c.eps),
+                      static_cast<float>(-step_size)};
+  if (c.kind == OptimizerKind::kAdamW)
+    adam<true, false>(k, grad, param, exp_avg, exp_avg_sq, n);
+  else if (c.weight_decay != 0.0)
+    adam<false, true>(k, grad, param, exp_avg, exp_avg_sq, n);
+  else
+    adam<false, false>(k, grad, param, exp_avg, exp_avg_sq, n);
 }
 
 }  // namespace

@@ -41,7 +41,7 @@ bool decode_opt_config(std::span<const std::byte> in, OptimizerConfig& out);
 // One optimizer step. grad, param, state1 and state2 hold n little-endian
 // float32 each (raw bytes, any alignment); state1 (momentum buffer /
 // exp_avg) may be empty when !c.uses_state1(), state2 (exp_avg_sq) when
-// !c.uses_state2(). Every element reads all its inputs before writing, so
+// !c.uses_state2(). Blocks of elements are read before they are written, so
 // overlapping buffers are memory-safe (their values are then unspecified).
 // Precondition: the used spans are grad.size() bytes, a multiple of 4.
 void optimizer_step(const OptimizerConfig& c, std::span<const std::byte> grad,
