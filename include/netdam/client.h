@@ -151,7 +151,9 @@ class Client {
   // at [addr, addr + grad_f32.size()) with the float32 gradient grad_f32
   // (little-endian, a multiple of 4 bytes), split into packets of at most
   // the payload limit, each applied exactly once. A failed multi-packet
-  // step may have updated some of its packets' parameters.
+  // step may have updated some of its packets' parameters. A packet uses the
+  // config the region holds when it runs: with the async calls, wait for a
+  // step's Op before sending the next step's config.
   Error opt_config(const OptimizerConfig& config, uint32_t rkey = 0);
   Error opt_step(uint64_t addr, std::span<const std::byte> grad_f32, uint32_t rkey = 0);
 
