@@ -30,3 +30,7 @@ __all__ = [
     "DTYPES", "REDUCTIONS", "errors",
 ]
 __version__ = "0.1.0"
+
+for _cls in (Client, Group, Pool, Allocation):
+    _cls.__module__ = __name__  # netdam.Client, not netdam._netdam.Client
+del _cls

@@ -232,14 +232,17 @@ Every blocking call releases the GIL. A Client may be shared by threads
     assert c.read(0, 5) == b"hello"
 )doc")
       .def(py::init<const std::string&, uint32_t, double, size_t, bool>(), arg("device"), arg("rkey") = 1,
-           arg("timeout") = 2.0, arg("max_payload") = 0, arg("detect_restart") = true)
+           arg("timeout") = 2.0, arg("max_payload") = 0, arg("detect_restart") = true,
+           "__init__(device: str, rkey: int = 1, timeout: float = 2.0, max_payload: int = 0,\n"
+           "         detect_restart: bool = True) -> None\n\nConnects to \"HOST:PORT\" and PINGs the device.")
       .def("close", &PyClient::close, "close() -> None\n\nCloses the socket; later calls raise ValueError.")
-      .def("__enter__", [](py::object self) { return self; })
-      .def("__exit__", [](PyClient& c, py::args) { c.close(); })
+      .def("__enter__", [](py::object self) { return self; }, "__enter__() -> Client\n\nReturns self.")
+      .def("__exit__", [](PyClient& c, py::args) { c.close(); }, "__exit__(*exc) -> None\n\nCloses it (see close()).")
       .def("__repr__",
            [](PyClient& c) {
              return c.closed() ? std::string("<netdam.Client closed>") : "<netdam.Client " + c.device() + ">";
-           })
+           },
+           "__repr__() -> str")
       .def_property_readonly("closed", &PyClient::closed, "bool: True after close().")
       .def_property_readonly("device", &PyClient::device, "str: the device's address, 'HOST:PORT'.")
       .def_property_readonly("rkey", &PyClient::rkey, "int: the default region key.")

@@ -166,15 +166,19 @@ like.
            arg("rank"), arg("devices"), py::kw_only(), arg("admin_key") = 0, arg("capacity") = 64ull << 20,
            arg("base") = 0, arg("slots") = 2, arg("key_base") = 0x4E440100u, arg("timeout") = 5.0,
            arg("algorithm") = "auto", arg("shm") = "", arg("multicast") = "", arg("sparse") = false,
-           arg("torus_dims") = std::vector<int>{}, arg("client_timeout") = 2.0)
+           arg("torus_dims") = std::vector<int>{}, arg("client_timeout") = 2.0,
+           "__init__(rank: int, devices: list[str], *, ...) -> None\n\n"
+           "Connects to devices[rank], registers the slots (if admin_key) and waits until every device has\n"
+           "them; see the class docstring for the options.")
       .def("close", &PyGroup::close, "close() -> None\n\nReleases the group; later calls raise ValueError.")
-      .def("__enter__", [](py::object self) { return self; })
-      .def("__exit__", [](PyGroup& g, py::args) { g.close(); })
+      .def("__enter__", [](py::object self) { return self; }, "__enter__() -> Group\n\nReturns self.")
+      .def("__exit__", [](PyGroup& g, py::args) { g.close(); }, "__exit__(*exc) -> None\n\nCloses it (see close()).")
       .def("__repr__",
            [](PyGroup& g) {
              if (g.closed()) return std::string("<netdam.Group closed>");
              return "<netdam.Group rank " + std::to_string(g.rank()) + " of " + std::to_string(g.size()) + ">";
-           })
+           },
+           "__repr__() -> str")
       .def_property_readonly("rank", &PyGroup::rank, "int: this rank.")
       .def_property_readonly("size", &PyGroup::size, "int: the number of ranks.")
       .def_property_readonly("block_bytes", &PyGroup::block_bytes, "int: largest payload of one chain packet.")

@@ -5,6 +5,9 @@
 PYBIND11_MODULE(_netdam, m) {
   using namespace netdam::python;
   m.doc() = "netdam C++ bindings; use the `netdam` package.";
+  // The docstrings carry hand-written signatures with Python types.
+  py::options options;
+  options.disable_function_signatures();
   init_errors();
   bind_client(m);
   bind_group(m);

@@ -195,7 +195,7 @@ size, key (its access key), stripe, policy ('interleaved', 'single',
                std::to_string(a.size) + ", key=" + std::to_string(a.key) + ", stripe=" + std::to_string(a.stripe) +
                ", policy='" + policy_name(a.policy) + "', copies=" + std::to_string(a.copies) +
                ", devices=" + std::to_string(a.devices) + ", state='" + a.state + "')";
-      });
+      }, "__repr__() -> str");
 
   py::class_<PyPool>(m, "Pool", R"doc(
 Pool(proxy: str, admin_key: int = 0, timeout: float = 2.0)
@@ -217,11 +217,15 @@ table once and talks to the devices itself); both give the same bytes.
     x = pool.get(a.base, 1024, a.key, path="direct")
 )doc")
       .def(py::init<const std::string&, uint32_t, double>(), arg("proxy"), arg("admin_key") = 0,
-           arg("timeout") = 2.0)
+           arg("timeout") = 2.0,
+           "__init__(proxy: str, admin_key: int = 0, timeout: float = 2.0) -> None\n\n"
+           "Connects to the proxy \"HOST:PORT\" and PINGs it.")
       .def("close", &PyPool::close, "close() -> None\n\nCloses the pool's sockets; later calls raise ValueError.")
-      .def("__enter__", [](py::object self) { return self; })
-      .def("__exit__", [](PyPool& p, py::args) { p.close(); })
+      .def("__enter__", [](py::object self) { return self; }, "__enter__() -> Pool\n\nReturns self.")
+      .def("__exit__", [](PyPool& p, py::args) { p.close(); }, "__exit__(*exc) -> None\n\nCloses it (see close()).")
       .def_property_readonly("closed", &PyPool::closed, "bool: True after close().")
+      .def("__repr__", [](PyPool& p) { return std::string(p.closed() ? "<netdam.Pool closed>" : "<netdam.Pool>"); },
+           "__repr__() -> str")
       .def("alloc", &PyPool::alloc, arg("name"), arg("size"), py::kw_only(), arg("stripe") = 0,
            arg("policy") = "interleaved", arg("devices") = 0, arg("first_device") = -1,
            "alloc(name: str, size: int, *, stripe: int = 0, policy: str = 'interleaved', devices: int = 0,\n"
