@@ -41,6 +41,10 @@ struct ClusterSpec {
   bool sparse = false;
   std::string multicast{};
   int partials = 0;  // partial buffers per slot (collectives::SlotLayout)
+  // Device memory after the slots (e.g. an offloaded optimizer's region),
+  // and the devices' admin key (0: none; the Group then registers nothing).
+  size_t extra_memory = 0;
+  uint32_t admin_key = 0;
   // Called for each device once its regions are registered, before any
   // Group exists (e.g. to join it to a fabric multicast group).
   std::function<void(transport::Fabric&, int rank)> on_device{};
@@ -59,10 +63,13 @@ struct CollectivesCluster {
     o.key_base = kKeyBase;
     o.timeout = spec.timeout;
     o.client.timeout = spec.timeout;
+    o.admin_key = spec.admin_key;
     for (int r = 0; r < p; ++r) o.devices.push_back(device_addr(r).to_string());
     const uint64_t slot = collectives::SlotLayout::bytes(spec.capacity, block_bytes(p), p, spec.partials);
     for (int r = 0; r < p; ++r) {
-      devices.push_back(std::make_unique<FabricDevice>(fabric, device_addr(r), 100 + r, slot * spec.slots));
+      devices.push_back(std::make_unique<FabricDevice>(
+          fabric, device_addr(r), 100 + r, slot * spec.slots + spec.extra_memory,
+          spec.admin_key ? std::optional<uint32_t>(spec.admin_key) : std::nullopt));
       for (int s = 0; s < spec.slots; ++s)
         devices.back()->device.regions().add(
             core::Region{slot * s, slot, kKeyBase + static_cast<uint32_t>(s), core::kPermAll});

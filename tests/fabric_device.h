@@ -1,6 +1,7 @@
 // A device living on the in-process fabric: its memory, engine and handler.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "core/engine.h"
@@ -10,16 +11,18 @@
 namespace netdam::testing {
 
 struct FabricDevice {
-  FabricDevice(transport::Fabric& f, transport::Endpoint addr, uint32_t boot_id, size_t mem)
-      : memory(mem), device(memory, config(boot_id)), engine(device),
+  FabricDevice(transport::Fabric& f, transport::Endpoint addr, uint32_t boot_id, size_t mem,
+               std::optional<uint32_t> admin_key = std::nullopt)
+      : memory(mem), device(memory, config(boot_id, admin_key)), engine(device),
         out(core::Engine::out_buffer_size(device.config())) {
     f.attach_handler(addr, [this](transport::InMsg& m, transport::Transport& self) {
       device::DeviceLoop::serve_one(engine, m, self, out);
     });
   }
-  static core::DeviceConfig config(uint32_t boot_id) {
+  static core::DeviceConfig config(uint32_t boot_id, std::optional<uint32_t> admin_key) {
     core::DeviceConfig c;
     c.boot_id = boot_id;
+    c.admin_key = admin_key;
     return c;
   }
   std::vector<std::byte> memory;

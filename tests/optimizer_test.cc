@@ -646,7 +646,6 @@ TEST_F(OptEngine, ChainEndsInOptStepWithStamp) {
   Answer a2 = d2.Send(kDev[1], last_hop);
   ASSERT_EQ(a2.kind, Action::Kind::kReply);
   EXPECT_EQ(a2.status(), Status::kOk);
-  EXPECT_EQ(a2.h.length, 0u);  // an ACK
   EXPECT_EQ(a2.h.seg_index, 2);
 
   // What the device must have done: g = (g2 + g0) + g1, in the chain's order.
@@ -658,11 +657,16 @@ TEST_F(OptEngine, ChainEndsInOptStepWithStamp) {
   EXPECT_EQ(d2.At(0x800, n), Floats(want_p));
   EXPECT_EQ(d2.At(0x1800, n), Floats(want_buf));
   EXPECT_EQ(load_le<uint32_t>(d2.mem.data() + kStampAux), kGen);
+  // The chain's answer carries the updated parameters (PROTOCOL 10.2).
+  ASSERT_EQ(a2.h.length, 4 * n);
+  EXPECT_EQ(Bytes(a2.wire.begin() + kHeaderSize, a2.wire.end()), want_p);
 
-  // The last hop delivered twice (a duplicate on the link): applied once.
+  // The last hop delivered twice (a duplicate on the link): applied once,
+  // answered with the same parameters.
   Answer again = d2.Send(kDev[1], last_hop);
   EXPECT_EQ(again.status(), Status::kOk);
   EXPECT_EQ(d2.At(0x800, n), Floats(want_p));
+  EXPECT_EQ(Bytes(again.wire.begin() + kHeaderSize, again.wire.end()), want_p);
   EXPECT_EQ(d2.Stat("replayed"), 1u);
 }
 
@@ -680,7 +684,8 @@ TEST_F(OptEngine, ChainSegmentChecks) {
   Bytes bad = ChainDatagram(701, 1, {Seg(kDev[0], Opcode::kOptStep, 0x100)}, F32s({1.0f}));
   store_be<uint8_t>(bad.data() + hdr::kDType, static_cast<uint8_t>(DType::kI32));
   EXPECT_EQ(d_.Send(kClient, bad).status(), Status::kBadType);
-  // A sparse gradient, then the segment applies it and ACKs.
+  // A sparse gradient, then the segment applies it and answers with the
+  // parameters.
   Bytes g = F32s({0.0f, 0.0f, 0.0f, 2.0f});
   Bytes pairs(sparse_encoded_size(DType::kF32, g));
   sparse_encode(DType::kF32, g, pairs);

@@ -29,6 +29,7 @@
 
 #include "netdam/client.h"
 #include "netdam/error.h"
+#include "netdam/optimizer.h"
 #include "netdam/types.h"
 
 namespace netdam {
@@ -74,6 +75,15 @@ struct GroupOptions {
   // that multicast through it reaches every device, and uses chains if not.
   std::string multicast;
   ClientOptions client;
+};
+
+// Optimizer offload (docs/COLLECTIVES.md, section 10): the devices keep a
+// float32 weight vector and its optimizer state, each device a share, and
+// apply the reduced gradient themselves.
+struct OffloadOptions {
+  uint64_t count = 0;  // float32 elements of the (flattened) weights
+  uint64_t base = 0;   // device address of the region on every device; 0: after the slots
+  uint32_t key = 0;    // its region key; 0: key_base + 0x80
 };
 
 namespace detail {
@@ -138,6 +148,33 @@ class Group {
                int root);
   Error barrier();
 
+  // --- optimizer offload --------------------------------------------------
+  // Registers this rank's share of an offloaded weight vector on its device
+  // (needs GroupOptions::admin_key), stores its share of `initial`
+  // (o.count elements; every rank passes the same values) and zeroes the
+  // optimizer state. Every rank calls it, before the first step. Chunks of
+  // the group capacity are sharded over the ranks as ReduceScatter shards a
+  // buffer. Calling it again starts over (step 1).
+  Error offload_init(const OffloadOptions& o, std::span<const float> initial);
+  // One optimizer step on the devices: the element-wise sum of every rank's
+  // `grad`, times cfg.grad_scale (1/p averages), is applied by the device
+  // that holds each weight (cfg.kind, hyper-parameters, cfg.step = t: every
+  // rank passes the same cfg; the state offsets are set here), and
+  // `weights` receives every updated weight. Each gradient reaches its
+  // optimizer exactly once, whatever the network does; the result does not
+  // depend on loss, duplication or reordering.
+  Error optimizer_step(std::span<const float> grad, std::span<float> weights, OptimizerConfig cfg);
+  // The same, asynchronous: one Work per chunk of the group capacity.
+  std::vector<Work> optimizer_step_async(std::span<const float> grad, std::span<float> weights,
+                                         OptimizerConfig cfg);
+  // The current offloaded weights (which = 0) or optimizer state 1 (SGD
+  // momentum buffer, Adam exp_avg) or 2 (Adam exp_avg_sq), read from every
+  // device. Not collective: any rank may call it when no step is running.
+  Error offload_read(std::span<float> out, int which = 0);
+  uint64_t offload_count() const { return offload_.count; }
+  // Weights per chunk: each chunk of the vector is one collective.
+  uint64_t offload_chunk() const { return offload_.chunk; }
+
   // Advances every collective in progress without blocking; true if any
   // made progress.
   bool progress();
@@ -155,6 +192,7 @@ class Group {
   Work submit(std::shared_ptr<detail::WorkState> w);
   bool step(detail::WorkState& w);
   bool start(detail::WorkState& w);
+  void configure_or_arm(detail::WorkState& w);
   bool stamps_complete(detail::WorkState& w);
   void send_phase(detail::WorkState& w);
   void start_verify(detail::WorkState& w);
@@ -174,6 +212,11 @@ class Group {
   size_t next_slot_ = 0;
   std::deque<std::shared_ptr<detail::WorkState>> active_;
   Hop multicast_;  // the group, if it reaches every device (ip 0: chains only)
+  size_t opt_block_ = 0;  // block of optimizer chains (one segment more)
+  struct {
+    uint64_t base = 0, count = 0, chunk = 0;
+    uint32_t key = 0;
+  } offload_;
   std::array<std::byte, 8> probe_token_{};
   Op probe_;
 

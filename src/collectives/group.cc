@@ -7,10 +7,12 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <random>
 #include <thread>
 
 #include "collectives/plan.h"
+#include "collectives/work_state.h"
 #include "core/reduce.h"
 #include "netdam/local_memory.h"
 #include "transport/transport.h"
@@ -40,37 +42,6 @@ std::string_view to_string(Algorithm a) {
   return "unknown";
 }
 
-struct Group::Slot {
-  collectives::SlotLayout layout;
-  uint32_t generation = 0;
-  detail::WorkState* owner = nullptr;  // the collective using the slot
-};
-
-namespace detail {
-struct WorkState {
-  enum class Phase : uint8_t { kQueued, kWriting, kArming, kChains, kVerify, kStamps, kReading, kDone };
-  Phase phase = Phase::kQueued;
-  Error error;
-  std::function<collectives::Plan(const collectives::Context&)> make_plan;
-  bool average = false;
-  Group::Slot* slot = nullptr;
-  uint32_t generation = 0;
-  collectives::Plan plan;
-  Op pending;  // the write, ARM or read in progress
-  std::vector<Op> chains;
-  std::vector<bool> fell_back;
-  size_t chains_left = 0;
-  size_t chains_sent = 0;  // plan.chains[0, chains_sent) have been sent
-  // Multicast deliveries: stamps read from every device, then repairs.
-  bool verified = false;
-  std::vector<Op> verify_reads;
-  std::vector<std::vector<std::byte>> verify_stamps;  // per device, from index verify_first
-  uint32_t verify_first = 0;
-  size_t stamps_seen = 0;  // plan.stamps[0, stamps_seen) are known complete
-  Clock::time_point deadline;
-  std::vector<std::byte> stamp_copy;  // stamps read over the network
-};
-}  // namespace detail
 
 bool Work::done() const { return s_ && s_->phase == detail::WorkState::Phase::kDone; }
 const Error& Work::error() const {
@@ -157,6 +128,9 @@ Error Group::setup() {
   const size_t max_payload = client_->options().max_payload;
   if (max_payload < route + 64) return Error::invalid("device max payload too small for chains");
   block_ = (max_payload - route) / 64 * 64;
+  // Optimizer chains take one segment more (collectives::ring_optimizer_step).
+  if (2 * p + 1 <= kMaxSegments && max_payload >= route + kSegmentSize + 64)
+    opt_block_ = (max_payload - route - kSegmentSize) / 64 * 64;
   slot_bytes_ = collectives::SlotLayout::bytes(opts_.capacity, block_, p, partials);
   for (int s = 0; s < opts_.slots; ++s) {
     auto slot = std::make_unique<Slot>();
@@ -276,12 +250,7 @@ Work Group::submit(std::shared_ptr<detail::WorkState> w) {
 }
 
 namespace {
-std::shared_ptr<detail::WorkState> failed(Error e) {
-  auto w = std::make_shared<detail::WorkState>();
-  w->error = std::move(e);
-  w->phase = detail::WorkState::Phase::kDone;
-  return w;
-}
+using detail::failed;
 
 RedOp device_op(Reduction r) {
   switch (r) {
@@ -478,7 +447,8 @@ bool Group::start(detail::WorkState& w) {
   if (w.slot->owner != nullptr) return false;  // an earlier collective holds the slot
   w.slot->owner = &w;
   w.generation = ++w.slot->generation;
-  collectives::Context ctx{devices_, opts_.rank, w.slot->layout, w.generation, block_};
+  collectives::Context ctx{devices_, opts_.rank, w.slot->layout, w.generation,
+                           w.config ? opt_block_ : block_};
   w.plan = w.make_plan(ctx);
   const uint64_t in_addr = w.slot->layout.in(w.generation) + w.plan.in_offset;
   if (!local_.empty() && !w.plan.input.empty()) {
@@ -489,9 +459,20 @@ bool Group::start(detail::WorkState& w) {
     w.phase = detail::WorkState::Phase::kWriting;
     return true;
   }
+  configure_or_arm(w);
+  return true;
+}
+
+// Step 2: ARM, after the optimizer config if the plan reaches the optimizer
+// (its answer first: ARM lets other ranks' chains reach OPT_STEP here).
+void Group::configure_or_arm(detail::WorkState& w) {
+  if (w.config && w.phase != detail::WorkState::Phase::kConfiguring) {
+    w.pending = client_->opt_config_async(*w.config, w.config_key);
+    w.phase = detail::WorkState::Phase::kConfiguring;
+    return;
+  }
   w.pending = client_->arm_async(w.generation, w.slot->layout.key);
   w.phase = detail::WorkState::Phase::kArming;
-  return true;
 }
 
 bool Group::stamps_complete(detail::WorkState& w) {
@@ -600,10 +581,10 @@ bool Group::step(detail::WorkState& w) {
   switch (w.phase) {
     case Phase::kQueued: return start(w);
     case Phase::kWriting:
+    case Phase::kConfiguring:
       if (!w.pending.done()) return false;
       if (w.pending.error()) return finish(w, w.pending.error()), true;
-      w.pending = client_->arm_async(w.generation, w.slot->layout.key);
-      w.phase = Phase::kArming;
+      configure_or_arm(w);
       return true;
     case Phase::kArming: {
       // Step 3 starts without waiting for ARM's answer: the ARM datagram

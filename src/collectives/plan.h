@@ -3,9 +3,11 @@
 // out. The algorithm files build plans; group.cc executes them.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "netdam/client.h"
@@ -43,6 +45,49 @@ struct SlotLayout {
     if (partials > 0) raw = (raw + 63) / 64 * 64 + static_cast<uint64_t>(partials) * (cap + 4 * stamps);
     return (raw + 4095) / 4096 * 4096;
   }
+};
+
+// Where an offloaded optimizer keeps a float32 vector of `count` elements
+// (weights, then two state vectors) on the devices (docs/COLLECTIVES.md,
+// section 10). The vector is cut into chunks of `chunk` elements (what one
+// collective carries); chunk j is sharded over the ranks as ReduceScatter
+// shards a buffer, and device r keeps its pieces of all chunks one after
+// another: PARAMS | STATE1 | STATE2, `stride` bytes each, in region `key`
+// at `base`.
+struct OffloadLayout {
+  uint64_t base = 0;
+  uint32_t key = 0;
+  uint64_t count = 0;
+  uint64_t chunk = 0;
+  int ranks = 1;
+  uint64_t chunks() const { return (count + chunk - 1) / chunk; }
+  uint64_t chunk_elements(uint64_t j) const { return std::min(chunk, count - j * chunk); }
+  // Rank r's piece of chunk j: [first, last) element indices within the chunk.
+  std::pair<uint64_t, uint64_t> piece(uint64_t j, int r) const {
+    const uint64_t n = chunk_elements(j);
+    return {n * static_cast<uint64_t>(r) / static_cast<uint64_t>(ranks),
+            n * static_cast<uint64_t>(r + 1) / static_cast<uint64_t>(ranks)};
+  }
+  // Where rank r's piece of chunk j starts in its PARAMS, in elements: every
+  // chunk before the last is full, so its pieces have one size.
+  uint64_t piece_offset(uint64_t j, int r) const {
+    if (j == 0) return 0;
+    const uint64_t full = chunk * static_cast<uint64_t>(r + 1) / static_cast<uint64_t>(ranks) -
+                          chunk * static_cast<uint64_t>(r) / static_cast<uint64_t>(ranks);
+    return j * full;
+  }
+  uint64_t elements_of(int r) const {
+    const uint64_t last = chunks() - 1;
+    auto [a, b] = piece(last, r);
+    return piece_offset(last, r) + (b - a);
+  }
+  uint64_t stride() const {
+    uint64_t most = 0;
+    for (int r = 0; r < ranks; ++r) most = std::max(most, elements_of(r));
+    return (4 * most + 63) / 64 * 64;
+  }
+  uint64_t bytes() const { return (3 * stride() + 4095) / 4096 * 4096; }
+  uint64_t params(uint64_t element) const { return base + 4 * element; }
 };
 
 struct ChainPlan {
@@ -116,6 +161,13 @@ Plan multicast_allgather(const Context& c, const Hop& group, std::span<const std
 Plan multicast_broadcast(const Context& c, const Hop& group, std::span<std::byte> buf, int root);
 
 // ring_chain.cc
+// The AllReduce chains of chunk j of `layout`'s vector, with a detour at
+// each block's owner: the reduced gradient block is applied by the owner's
+// optimizer (OPT_STEP, which hands on the updated weights), and the gather
+// half distributes the weights instead of the sum. `in` is this rank's
+// gradient chunk, `out` receives the updated weights of the whole chunk.
+Plan ring_optimizer_step(const Context& c, const OffloadLayout& layout, uint64_t j,
+                         std::span<const std::byte> in, std::span<std::byte> out);
 Plan ring_allreduce(const Context& c, std::span<const std::byte> in, std::span<std::byte> out,
                     DType t, RedOp op);
 Plan ring_reduce_scatter(const Context& c, std::span<const std::byte> in,

@@ -13,6 +13,7 @@
 // Nomenclature: p ranks, k the shard (= initiating rank), b a block,
 // "reduction half" and "gather half" of a chain.
 #include <algorithm>
+#include <functional>
 
 #include "collectives/plan.h"
 
@@ -54,10 +55,13 @@ void gather_after(const Context& c, int owner, const Block& b, uint64_t out_base
                        c.slot.stamp_aux(b.index)));
 }
 
-}  // namespace
+// The AllReduce chains. `at_owner`, if set, adds segments at device k
+// between the reduction half and the store of the block (with the block's
+// byte offset from the start of shard k).
+using OwnerDetour = std::function<void(int k, const Block& b, uint64_t from_shard, std::vector<Hop>&)>;
 
-Plan ring_allreduce(const Context& c, std::span<const std::byte> in, std::span<std::byte> out,
-                    DType t, RedOp op) {
+Plan ring_chains(const Context& c, std::span<const std::byte> in, std::span<std::byte> out,
+                 DType t, RedOp op, const OwnerDetour& at_owner) {
   const int p = c.ranks();
   const size_t esize = dtype_size(t);
   const uint64_t count = in.size() / esize;
@@ -84,10 +88,11 @@ Plan ring_allreduce(const Context& c, std::span<const std::byte> in, std::span<s
         chain.hops.push_back(
             make_hop(c, r, j == 1 ? Opcode::kRead : Opcode::kReducePayload, kSegGen, src + b.offset));
       }
+      if (at_owner) at_owner(k, b, b.offset - begin, chain.hops);
       chain.hops.push_back(make_hop(c, k, Opcode::kWrite, kStore, dst + b.offset, c.slot.stamp_aux(b.index)));
       gather_after(c, k, b, dst, chain.hops);
       // If a reduction hop finds its host moved on, that host has the whole
-      // result, so the sum is already in device k's OUT: send it from there.
+      // result, so the result is already in device k's OUT: send it from there.
       chain.fallback.push_back(make_hop(c, k, Opcode::kRead, kSegGen, dst + b.offset));
       gather_after(c, k, b, dst, chain.fallback);
       plan.chains.push_back(std::move(chain));
@@ -95,6 +100,29 @@ Plan ring_allreduce(const Context& c, std::span<const std::byte> in, std::span<s
     index += static_cast<uint32_t>((end - begin + block - 1) / block);
   }
   return plan;
+}
+
+}  // namespace
+
+Plan ring_allreduce(const Context& c, std::span<const std::byte> in, std::span<std::byte> out,
+                    DType t, RedOp op) {
+  return ring_chains(c, in, out, t, op, {});
+}
+
+// OPT_STEP applies the reduced gradient block exactly once (the replay
+// window; a retransmitted chain replays it) and hands on the weights it
+// produced, which the rest of the chain stores like an AllReduce result.
+// A chain that falls back never reaches OPT_STEP: it reads the weights
+// from device k's OUT.
+Plan ring_optimizer_step(const Context& c, const OffloadLayout& layout, uint64_t j,
+                         std::span<const std::byte> in, std::span<std::byte> out) {
+  return ring_chains(c, in, out, DType::kF32, RedOp::kSum,
+                     [&](int k, const Block&, uint64_t from_shard, std::vector<Hop>& hops) {
+                       Hop step = make_hop(c, k, Opcode::kOptStep, 0,
+                                           layout.params(layout.piece_offset(j, k) + from_shard / 4));
+                       step.rkey = layout.key;
+                       hops.push_back(step);
+                     });
 }
 
 // The AllReduce chains, each rank taking out its own shard. (A reduction

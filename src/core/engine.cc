@@ -331,6 +331,15 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
         Request q{h, s.opcode, s.rkey, s.addr, payload, requester, true};
         r = execute(q, out);
         if (r.status != Status::kOk) return answer(h, reply_to, r.status, {}, out);
+        if (s.opcode == Opcode::kOptStep) {
+          // The chain carries on with the weights the step produced (also
+          // when it was replayed: they are still in memory), so the rest of
+          // a chain can hand them out (docs/COLLECTIVES.md, section 10).
+          const uint32_t n = static_cast<uint32_t>(q.h.length);
+          if (Status st = device_.regions().check(s.rkey, s.addr, n, kPermRead); st != Status::kOk)
+            return answer(h, reply_to, st, {}, out);
+          r.data = device_.memory().subspan(s.addr, n);
+        }
         if (s.flags & kSegStamp) {
           // Data first, then its stamp: a host that sees the stamp (acquire)
           // sees the data.

@@ -1,0 +1,130 @@
+// Optimizer offload on a Group (docs/COLLECTIVES.md, section 10): the
+// weights and the optimizer state live on the devices, sharded like
+// ReduceScatter's output, and an optimizer step is one AllReduce-shaped
+// chain per block that detours through its owner's OPT_STEP.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#include "collectives/plan.h"
+#include "collectives/work_state.h"
+#include "netdam/group.h"
+
+namespace netdam {
+
+namespace {
+collectives::OffloadLayout layout_of(uint64_t base, uint32_t key, uint64_t count, uint64_t chunk,
+                                     int ranks) {
+  collectives::OffloadLayout l;
+  l.base = base;
+  l.key = key;
+  l.count = count;
+  l.chunk = chunk;
+  l.ranks = ranks;
+  return l;
+}
+}  // namespace
+
+Error Group::offload_init(const OffloadOptions& o, std::span<const float> initial) {
+  if (opts_.admin_key == 0) return Error::invalid("offload_init needs the group's admin key");
+  if (opt_block_ == 0)
+    return Error::invalid(fmt::format("optimizer chains take 2p+1 segments: at most {} ranks",
+                                      (kMaxSegments - 1) / 2));
+  if (o.count == 0 || initial.size() != o.count)
+    return Error::invalid(fmt::format("offload_init: {} initial weights for a vector of {}",
+                                      initial.size(), o.count));
+  // A chunk in the smaller blocks of optimizer chains needs no more stamps
+  // than the slot has for the capacity in ordinary blocks.
+  const uint64_t chunk = opts_.capacity * opt_block_ / block_ / 4;
+  if (chunk < static_cast<uint64_t>(size()))
+    return Error::invalid("offload_init: the group capacity holds less than one weight per rank");
+  const uint64_t base = o.base ? o.base : opts_.base + static_cast<uint64_t>(opts_.slots) * slot_bytes_;
+  const uint32_t key = o.key ? o.key : opts_.key_base + 0x80;
+  const auto l = layout_of(base, key, o.count, chunk, size());
+  offload_ = {};
+
+  client_->region_del(opts_.admin_key, key);
+  if (Error e = client_->region_add(opts_.admin_key, RegionInfo{base, l.bytes(), key, 3})) return e;
+  // This rank's pieces, one after another as the device keeps them.
+  std::vector<float> mine;
+  mine.reserve(l.elements_of(rank()));
+  for (uint64_t j = 0; j < l.chunks(); ++j) {
+    auto [a, b] = l.piece(j, rank());
+    const float* from = initial.data() + j * chunk;
+    mine.insert(mine.end(), from + a, from + b);
+  }
+  if (Error e = client_->write(l.params(0), std::as_bytes(std::span(mine)), key)) return e;
+  const std::byte zero[1] = {};
+  if (Error e = client_->fill(base + l.stride(), 2 * l.stride(), zero, key)) return e;
+  offload_ = {base, o.count, chunk, key};
+  return {};
+}
+
+std::vector<Work> Group::optimizer_step_async(std::span<const float> grad, std::span<float> weights,
+                                              OptimizerConfig cfg) {
+  auto refused = [](Error e) { return std::vector<Work>{Work(detail::failed(std::move(e)))}; };
+  if (offload_.count == 0) return refused(Error::invalid("optimizer_step before offload_init"));
+  if (grad.size() != offload_.count || weights.size() != offload_.count)
+    return refused(Error::invalid(fmt::format("optimizer_step: {} gradients and {} weights for {} offloaded weights",
+                                              grad.size(), weights.size(), offload_.count)));
+  if (cfg.step == 0) return refused(Error::invalid("optimizer_step: steps count from 1"));
+  const auto l = layout_of(offload_.base, offload_.key, offload_.count, offload_.chunk, size());
+  cfg.state1_offset = l.stride();
+  cfg.state2_offset = 2 * l.stride();
+  // Every chunk is its own collective; with several slots they overlap.
+  std::vector<Work> chunks;
+  for (uint64_t j = 0; j < l.chunks(); ++j) {
+    const uint64_t first = j * l.chunk, n = l.chunk_elements(j);
+    auto in = std::as_bytes(grad.subspan(first, n));
+    auto out = std::as_writable_bytes(weights.subspan(first, n));
+    auto w = std::make_shared<detail::WorkState>();
+    w->config = cfg;
+    w->config_key = l.key;
+    w->make_plan = [l, j, in, out](const collectives::Context& c) {
+      return collectives::ring_optimizer_step(c, l, j, in, out);
+    };
+    chunks.push_back(submit(std::move(w)));
+  }
+  return chunks;
+}
+
+Error Group::optimizer_step(std::span<const float> grad, std::span<float> weights, OptimizerConfig cfg) {
+  Error first_error;
+  for (Work& w : optimizer_step_async(grad, weights, cfg))
+    if (Error e = wait(w); e && first_error.is_ok()) first_error = e;
+  return first_error;
+}
+
+Error Group::offload_read(std::span<float> out, int which) {
+  if (offload_.count == 0) return Error::invalid("offload_read before offload_init");
+  if (out.size() != offload_.count || which < 0 || which > 2)
+    return Error::invalid(fmt::format("offload_read: {} elements of state {} from a vector of {}",
+                                      out.size(), which, offload_.count));
+  const auto l = layout_of(offload_.base, offload_.key, offload_.count, offload_.chunk, size());
+  std::vector<Op> reads;
+  auto bytes = std::as_writable_bytes(out);
+  for (uint64_t j = 0; j < l.chunks(); ++j) {
+    for (int r = 0; r < size(); ++r) {
+      auto [a, b] = l.piece(j, r);
+      const uint64_t from = l.params(l.piece_offset(j, r)) + static_cast<uint64_t>(which) * l.stride();
+      const uint64_t to = 4 * (j * l.chunk + a), len = 4 * (b - a);
+      for (uint64_t off = 0; off < len; off += block_) {
+        const uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(block_, len - off));
+        std::vector<Hop> hops = {devices_[static_cast<size_t>(r)]};
+        hops[0].op = Opcode::kRead;
+        hops[0].rkey = l.key;
+        hops[0].addr = from + off;
+        reads.push_back(client_->chain_async(hops, 0, DType::kBytes, RedOp::kNone, n, {},
+                                             bytes.subspan(to + off, n)));
+      }
+    }
+  }
+  Error first_error;
+  for (Op& op : reads)
+    if (Error e = client_->wait(op); e && first_error.is_ok()) first_error = e;
+  return first_error;
+}
+
+}  // namespace netdam

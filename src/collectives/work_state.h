@@ -1,0 +1,60 @@
+// What Group keeps of a slot and of a collective in progress (group.cc
+// runs them; offload.cc builds optimizer steps).
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "collectives/plan.h"
+#include "netdam/group.h"
+
+namespace netdam {
+
+struct Group::Slot {
+  collectives::SlotLayout layout;
+  uint32_t generation = 0;
+  detail::WorkState* owner = nullptr;  // the collective using the slot
+};
+
+namespace detail {
+struct WorkState {
+  enum class Phase : uint8_t { kQueued, kWriting, kConfiguring, kArming, kChains, kVerify, kStamps, kReading, kDone };
+  Phase phase = Phase::kQueued;
+  Error error;
+  std::function<collectives::Plan(const collectives::Context&)> make_plan;
+  bool average = false;
+  // Optimizer steps: the config this rank's device needs before its
+  // optimizer can be reached, i.e. before ARM.
+  std::optional<OptimizerConfig> config;
+  uint32_t config_key = 0;
+  Group::Slot* slot = nullptr;
+  uint32_t generation = 0;
+  collectives::Plan plan;
+  Op pending;  // the write, ARM or read in progress
+  std::vector<Op> chains;
+  std::vector<bool> fell_back;
+  size_t chains_left = 0;
+  size_t chains_sent = 0;  // plan.chains[0, chains_sent) have been sent
+  // Multicast deliveries: stamps read from every device, then repairs.
+  bool verified = false;
+  std::vector<Op> verify_reads;
+  std::vector<std::vector<std::byte>> verify_stamps;  // per device, from index verify_first
+  uint32_t verify_first = 0;
+  size_t stamps_seen = 0;  // plan.stamps[0, stamps_seen) are known complete
+  std::chrono::steady_clock::time_point deadline;
+  std::vector<std::byte> stamp_copy;  // stamps read over the network
+};
+
+// A collective refused before it started.
+inline std::shared_ptr<WorkState> failed(Error e) {
+  auto w = std::make_shared<WorkState>();
+  w->error = std::move(e);
+  w->phase = WorkState::Phase::kDone;
+  return w;
+}
+}  // namespace detail
+
+}  // namespace netdam
