@@ -80,12 +80,8 @@ def _configured_device(rank):
     return os.environ.get("NETDAM_DEVICE", "").strip() or None
 
 
-_configured_groups = 0
-
-
 def create_process_group(store, rank, size, timeout):
     """The backend's creator: ``(store, rank, world_size, timeout)`` (torch 1.13)."""
-    global _configured_groups
     capacity = parse_size(os.environ.get("NETDAM_CAPACITY", "64MiB"))
     slots = int(os.environ.get("NETDAM_SLOTS", "2"))
     admin_key = int(os.environ.get("NETDAM_ADMIN_KEY", "0xAD"), 0)
@@ -104,7 +100,7 @@ def create_process_group(store, rank, size, timeout):
     else:
         # Slots sit at the same addresses and keys on a device, so one
         # process group at a time may use configured devices.
-        if _configured_groups > 0:
+        if _torch_backend.configured_groups() > 0:
             raise RuntimeError("netdam: configured devices (NETDAM_DEVICE/S) serve one process group at a "
                                "time; unset them to give each group devices of its own")
         shm = os.environ.get("NETDAM_SHM", "")
@@ -121,8 +117,6 @@ def create_process_group(store, rank, size, timeout):
                                "set NETDAM_CAPACITY/SLOTS/ADMIN_KEY alike on every rank")
     pg = ProcessGroupNetdam(rank, devices, shm=shm, admin_key=admin_key, capacity=capacity,
                             slots=slots, timeout=seconds, device=device)
-    if device is None:
-        _configured_groups += 1
     return pg
 
 

@@ -7,8 +7,9 @@ reduction, against values computed exactly in each rank (all inputs are
 small integers, so every sum is exact in every dtype and in any order);
 tensors larger than the group capacity (NETDAM_CAPACITY=256KiB here, so
 they are cut into chunks), non-contiguous tensors, asynchronous work and
-its futures, the barrier, errors (unsupported dtype and op, a rank that
-does not show up: timeout), all_gather_object, and DDP training with the
+its futures, a barrier and an all_reduce with a rank 2.5 s late, errors
+(unsupported dtype and op, a rank that does not show up: timeout),
+all_gather_object and broadcast_object_list, and DDP training with the
 netdam backend against the same training with gloo (examples/ddp_train.py),
 losses within 1e-5.
 

@@ -73,4 +73,6 @@ PYBIND11_MODULE(_torch_backend, m) {
            py::arg("capacity") = 64ull << 20, py::arg("slots") = 2, py::arg("timeout") = 1800.0,
            py::arg("device") = nullptr, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("capacity", &ProcessGroupNetdam::capacity);
+  m.def("configured_groups", &ProcessGroupNetdam::configured_groups,
+        "Live process groups on configured devices (not started by this process).");
 }

@@ -4,6 +4,7 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/core/jit_type.h>
 
+#include <atomic>
 #include <stdexcept>
 
 namespace netdam::torch_backend {
@@ -73,6 +74,8 @@ void unflatten(const at::Tensor& flat, std::vector<at::Tensor>& ts) {
   }
 }
 
+std::atomic<int> g_configured_groups{0};
+
 }  // namespace
 
 // ---------------------------------------------------------------- work
@@ -106,13 +109,17 @@ ProcessGroupNetdam::ProcessGroupNetdam(const NetdamOptions& opts, std::shared_pt
   TORCH_CHECK(r.ok(), "netdam: cannot create the group (rank ", opts.group.rank, " of ", opts.group.devices.size(),
               "): ", r.error().to_string());
   runner_ = std::move(r.value());
+  if (!device_) ++g_configured_groups;
   init();
 }
 
 ProcessGroupNetdam::~ProcessGroupNetdam() {
   runner_.reset();  // finishes what was queued, then releases the Group
+  if (!device_) --g_configured_groups;
   device_.reset();  // then the daemon, if this group started it
 }
+
+int ProcessGroupNetdam::configured_groups() { return g_configured_groups.load(); }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupNetdam::enqueue(c10d::OpType type, Request r,
                                                          std::vector<at::Tensor> outputs,

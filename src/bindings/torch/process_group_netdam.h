@@ -49,6 +49,10 @@ class ProcessGroupNetdam : public c10d::ProcessGroup {
   ~ProcessGroupNetdam() override;
 
   const std::string getBackendName() const override { return "netdam"; }
+  // Live process groups of this process on devices it did not start
+  // (configured devices: their slots have fixed addresses, one group at a
+  // time may use them).
+  static int configured_groups();
   uint64_t capacity() const { return runner_->capacity(); }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
