@@ -54,12 +54,17 @@ def batch(seed, step, rank, size, classes):
     return x, (x @ w).argmax(dim=1)
 
 
-# name -> (parameters, learning rate) -> optimizer. Optimizers that live
-# elsewhere (netdam.optim's offloaded ones) add themselves here.
+# name -> make(parameters, learning rate, process group) -> optimizer.
 OPTIMIZERS = {
-    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
-    "adam": lambda params, lr: torch.optim.Adam(params, lr=lr / 50),
+    "sgd": lambda params, lr, pg: torch.optim.SGD(params, lr=lr, momentum=0.9),
+    "adam": lambda params, lr, pg: torch.optim.Adam(params, lr=lr / 50),
 }
+# Optimizers that sum the gradients over the ranks themselves (an optimizer
+# offloaded to the devices gets every rank's gradient and applies the sum):
+# the model is then not wrapped in DDP. An offloaded optimizer is added as
+#     OPTIMIZERS["offload-adam"] = lambda params, lr, pg: netdam.optim.Adam(params, lr=lr / 50, group=pg)
+#     REDUCES_GRADIENTS.add("offload-adam")
+REDUCES_GRADIENTS = set()
 
 
 def train(steps=20, seed=1, optimizer="sgd", batch_size=32, classes=10, lr=0.05, process_group=None,
@@ -67,8 +72,10 @@ def train(steps=20, seed=1, optimizer="sgd", batch_size=32, classes=10, lr=0.05,
     """Trains with DDP over `process_group` (default: the default group);
     returns the per-step losses of this rank's batches."""
     rank = dist.get_rank(process_group)
-    model = DDP(build_model(seed, classes, hidden), process_group=process_group)
-    opt = OPTIMIZERS[optimizer](model.parameters(), lr)
+    model = build_model(seed, classes, hidden)  # the same weights on every rank
+    if optimizer not in REDUCES_GRADIENTS:
+        model = DDP(model, process_group=process_group)
+    opt = OPTIMIZERS[optimizer](model.parameters(), lr, process_group)
     loss_fn = nn.CrossEntropyLoss()
     losses = []
     for step in range(steps):
