@@ -92,6 +92,12 @@ Result<std::unique_ptr<LocalDevice>> LocalDevice::start(const LocalDeviceOptions
     if (!text.empty() && text.back() == '\n') {
       text.pop_back();
       d->endpoint_ = text;
+      // Nothing needs the port file or the log from now on (the daemon
+      // keeps writing to its open, unlinked log): leave nothing behind
+      // even if this process is killed.
+      std::error_code ec;
+      std::filesystem::remove_all(d->dir_, ec);
+      d->dir_.clear();
       return d;
     }
     int status = 0;
