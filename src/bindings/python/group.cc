@@ -120,6 +120,54 @@ class PyGroup {
     check(run([](Group& g) { return g.barrier(); }));
   }
 
+  // --- optimizer offload (Group::offload_init, optimizer_step, offload_read)
+  static std::span<float> floats(const Buffer& b, const char* what) {
+    if (b.dtype() != DType::kF32)
+      throw py::type_error(std::string(what) + ": offloaded weights and gradients are float32");
+    return {reinterpret_cast<float*>(b.bytes().data()), b.size() / 4};
+  }
+  void offload_init(const py::object& initial, uint64_t base, uint32_t key) {
+    Buffer b(initial, false, "initial");
+    auto w = floats(b, "initial");
+    OffloadOptions o;
+    o.count = w.size();
+    o.base = base;
+    o.key = key;
+    check(run([&](Group& g) { return g.offload_init(o, w); }));
+  }
+  py::object optimizer_step(const py::object& grad, const py::object& weights, const std::string& kind,
+                            uint64_t step, double lr, double weight_decay, double momentum, double dampening,
+                            bool nesterov, double beta1, double beta2, double eps, double grad_scale) {
+    OptimizerConfig c;
+    if (kind == "sgd") c.kind = OptimizerKind::kSgd;
+    else if (kind == "adam") c.kind = OptimizerKind::kAdam;
+    else if (kind == "adamw") c.kind = OptimizerKind::kAdamW;
+    else throw py::value_error("kind: 'sgd', 'adam' or 'adamw', got '" + kind + "'");
+    c.step = step;
+    c.lr = lr;
+    c.weight_decay = weight_decay;
+    c.momentum = momentum;
+    c.dampening = dampening;
+    c.nesterov = nesterov;
+    c.beta1 = beta1;
+    c.beta2 = beta2;
+    c.eps = eps;
+    c.grad_scale = grad_scale;
+    Buffer gb(grad, false, "grad");
+    Buffer wb(weights, true, "weights");
+    auto gs = floats(gb, "grad");
+    auto ws = floats(wb, "weights");
+    check(run([&](Group& g) { return g.optimizer_step(gs, ws, c); }));
+    return weights;
+  }
+  py::object offload_read(const py::object& out, int which) {
+    Buffer b(out, true, "out");
+    auto o = floats(b, "out");
+    check(run([&](Group& g) { return g.offload_read(o, which); }));
+    return out;
+  }
+  uint64_t offload_count() { return run([](Group& g) { return g.offload_count(); }); }
+
   int rank() { return run([](Group& g) { return g.rank(); }); }
   int size() { return run([](Group& g) { return g.size(); }); }
   size_t block_bytes() { return run([](Group& g) { return g.block_bytes(); }); }
@@ -204,7 +252,30 @@ like.
            "reduce(x, out=None, op: str = 'sum', root: int = 0, *, dtype=None) -> array | None\n\n"
            "The AllReduce result, delivered at the root only: into out (or x when out is None). Returns the\n"
            "result at the root, None elsewhere.")
-      .def("barrier", &PyGroup::barrier, "barrier() -> None\n\nReturns once every rank has entered the barrier.");
+      .def("barrier", &PyGroup::barrier, "barrier() -> None\n\nReturns once every rank has entered the barrier.")
+      .def("offload_init", &PyGroup::offload_init, arg("initial"), py::kw_only(), arg("base") = 0, arg("key") = 0,
+           "offload_init(initial, *, base: int = 0, key: int = 0) -> None\n\n"
+           "Optimizer offload (docs/COLLECTIVES.md, section 10): registers this rank's share of a float32\n"
+           "weight vector on its device (needs admin_key), stores its share of `initial` (every rank passes\n"
+           "the same vector) and zeroes the optimizer state. base/key: where and under which region key\n"
+           "(0: right after the slots, key_base + 0x80). Calling it again starts over.")
+      .def("optimizer_step", &PyGroup::optimizer_step, arg("grad"), arg("weights"), py::kw_only(),
+           arg("kind"), arg("step"), arg("lr"), arg("weight_decay") = 0.0, arg("momentum") = 0.0,
+           arg("dampening") = 0.0, arg("nesterov") = false, arg("beta1") = 0.9, arg("beta2") = 0.999,
+           arg("eps") = 1e-8, arg("grad_scale") = 1.0,
+           "optimizer_step(grad, weights, *, kind: str, step: int, lr: float, weight_decay=0.0, momentum=0.0,\n"
+           "               dampening=0.0, nesterov=False, beta1=0.9, beta2=0.999, eps=1e-8,\n"
+           "               grad_scale=1.0) -> weights\n\n"
+           "One optimizer step on the devices: the sum of every rank's grad times grad_scale is applied by\n"
+           "the device holding each weight (kind 'sgd', 'adam' or 'adamw', as torch.optim; step counts\n"
+           "from 1), and weights (float32, writable) receives all updated weights. Every rank calls it with\n"
+           "the same hyper-parameters. Each gradient is applied exactly once, whatever the network does.")
+      .def("offload_read", &PyGroup::offload_read, arg("out"), arg("which") = 0,
+           "offload_read(out, which: int = 0) -> out\n\n"
+           "The offloaded weights (which=0) or optimizer state 1 (SGD momentum buffer, Adam exp_avg) or 2\n"
+           "(Adam exp_avg_sq), read from every device into out (float32).")
+      .def_property_readonly("offload_count", &PyGroup::offload_count,
+                             "int: offloaded weights (0 before offload_init).");
 }
 
 }  // namespace netdam::python
