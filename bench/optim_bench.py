@@ -46,6 +46,34 @@ def parse_count(text):
     return int(float(text[:-1] if suffix else text) * units[suffix])
 
 
+def allreduce_avg(group, x, out, capacity):
+    """AllReduce (avg) in collectives of at most the group capacity."""
+    step = capacity // 4
+    xs, outs = x.numpy(), out.numpy()
+    for first in range(0, len(xs), step):
+        group.allreduce(xs[first:first + step], "avg", out=outs[first:first + step])
+
+
+def verify(replicas, want, step, chunk=1 << 20):
+    """Every rank holds the same weights, within float32 tolerance of the
+    host path's; returns the largest difference. In chunks: a temporary of
+    the whole vector costs seconds of page faults on this VM."""
+    worst = 0.0
+    for r in range(1, len(replicas)):
+        if not torch.equal(replicas[r].detach(), replicas[0].detach()):
+            raise AssertionError(f"step {step}: rank {r}'s weights differ from rank 0's")
+    got = replicas[0].detach()
+    for first in range(0, got.numel(), chunk):
+        a, b = got[first:first + chunk], want[first:first + chunk]
+        # The gradients are summed in another order on each path, and Adam
+        # turns a rounding difference of a gradient near zero into up to a
+        # few percent of lr: float32 tolerance at lr scale.
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"step {step}, weights {first}..: offloaded differ: {m}")
+        worst = max(worst, (a - b).abs().max().item())
+    return worst
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="100M", help="float32 weights (e.g. 100M, 10M)")
@@ -92,7 +120,7 @@ def main():
     for step in range(args.steps + 1):  # the first is a warm-up
         # Host path: AllReduce (avg) of the gradients, then torch.optim.
         t0 = time.perf_counter()
-        list(pool.map(lambda r: groups[r].allreduce(grads[r].numpy(), "avg", out=avg[r].numpy()), range(p)))
+        list(pool.map(lambda r: allreduce_avg(groups[r], grads[r], avg[r], capacity), range(p)))
         t1 = time.perf_counter()
         host_param.grad = avg[0]
         host_opt.step()
@@ -106,16 +134,14 @@ def main():
         copy = host_param.detach().clone()
         t5 = time.perf_counter()
         del copy
-        for r in range(p):
-            torch.testing.assert_close(replicas[r].detach(), host_param.detach(), rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"step {step}, rank {r}: offloaded weights differ: {m}")
+        worst = verify(replicas, host_param.detach(), step)
         if step > 0:
             t_allreduce.append(t1 - t0)
             t_host_step.append(t2 - t1)
             t_offload.append(t4 - t3)
             t_copy.append(t5 - t4)
         print(f"# step {step}: allreduce {t1 - t0:.3f} s, torch.optim {t2 - t1:.3f} s, "
-              f"offloaded {t4 - t3:.3f} s (verified)", flush=True)
+              f"offloaded {t4 - t3:.3f} s (verified; largest difference {worst:.2e})", flush=True)
 
     med = statistics.median
     ar, hs, of, cp = med(t_allreduce), med(t_host_step), med(t_offload), med(t_copy)

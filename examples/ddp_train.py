@@ -59,12 +59,18 @@ OPTIMIZERS = {
     "sgd": lambda params, lr, pg: torch.optim.SGD(params, lr=lr, momentum=0.9),
     "adam": lambda params, lr, pg: torch.optim.Adam(params, lr=lr / 50),
 }
-# Optimizers that sum the gradients over the ranks themselves (an optimizer
-# offloaded to the devices gets every rank's gradient and applies the sum):
-# the model is then not wrapped in DDP. An offloaded optimizer is added as
-#     OPTIMIZERS["offload-adam"] = lambda params, lr, pg: netdam.optim.Adam(params, lr=lr / 50, group=pg)
-#     REDUCES_GRADIENTS.add("offload-adam")
-REDUCES_GRADIENTS = set()
+# Optimizers offloaded to the netdam devices (netdam.optim): the devices
+# hold the weights and the optimizer state, and each rank's gradients are
+# averaged in the network on their way to them, so DDP is told to leave
+# the gradients local (netdam.optim.local_gradients_hook).
+if netdam is not None:
+    import netdam.optim
+
+    OPTIMIZERS["offload-sgd"] = lambda params, lr, pg: netdam.optim.OffloadedSGD(
+        params, lr=lr, momentum=0.9, group=netdam.distributed.optimizer_group())
+    OPTIMIZERS["offload-adam"] = lambda params, lr, pg: netdam.optim.OffloadedAdam(
+        params, lr=lr / 50, group=netdam.distributed.optimizer_group())
+REDUCES_GRADIENTS = {"offload-sgd", "offload-adam"}
 
 
 def train(steps=20, seed=1, optimizer="sgd", batch_size=32, classes=10, lr=0.05, process_group=None,
@@ -73,8 +79,9 @@ def train(steps=20, seed=1, optimizer="sgd", batch_size=32, classes=10, lr=0.05,
     returns the per-step losses of this rank's batches."""
     rank = dist.get_rank(process_group)
     model = build_model(seed, classes, hidden)  # the same weights on every rank
-    if optimizer not in REDUCES_GRADIENTS:
-        model = DDP(model, process_group=process_group)
+    model = DDP(model, process_group=process_group)
+    if optimizer in REDUCES_GRADIENTS:
+        model.register_comm_hook(None, netdam.optim.local_gradients_hook)
     opt = OPTIMIZERS[optimizer](model.parameters(), lr, process_group)
     loss_fn = nn.CrossEntropyLoss()
     losses = []
@@ -117,6 +124,9 @@ def main():
     ap.add_argument("--ranks", type=int, default=4, help="ranks to start when not launched by torchrun")
     args = ap.parse_args()
     if "RANK" not in os.environ:
+        if args.optimizer in REDUCES_GRADIENTS:
+            # Device memory for the offloaded weights and state (auto-started devices).
+            os.environ.setdefault("NETDAM_OFFLOAD_MEMORY", "64MiB")
         return spawn(args)
 
     dist.init_process_group(args.backend, init_method="env://")

@@ -95,4 +95,7 @@ step "the same bytes read directly from the 3 devices (the client fetches the tr
 netdam -d "$proxy" pool get demo --length 200000 --direct | cmp - "$work/blob" && echo "direct read: identical"
 netdam -d "$proxy" pool stat
 
+step "PyTorch: DDP on 4 ranks over the netdam torch.distributed backend, Adam offloaded to the devices (netdam.optim): the devices hold the weights and Adam's state, and every rank's gradients are averaged in the network on their way to them"
+PYTHONPATH=build/python /usr/bin/python3 examples/ddp_train.py --backend netdam --optimizer offload-adam --steps 10
+
 step "done"

@@ -118,6 +118,8 @@ class Group {
 
   int rank() const { return opts_.rank; }
   int size() const { return static_cast<int>(devices_.size()); }
+  // Device address after this group's slots (the same on every device).
+  uint64_t slots_end() const { return opts_.base + static_cast<uint64_t>(opts_.slots) * slot_bytes_; }
   // Largest payload of one chain packet for this group.
   size_t block_bytes() const { return block_; }
   // AllGather and Broadcast go through GroupOptions::multicast (its probe

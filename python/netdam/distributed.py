@@ -29,18 +29,22 @@ Tuning (every rank must use the same values; checked at creation):
                       process group's timeout)
     NETDAM_DAEMON     the netdamd to start (default: the one of this build)
     NETDAM_MAX_PAYLOAD  payload of a started device's packets (default 63KiB)
+    NETDAM_OFFLOAD_MEMORY  extra memory of a started device for an optimizer
+                      offloaded to the devices (netdam.optim, see
+                      optimizer_group(); default 0)
 
 See docs/TORCH.md.
 """
 
 import os
 import re
+import weakref
 
 import torch.distributed as dist
 
 from . import _torch_backend
 
-__all__ = ["BACKEND", "ProcessGroupNetdam", "create_process_group"]
+__all__ = ["BACKEND", "ProcessGroupNetdam", "create_process_group", "optimizer_group"]
 
 BACKEND = "netdam"
 ProcessGroupNetdam = _torch_backend.ProcessGroupNetdam
@@ -92,9 +96,10 @@ def create_process_group(store, rank, size, timeout):
     address = _configured_device(rank)
     device = None
     shm = ""
+    max_payload = os.environ.get("NETDAM_MAX_PAYLOAD", "63KiB")
+    slots_memory = _torch_backend.device_memory_bytes(capacity, slots, size, parse_size(max_payload))
     if address is None:
-        max_payload = os.environ.get("NETDAM_MAX_PAYLOAD", "63KiB")
-        memory = _torch_backend.device_memory_bytes(capacity, slots, size, parse_size(max_payload))
+        memory = slots_memory + parse_size(os.environ.get("NETDAM_OFFLOAD_MEMORY", "0"))
         device = _torch_backend.start_device(_daemon_path(), memory, admin_key, max_payload)
         address, shm = device.endpoint, device.shm
     else:
@@ -118,6 +123,39 @@ def create_process_group(store, rank, size, timeout):
     pg = ProcessGroupNetdam(rank, devices, shm=shm, admin_key=admin_key, capacity=capacity,
                             slots=slots, timeout=seconds, device=device)
     return pg
+
+
+_optimizer_groups = {}  # id(process group) -> (its weakref, netdam.Group, (capacity, key_base))
+
+
+def optimizer_group(process_group=None, capacity=8 << 20, key_base=0x4E440200):
+    """A netdam.Group on the devices of a ``netdam`` process group (default:
+    the default group), for an optimizer offloaded to the devices
+    (``netdam.optim``).
+
+    It lives in the devices' memory after the process group's slots, under
+    keys of its own, and needs that memory: start devices with
+    ``NETDAM_OFFLOAD_MEMORY`` (auto-started devices) or size configured
+    devices for it, about ``2 * 3 * capacity`` for its slots plus
+    ``3 * 4 * weights / world_size`` bytes for the weights and the state.
+    Every rank calls it, in the same order as its other collectives. Later
+    calls for the same process group return the same Group (a new
+    optimizer on it starts over; the previous one must no longer be used).
+    """
+    from . import Group
+    pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ProcessGroupNetdam):
+        raise RuntimeError("netdam: optimizer_group() needs a process group of the netdam backend "
+                           f"(torch.distributed.init_process_group('netdam', ...)), not {type(pg).__name__}")
+    cached = _optimizer_groups.get(id(pg))
+    if cached is not None and cached[0]() is pg and not cached[1].closed:
+        if cached[2] != (capacity, key_base):
+            raise ValueError(f"netdam: optimizer_group() exists with capacity, key_base = {cached[2]}")
+        return cached[1]
+    g = Group(pg.rank(), pg.devices, admin_key=pg.admin_key, capacity=capacity, base=pg.slots_end,
+              key_base=key_base, shm=pg.shm, timeout=pg.timeout)
+    _optimizer_groups[id(pg)] = (weakref.ref(pg), g, (capacity, key_base))
+    return g
 
 
 if "NETDAM" not in dist.Backend._plugins:

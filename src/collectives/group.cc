@@ -145,7 +145,7 @@ Error Group::setup() {
       // group on these addresses can never match.
       client_->region_del(opts_.admin_key, slot->layout.key);
       RegionInfo r{slot->layout.base, slot_bytes_, slot->layout.key, 3};
-      if (Error e = client_->region_add(opts_.admin_key, r)) return e;
+      if (Error e = client_->region_add(opts_.admin_key, r)) return detail::lacks_memory(e, slots_end());
       // Stamps left by an earlier group on these addresses must not pass
       // for this group's generations (0 is none). No chain writes here
       // yet: the new region is armed at 0 until this host arms it.

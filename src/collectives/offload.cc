@@ -40,13 +40,14 @@ Error Group::offload_init(const OffloadOptions& o, std::span<const float> initia
   const uint64_t chunk = opts_.capacity * opt_block_ / block_ / 4;
   if (chunk < static_cast<uint64_t>(size()))
     return Error::invalid("offload_init: the group capacity holds less than one weight per rank");
-  const uint64_t base = o.base ? o.base : opts_.base + static_cast<uint64_t>(opts_.slots) * slot_bytes_;
+  const uint64_t base = o.base ? o.base : slots_end();
   const uint32_t key = o.key ? o.key : opts_.key_base + 0x80;
   const auto l = layout_of(base, key, o.count, chunk, size());
   offload_ = {};
 
   client_->region_del(opts_.admin_key, key);
-  if (Error e = client_->region_add(opts_.admin_key, RegionInfo{base, l.bytes(), key, 3})) return e;
+  if (Error e = client_->region_add(opts_.admin_key, RegionInfo{base, l.bytes(), key, 3}))
+    return detail::lacks_memory(e, base + l.bytes());
   // This rank's pieces, one after another as the device keeps them.
   std::vector<float> mine;
   mine.reserve(l.elements_of(rank()));

@@ -2,6 +2,8 @@
 // runs them; offload.cc builds optimizer steps).
 #pragma once
 
+#include <fmt/format.h>
+
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -47,6 +49,14 @@ struct WorkState {
   std::chrono::steady_clock::time_point deadline;
   std::vector<std::byte> stamp_copy;  // stamps read over the network
 };
+
+// A region the device refused for want of memory: say what it takes.
+inline Error lacks_memory(const Error& e, uint64_t needed) {
+  if (e.code() != Error::Code::kNak || e.status() != Status::kOutOfBounds) return e;
+  return Error::nak(e.status(), e.message() + fmt::format(": the device has less than the {} bytes ({} MiB) "
+                                                          "this group needs (capacity, slots, offload)",
+                                                          needed, (needed + (1 << 20) - 1) >> 20));
+}
 
 // A collective refused before it started.
 inline std::shared_ptr<WorkState> failed(Error e) {

@@ -40,7 +40,8 @@ def free_port():
 
 def launch():
     port = free_port()
-    env = dict(os.environ, NETDAM_CAPACITY=str(CAPACITY))
+    # NETDAM_OFFLOAD_MEMORY: device memory for the offloaded optimizer.
+    env = dict(os.environ, NETDAM_CAPACITY=str(CAPACITY), NETDAM_OFFLOAD_MEMORY="64MiB")
     env.pop("NETDAM_DEVICE", None)
     env.pop("NETDAM_DEVICES", None)
     env.pop("NETDAM_TIMEOUT", None)
@@ -268,12 +269,24 @@ def worker(rank, size, port):
             if diff > 1e-5:
                 raise AssertionError(f"ddp {opt}: losses differ by {diff}: {a} vs {b}")
 
+    def ddp_offloaded():
+        # The optimizer on the devices (netdam.optim), gradients averaged in
+        # the network, against torch.optim after gloo's all-reduce.
+        for opt in ("sgd", "adam"):
+            a = ddp_train.train(steps=6, seed=3, optimizer="offload-" + opt)
+            b = ddp_train.train(steps=6, seed=3, optimizer=opt, process_group=gloo)
+            diff = max(abs(x - y) for x, y in zip(a, b))
+            print(f"     ddp offload-{opt}: netdam {a[-1]:.7f} gloo+torch.optim {b[-1]:.7f} max |diff| {diff:.2e}",
+                  flush=True)
+            if diff > 1e-5:
+                raise AssertionError(f"ddp offload-{opt}: losses differ by {diff}: {a} vs {b}")
+
     for name, fn in [("all_reduce", allreduce_all), ("all_reduce non-contiguous", allreduce_noncontiguous),
                      ("broadcast", broadcast_all), ("reduce", reduce_all), ("all_gather", allgather_all),
                      ("reduce_scatter", reduce_scatter_all), ("all_reduce_coalesced", coalesced),
                      ("async work and futures", async_and_futures), ("barrier", barrier),
                      ("all_gather_object, broadcast_object_list", objects), ("errors", errors), ("timeout", timeout),
-                     ("ddp netdam vs gloo", ddp)]:
+                     ("ddp netdam vs gloo", ddp), ("ddp with the optimizer offloaded", ddp_offloaded)]:
         check.run(name, fn)
     dist.destroy_process_group()
     return 1 if check.failures else 0

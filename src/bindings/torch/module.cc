@@ -72,7 +72,17 @@ PYBIND11_MODULE(_torch_backend, m) {
            py::arg("rank"), py::arg("devices"), py::arg("shm") = "", py::arg("admin_key") = 0xAD,
            py::arg("capacity") = 64ull << 20, py::arg("slots") = 2, py::arg("timeout") = 1800.0,
            py::arg("device") = nullptr, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("capacity", &ProcessGroupNetdam::capacity);
+      .def_property_readonly("capacity", &ProcessGroupNetdam::capacity)
+      .def_property_readonly("devices", [](const ProcessGroupNetdam& pg) { return pg.group_options().devices; },
+                             "every rank's device, in rank order")
+      .def_property_readonly("shm", [](const ProcessGroupNetdam& pg) { return pg.group_options().shm; },
+                             "this rank's device memory in /dev/shm, if mapped")
+      .def_property_readonly("admin_key", [](const ProcessGroupNetdam& pg) { return pg.group_options().admin_key; })
+      .def_property_readonly("timeout",
+                             [](const ProcessGroupNetdam& pg) { return pg.group_options().timeout.count() / 1000.0; },
+                             "seconds")
+      .def_property_readonly("slots_end", &ProcessGroupNetdam::slots_end,
+                             "device address after the group's slots: free for other use (netdam.optim)");
   m.def("configured_groups", &ProcessGroupNetdam::configured_groups,
         "Live process groups on configured devices (not started by this process).");
 }

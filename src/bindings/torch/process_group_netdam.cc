@@ -104,7 +104,9 @@ void WorkNetdam::complete(const Error& e) {
 // ---------------------------------------------------------------- group
 
 ProcessGroupNetdam::ProcessGroupNetdam(const NetdamOptions& opts, std::shared_ptr<LocalDevice> device)
-    : c10d::ProcessGroup(opts.group.rank, static_cast<int>(opts.group.devices.size())), device_(std::move(device)) {
+    : c10d::ProcessGroup(opts.group.rank, static_cast<int>(opts.group.devices.size())),
+      options_(opts.group),
+      device_(std::move(device)) {
   auto r = Runner::start(opts.group);
   TORCH_CHECK(r.ok(), "netdam: cannot create the group (rank ", opts.group.rank, " of ", opts.group.devices.size(),
               "): ", r.error().to_string());

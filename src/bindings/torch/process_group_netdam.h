@@ -54,6 +54,9 @@ class ProcessGroupNetdam : public c10d::ProcessGroup {
   // time may use them).
   static int configured_groups();
   uint64_t capacity() const { return runner_->capacity(); }
+  // What another netdam.Group on the same devices needs (netdam.optim).
+  const GroupOptions& group_options() const { return options_; }
+  uint64_t slots_end() const { return runner_->slots_end(); }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts = {}) override;
@@ -82,6 +85,7 @@ class ProcessGroupNetdam : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, Request r, std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> keep, std::function<void()> finish = {});
 
+  GroupOptions options_;
   std::unique_ptr<Runner> runner_;
   std::shared_ptr<LocalDevice> device_;
 };

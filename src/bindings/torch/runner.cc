@@ -54,6 +54,7 @@ Runner::Runner(std::unique_ptr<Group> g, const GroupOptions& opts)
       rank_(opts.rank),
       size_(static_cast<int>(opts.devices.size())),
       capacity_(opts.capacity),
+      slots_end_(group_->slots_end()),
       max_in_flight_(static_cast<size_t>(std::max(opts.slots, 1))) {
   thread_ = std::thread([this] { run(); });
 }

@@ -66,6 +66,8 @@ class Runner {
   int rank() const { return rank_; }
   int size() const { return size_; }
   uint64_t capacity() const { return capacity_; }
+  // Device address after the Group's slots (Group::slots_end).
+  uint64_t slots_end() const { return slots_end_; }
 
  private:
   struct Chunk;
@@ -81,6 +83,7 @@ class Runner {
   const int rank_;
   const int size_;
   const uint64_t capacity_;
+  const uint64_t slots_end_;
   const size_t max_in_flight_;
 
   std::mutex mu_;
