@@ -7,16 +7,22 @@ bash scripts/setup.sh
 jobs=$(nproc)
 
 echo "== build and test (RelWithDebInfo)"
-BUILD_DIR=build bash scripts/build.sh
+# No test runs netdam-bench (scripts/demo.sh builds and runs it): CI's
+# 15 minutes on 2 cores go to the tests.
+BUILD_DIR=build bash scripts/build.sh -DNETDAM_BENCH=OFF
 (cd build && ctest --output-on-failure -j "$jobs" --timeout 600)
 
 echo "== build and test under AddressSanitizer + UndefinedBehaviorSanitizer"
 BUILD_DIR=build-asan BUILD_TYPE=Debug bash scripts/build.sh -DNETDAM_SANITIZE=ON -DNETDAM_BENCH=OFF
+# Every test but the few largest cases of the loss tests, which the build
+# above ran and which take most of a minute each at -O0 with ASan; the
+# same code runs in their smaller cases here.
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-   ctest --output-on-failure -j "$jobs" --timeout 900)
+   ctest --output-on-failure -j "$jobs" --timeout 900 \
+     -E '^Torus\.TenPercentLossDuplicationAndReorder$|^Fabric/RanksAndSizes\.AllReduceF32SumIsExact/p16_n(1001|1840|1841)_loss5 ')
 
 if [[ -f scripts/fuzz.sh ]]; then
   echo "== short fuzz run"
-  FUZZ_SECONDS=${FUZZ_SECONDS:-30} bash scripts/fuzz.sh
+  FUZZ_SECONDS=${FUZZ_SECONDS:-20} bash scripts/fuzz.sh
 fi
 echo "== all tests passed"

@@ -32,6 +32,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/process.h"
+
 extern char** environ;
 
 namespace netdam::testing {
@@ -280,19 +282,7 @@ class TestDaemon {
   // daemon that ignores SIGTERM for `wait` is killed.
   int stop(std::chrono::milliseconds wait = std::chrono::seconds(10)) {
     if (pid_ <= 0) return -1;
-    kill(pid_, SIGTERM);
-    const auto deadline = std::chrono::steady_clock::now() + wait;
-    int status = 0;
-    for (;;) {
-      const pid_t w = waitpid(pid_, &status, WNOHANG);
-      if (w == pid_ || (w < 0 && errno != EINTR)) break;
-      if (std::chrono::steady_clock::now() > deadline) {
-        kill(pid_, SIGKILL);
-        waitpid(pid_, &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
+    const int status = common::stop_child(pid_, wait);
     pid_ = 0;
     return detail::exit_code_of(status);
   }

@@ -61,7 +61,11 @@ Sparse sparse_arg(const py::object& s) {
 
 class PyClient {
  public:
-  PyClient(const std::string& device, uint32_t rkey, double timeout, size_t max_payload, bool detect_restart) {
+  PyClient(const std::string& device, uint32_t rkey, double timeout, size_t max_payload, bool detect_restart)
+      : client_(connect(device, rkey, timeout, max_payload, detect_restart), "client") {}
+
+  static std::unique_ptr<Client> connect(const std::string& device, uint32_t rkey, double timeout,
+                                         size_t max_payload, bool detect_restart) {
     ClientOptions o;
     o.rkey = rkey;
     o.timeout = seconds_arg(timeout, "timeout");
@@ -71,23 +75,15 @@ class PyClient {
       py::gil_scoped_release nogil;
       return Client::connect(device, o);
     }();
-    client_ = unwrap(std::move(r));
+    return unwrap(std::move(r));
   }
 
   // Runs f(Client&) with the GIL released and this wrapper locked.
   template <typename F>
   auto run(F&& f) {
-    py::gil_scoped_release nogil;
-    std::lock_guard lock(mu_);
-    if (!client_) throw py::value_error("the client is closed");
-    return f(*client_);
+    return client_.run(std::forward<F>(f));
   }
-
-  void close() {
-    py::gil_scoped_release nogil;
-    std::lock_guard lock(mu_);
-    client_.reset();
-  }
+  void close() { client_.close(); }
 
   py::dict ping() {
     auto r = run([](Client& c) { return c.ping(); });
@@ -196,15 +192,10 @@ class PyClient {
   uint32_t rkey() {
     return run([](Client& c) { return c.options().rkey; });
   }
-  bool closed() {
-    py::gil_scoped_release nogil;
-    std::lock_guard lock(mu_);
-    return client_ == nullptr;
-  }
+  bool closed() { return client_.closed(); }
 
  private:
-  std::mutex mu_;
-  std::unique_ptr<Client> client_;
+  Held<Client> client_;
 };
 
 }  // namespace

@@ -16,6 +16,8 @@
 #include <pybind11/pybind11.h>
 
 #include <chrono>
+#include <memory>
+#include <mutex>
 #include <cstddef>
 #include <optional>
 #include <span>
@@ -43,6 +45,38 @@ T unwrap(Result<T>&& r) {
   if (!r.ok()) raise_error(r.error());
   return std::move(r).value();
 }
+
+// --- the wrapped object -----------------------------------------------------
+// A Client, Group or Pool as the Python object holds it: run() calls into
+// it with the GIL released and under the wrapper's mutex (see above);
+// close() releases it, after which run() raises ValueError naming `what`.
+template <typename T>
+class Held {
+ public:
+  Held(std::unique_ptr<T> object, const char* what) : object_(std::move(object)), what_(what) {}
+  template <typename F>
+  auto run(F&& f) {
+    py::gil_scoped_release nogil;
+    std::lock_guard lock(mu_);
+    if (!object_) throw py::value_error(std::string("the ") + what_ + " is closed");
+    return f(*object_);
+  }
+  void close() {
+    py::gil_scoped_release nogil;
+    std::lock_guard lock(mu_);
+    object_.reset();
+  }
+  bool closed() {
+    py::gil_scoped_release nogil;
+    std::lock_guard lock(mu_);
+    return object_ == nullptr;
+  }
+
+ private:
+  std::mutex mu_;
+  std::unique_ptr<T> object_;
+  const char* what_;
+};
 
 // --- buffers (buffers.cc) --------------------------------------------------
 // A C-contiguous view of a Python object: anything with the buffer protocol

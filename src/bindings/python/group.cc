@@ -46,22 +46,14 @@ class PyGroup {
       py::gil_scoped_release nogil;
       return Group::create(o);
     }();
-    group_ = unwrap(std::move(r));
+    group_ = std::make_unique<Held<Group>>(unwrap(std::move(r)), "group");
   }
 
   template <typename F>
   auto run(F&& f) {
-    py::gil_scoped_release nogil;
-    std::lock_guard lock(mu_);
-    if (!group_) throw py::value_error("the group is closed");
-    return f(*group_);
+    return group_->run(std::forward<F>(f));
   }
-
-  void close() {
-    py::gil_scoped_release nogil;
-    std::lock_guard lock(mu_);
-    group_.reset();
-  }
+  void close() { group_->close(); }
 
   py::object allreduce(const py::object& x, const std::string& op, const py::object& out, const py::object& dtype) {
     const Reduction r = parse_reduction_arg(op);
@@ -172,15 +164,10 @@ class PyGroup {
   int size() { return run([](Group& g) { return g.size(); }); }
   size_t block_bytes() { return run([](Group& g) { return g.block_bytes(); }); }
   bool uses_multicast() { return run([](Group& g) { return g.uses_multicast(); }); }
-  bool closed() {
-    py::gil_scoped_release nogil;
-    std::lock_guard lock(mu_);
-    return group_ == nullptr;
-  }
+  bool closed() { return group_->closed(); }
 
  private:
-  std::mutex mu_;
-  std::unique_ptr<Group> group_;
+  std::unique_ptr<Held<Group>> group_;
 };
 
 }  // namespace

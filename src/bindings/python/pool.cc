@@ -55,7 +55,10 @@ py::dict pool_info_dict(const PoolInfo& i) {
 
 class PyPool {
  public:
-  PyPool(const std::string& proxy, uint32_t admin_key, double timeout) {
+  PyPool(const std::string& proxy, uint32_t admin_key, double timeout)
+      : pool_(connect(proxy, admin_key, timeout), "pool") {}
+
+  static std::unique_ptr<Pool> connect(const std::string& proxy, uint32_t admin_key, double timeout) {
     PoolOptions o;
     o.admin_key = admin_key;
     o.timeout = seconds_arg(timeout, "timeout");
@@ -63,26 +66,15 @@ class PyPool {
       py::gil_scoped_release nogil;
       return Pool::connect(proxy, o);
     }();
-    pool_ = unwrap(std::move(r));
+    return unwrap(std::move(r));
   }
 
   template <typename F>
   auto run(F&& f) {
-    py::gil_scoped_release nogil;
-    std::lock_guard lock(mu_);
-    if (!pool_) throw py::value_error("the pool is closed");
-    return f(*pool_);
+    return pool_.run(std::forward<F>(f));
   }
-  void close() {
-    py::gil_scoped_release nogil;
-    std::lock_guard lock(mu_);
-    pool_.reset();
-  }
-  bool closed() {
-    py::gil_scoped_release nogil;
-    std::lock_guard lock(mu_);
-    return pool_ == nullptr;
-  }
+  void close() { pool_.close(); }
+  bool closed() { return pool_.closed(); }
 
   PoolAllocation alloc(const std::string& name, uint64_t size, uint32_t stripe, const std::string& policy,
                        uint8_t devices, int first_device) {
@@ -149,8 +141,7 @@ class PyPool {
   }
 
  private:
-  std::mutex mu_;
-  std::unique_ptr<Pool> pool_;
+  Held<Pool> pool_;
 };
 
 }  // namespace

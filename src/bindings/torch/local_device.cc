@@ -19,6 +19,8 @@
 
 #include <fmt/format.h>
 
+#include "common/process.h"
+
 namespace netdam::torch_backend {
 
 namespace {
@@ -117,19 +119,7 @@ LocalDevice::~LocalDevice() { stop(); }
 
 void LocalDevice::stop() {
   if (pid_ > 0) {
-    kill(pid_, SIGTERM);
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    int status = 0;
-    for (;;) {
-      const pid_t w = waitpid(pid_, &status, WNOHANG);
-      if (w == pid_ || (w < 0 && errno != EINTR)) break;
-      if (std::chrono::steady_clock::now() > deadline) {
-        kill(pid_, SIGKILL);
-        waitpid(pid_, &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    common::stop_child(pid_, std::chrono::seconds(5));
     pid_ = -1;
   }
   std::error_code ec;
