@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-BUILD_DIR=build bash scripts/build.sh
+# NETDAM_BENCH explicitly: a build dir configured by scripts/test.sh has it off.
+BUILD_DIR=build bash scripts/build.sh -DNETDAM_BENCH=ON
 
 bin=build/src
 work=$(mktemp -d)
