@@ -97,6 +97,8 @@ netdam -d "$proxy" pool get demo --length 200000 --direct | cmp - "$work/blob" &
 netdam -d "$proxy" pool stat
 
 step "PyTorch: DDP on 4 ranks over the netdam torch.distributed backend, Adam offloaded to the devices (netdam.optim): the devices hold the weights and Adam's state, and every rank's gradients are averaged in the network on their way to them"
-PYTHONPATH=build/python /usr/bin/python3 examples/ddp_train.py --backend netdam --optimizer offload-adam --steps 10
+# The ranks start devices of their own (NETDAM_DEVICE above names the first demo device).
+env -u NETDAM_DEVICE PYTHONPATH=build/python /usr/bin/python3 examples/ddp_train.py --backend netdam \
+  --optimizer offload-adam --steps 10
 
 step "done"
