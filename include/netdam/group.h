@@ -37,6 +37,9 @@ namespace netdam {
 namespace transport {
 class Transport;
 }
+namespace collectives {
+struct OffloadLayout;
+}
 
 enum class Reduction : uint8_t { kSum, kMin, kMax, kAvg };
 std::string_view to_string(Reduction r);
@@ -173,9 +176,9 @@ class Group {
   // momentum buffer, Adam exp_avg) or 2 (Adam exp_avg_sq), read from every
   // device. Not collective: any rank may call it when no step is running.
   Error offload_read(std::span<float> out, int which = 0);
-  uint64_t offload_count() const { return offload_.count; }
+  uint64_t offload_count() const;
   // Weights per chunk: each chunk of the vector is one collective.
-  uint64_t offload_chunk() const { return offload_.chunk; }
+  uint64_t offload_chunk() const;
 
   // Advances every collective in progress without blocking; true if any
   // made progress.
@@ -215,10 +218,7 @@ class Group {
   std::deque<std::shared_ptr<detail::WorkState>> active_;
   Hop multicast_;  // the group, if it reaches every device (ip 0: chains only)
   size_t opt_block_ = 0;  // block of optimizer chains (one segment more)
-  struct {
-    uint64_t base = 0, count = 0, chunk = 0;
-    uint32_t key = 0;
-  } offload_;
+  std::unique_ptr<collectives::OffloadLayout> offload_;  // after offload_init
   std::array<std::byte, 8> probe_token_{};
   Op probe_;
 

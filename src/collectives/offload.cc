@@ -14,18 +14,8 @@
 
 namespace netdam {
 
-namespace {
-collectives::OffloadLayout layout_of(uint64_t base, uint32_t key, uint64_t count, uint64_t chunk,
-                                     int ranks) {
-  collectives::OffloadLayout l;
-  l.base = base;
-  l.key = key;
-  l.count = count;
-  l.chunk = chunk;
-  l.ranks = ranks;
-  return l;
-}
-}  // namespace
+uint64_t Group::offload_count() const { return offload_ ? offload_->count : 0; }
+uint64_t Group::offload_chunk() const { return offload_ ? offload_->chunk : 0; }
 
 Error Group::offload_init(const OffloadOptions& o, std::span<const float> initial) {
   if (opts_.admin_key == 0) return Error::invalid("offload_init needs the group's admin key");
@@ -42,8 +32,13 @@ Error Group::offload_init(const OffloadOptions& o, std::span<const float> initia
     return Error::invalid("offload_init: the group capacity holds less than one weight per rank");
   const uint64_t base = o.base ? o.base : slots_end();
   const uint32_t key = o.key ? o.key : opts_.key_base + 0x80;
-  const auto l = layout_of(base, key, o.count, chunk, size());
-  offload_ = {};
+  collectives::OffloadLayout l;
+  l.base = base;
+  l.key = key;
+  l.count = o.count;
+  l.chunk = chunk;
+  l.ranks = size();
+  offload_.reset();
 
   client_->region_del(opts_.admin_key, key);
   if (Error e = client_->region_add(opts_.admin_key, RegionInfo{base, l.bytes(), key, 3}))
@@ -59,19 +54,19 @@ Error Group::offload_init(const OffloadOptions& o, std::span<const float> initia
   if (Error e = client_->write(l.params(0), std::as_bytes(std::span(mine)), key)) return e;
   const std::byte zero[1] = {};
   if (Error e = client_->fill(base + l.stride(), 2 * l.stride(), zero, key)) return e;
-  offload_ = {base, o.count, chunk, key};
+  offload_ = std::make_unique<collectives::OffloadLayout>(l);
   return {};
 }
 
 std::vector<Work> Group::optimizer_step_async(std::span<const float> grad, std::span<float> weights,
                                               OptimizerConfig cfg) {
   auto refused = [](Error e) { return std::vector<Work>{Work(detail::failed(std::move(e)))}; };
-  if (offload_.count == 0) return refused(Error::invalid("optimizer_step before offload_init"));
-  if (grad.size() != offload_.count || weights.size() != offload_.count)
+  if (!offload_) return refused(Error::invalid("optimizer_step before offload_init"));
+  const collectives::OffloadLayout& l = *offload_;
+  if (grad.size() != l.count || weights.size() != l.count)
     return refused(Error::invalid(fmt::format("optimizer_step: {} gradients and {} weights for {} offloaded weights",
-                                              grad.size(), weights.size(), offload_.count)));
+                                              grad.size(), weights.size(), l.count)));
   if (cfg.step == 0) return refused(Error::invalid("optimizer_step: steps count from 1"));
-  const auto l = layout_of(offload_.base, offload_.key, offload_.count, offload_.chunk, size());
   cfg.state1_offset = l.stride();
   cfg.state2_offset = 2 * l.stride();
   // Every chunk is its own collective; with several slots they overlap.
@@ -99,11 +94,11 @@ Error Group::optimizer_step(std::span<const float> grad, std::span<float> weight
 }
 
 Error Group::offload_read(std::span<float> out, int which) {
-  if (offload_.count == 0) return Error::invalid("offload_read before offload_init");
-  if (out.size() != offload_.count || which < 0 || which > 2)
+  if (!offload_) return Error::invalid("offload_read before offload_init");
+  const collectives::OffloadLayout& l = *offload_;
+  if (out.size() != l.count || which < 0 || which > 2)
     return Error::invalid(fmt::format("offload_read: {} elements of state {} from a vector of {}",
-                                      out.size(), which, offload_.count));
-  const auto l = layout_of(offload_.base, offload_.key, offload_.count, offload_.chunk, size());
+                                      out.size(), which, l.count));
   std::vector<Op> reads;
   auto bytes = std::as_writable_bytes(out);
   for (uint64_t j = 0; j < l.chunks(); ++j) {
