@@ -147,6 +147,33 @@ TEST(Client, AtomicsAnswerOldValues) {
   EXPECT_EQ(*c->fetch_add(8, 0), 100u);
 }
 
+// defer_sends: asynchronous calls only queue; the next poll sends them all,
+// and they complete as usual.
+TEST(Client, DeferredSendsLeaveTogetherAtThePoll) {
+  Fabric fabric;
+  FabricDevice dev(fabric, kDeviceAddr, 7);
+  auto c = connect(fabric);
+  ASSERT_TRUE(c);
+  const auto data = random_bytes(64 << 10, 3);
+  ASSERT_FALSE(c->write(0, data));
+  c->defer_sends(true);
+  const uint64_t before = c->counters().packets_sent;
+  std::vector<std::vector<std::byte>> out(16, std::vector<std::byte>(4096));
+  std::vector<Op> ops;
+  for (size_t i = 0; i < out.size(); ++i) ops.push_back(c->read_async(i * 4096, out[i]));
+  EXPECT_EQ(c->counters().packets_sent, before);  // queued, not sent
+  c->poll();
+  EXPECT_EQ(c->counters().packets_sent, before + out.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    ASSERT_FALSE(c->wait(ops[i])) << i;
+    EXPECT_TRUE(std::equal(out[i].begin(), out[i].end(), data.begin() + static_cast<std::ptrdiff_t>(i * 4096)));
+  }
+  // A synchronous call drives the client, so it never waits on itself.
+  std::vector<std::byte> one(100);
+  ASSERT_FALSE(c->read(5, one));
+  EXPECT_TRUE(std::equal(one.begin(), one.end(), data.begin() + 5));
+}
+
 TEST(Client, NakCarriesStatus) {
   Fabric fabric;
   FabricDevice dev(fabric, kDeviceAddr, 7, 1 << 20);

@@ -64,7 +64,7 @@ std::vector<Arrival> receive_numbered(Transport& t) {
     for (size_t i = 0; i < n; ++i) {
       uint32_t number = 0;
       EXPECT_EQ(slots.msgs[i].len, sizeof number);
-      std::memcpy(&number, slots.msgs[i].buf.data(), sizeof number);
+      std::memcpy(&number, slots.msgs[i].data().data(), sizeof number);
       out.push_back({number, t.now()});
     }
   }

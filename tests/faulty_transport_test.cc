@@ -166,7 +166,7 @@ TEST(FaultyTransport, RatesOnLoopback) {
       for (size_t i = 0; i < n; ++i) {
         ASSERT_EQ(in[i].len, 8u);
         uint64_t v;
-        std::memcpy(&v, in[i].buf.data(), 8);
+        std::memcpy(&v, in[i].data().data(), 8);
         ASSERT_LT(v, kN);
         ++received;
         // A first copy arriving after a higher number: it was held back.

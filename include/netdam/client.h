@@ -194,6 +194,11 @@ class Client {
   // Blocks until an answer arrives or a retransmission is due (at most a
   // few milliseconds), then does what can be done.
   void wait_any();
+  // Batching: while on, an asynchronous call only queues its packets; they
+  // leave at the next poll(), wait_any() or wait(), all together (one
+  // sendmmsg, and with UDP GSO one train per run of equal-sized packets).
+  // Off by default: an asynchronous call sends at once.
+  void defer_sends(bool on) { defer_sends_ = on; }
 
   // The transport's clock (virtual on the test fabric): use it for timers.
   std::chrono::steady_clock::time_point now() const;
@@ -233,6 +238,7 @@ class Client {
   DeviceInfo info_;
   uint64_t next_txn_;
   std::deque<std::unique_ptr<Packet>> queue_;
+  bool defer_sends_ = false;
   std::map<uint64_t, std::unique_ptr<Packet>> inflight_;  // by txn: oldest first
   size_t inflight_bytes_ = 0;
   struct Recovery;  // per route class: RTT, timers, loss detection

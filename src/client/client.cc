@@ -195,7 +195,7 @@ Error check_range(uint64_t addr, uint64_t len) {
 
 Op Client::start(std::shared_ptr<detail::OpState> op) {
   op->started = true;
-  send_queued();
+  if (!defer_sends_) send_queued();
   return Op(std::move(op));
 }
 
@@ -795,7 +795,7 @@ void Client::pump(bool block) {
   for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);
   const size_t n = transport_->recv_batch(in, timeout);
   for (size_t i = 0; i < n; ++i)
-    if (!in[i].truncated) receive(in[i].buf.data(), in[i].len, in[i].from);
+    if (!in[i].truncated) receive(in[i].data().data(), in[i].len, in[i].from);
   check_timers();
   send_queued();
 }

@@ -27,7 +27,7 @@ size_t DeviceLoop::poll_once(transport::Duration timeout) {
   for (size_t i = 0; i < n; ++i) {
     auto& m = in_[i];
     auto out = std::span(out_).subspan(i * out_size_, out_size_);
-    core::Action a = engine_.handle(to_core(m.from), m.buf.first(m.len), out);
+    core::Action a = engine_.handle(to_core(m.from), m.data(), out);
     if (a.kind != core::Action::Kind::kNone)
       send_.push_back(transport::OutMsg{to_transport(a.to), {a.head, a.data}});
   }
@@ -44,7 +44,7 @@ void DeviceLoop::run(const std::atomic<bool>& stop) {
 
 void DeviceLoop::serve_one(core::Engine& engine, transport::InMsg& msg, transport::Transport& self,
                            std::vector<std::byte>& out) {
-  core::Action a = engine.handle(to_core(msg.from), msg.buf.first(msg.len), out);
+  core::Action a = engine.handle(to_core(msg.from), msg.data(), out);
   if (a.kind != core::Action::Kind::kNone) {
     transport::OutMsg m{to_transport(a.to), {a.head, a.data}};
     self.send_batch({&m, 1});

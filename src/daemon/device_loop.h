@@ -14,7 +14,7 @@ namespace netdam::device {
 
 class DeviceLoop {
  public:
-  static constexpr size_t kBatch = 32;
+  static constexpr size_t kBatch = 64;
 
   DeviceLoop(core::Device& device, transport::Transport& transport);
 

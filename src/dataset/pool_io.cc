@@ -79,7 +79,9 @@ Result<pool::AllocMap> fetch_map(Pool& pool, uint64_t base, uint32_t key, std::c
 }  // namespace
 
 PoolIo::PoolIo(Pool& pool, const PoolAllocation& a, Pool::Path path) : pool_(pool), alloc_(a), path_(path) {}
-PoolIo::~PoolIo() = default;
+PoolIo::~PoolIo() {
+  if (path_ == Pool::Path::kProxy) pool_.proxy_client().defer_sends(false);
+}
 
 Result<std::unique_ptr<PoolIo>> PoolIo::open(Pool& pool, const PoolAllocation& a, Pool::Path path,
                                              const ClientOptions& client) {
@@ -87,6 +89,7 @@ Result<std::unique_ptr<PoolIo>> PoolIo::open(Pool& pool, const PoolAllocation& a
   if (path == Pool::Path::kProxy) {
     auto d = std::make_unique<Device>();
     d->client = &pool.proxy_client();
+    d->client->defer_sends(true);  // sent together by progress(); Pool's own calls wait, which sends
     io->devices_.push_back(std::move(d));
     return io;
   }
@@ -121,6 +124,7 @@ Result<std::unique_ptr<PoolIo>> PoolIo::open(Pool& pool, const PoolAllocation& a
     } else {
       d->owned = std::move(*c);
       d->client = d->owned.get();
+      d->client->defer_sends(true);  // operations leave together from progress()
       if (d->client->device_info().boot_id != s.boot)
         d->broken = Error::nak(Status::kDeviceLost, "device " + ep.to_string() + " restarted: its data is gone");
     }

@@ -11,6 +11,10 @@
 // device), reads go to the first live copy, writes to every live copy. The
 // device incarnations must be those the map names, else DEVICE_LOST.
 //
+// read() and write() only queue their packets (Client::defer_sends, also on
+// the Pool's proxy client while this PoolIo lives): they leave together at
+// the next progress(), a batch per device instead of a system call each.
+//
 // Not thread-safe. Buffers must stay alive until their operation completes.
 #pragma once
 

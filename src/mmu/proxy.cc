@@ -151,7 +151,7 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
   for (int round = 0; round < 4; ++round) {
     const size_t n = listen_->recv_batch(in, 0ns);
     for (size_t i = 0; i < n; ++i)
-      if (!in[i].truncated) handle(in[i].buf.first(in[i].len), in[i].from);
+      if (!in[i].truncated) handle(in[i].data(), in[i].from);
     if (n < kRxBatch) break;
   }
   health_receive();
@@ -733,7 +733,7 @@ void Proxy::health_receive() {
   for (;;) {
     const size_t n = health_->recv_batch(in, 0ns);
     for (size_t i = 0; i < n; ++i) {
-      auto d = in[i].buf.first(in[i].len);
+      auto d = in[i].data();
       if (d.size() != kHeaderSize + core::kPingPayloadSize || load_be<uint32_t>(d.data()) != kMagic) continue;
       core::Header h = core::decode_header(d.data());
       const uint64_t id = h.txn >> 32;

@@ -232,6 +232,7 @@ size_t Fabric::receive(Port& port, std::span<InMsg> msgs, Duration timeout) {
     if (slot.len > 0) std::memcpy(slot.buf.data(), event.data.data(), slot.len);
     slot.from = event.from;
     slot.truncated = event.data.size() > slot.buf.size();
+    slot.at = nullptr;
     port.inbox_.pop_front();
   }
   return n;

@@ -43,12 +43,19 @@ struct OutMsg {
   size_t size() const { return parts[0].size() + parts[1].size(); }
 };
 
-// A receive slot: `buf` is caller-owned; the transport fills `len`, `from`.
+// A receive slot: `buf` is caller-owned storage; the transport fills `len`,
+// `from`, and `at` when the datagram is not at the start of `buf`: a socket
+// with UDP GRO receives a train of datagrams into one slot's buffer, and the
+// other datagrams of the train are handed out in the following slots as views
+// into that buffer (no copy). Read a datagram through data(); it stays valid
+// until the next recv_batch on any of the slots.
 struct InMsg {
   std::span<std::byte> buf;
   size_t len = 0;
   Endpoint from;
-  bool truncated = false;  // the datagram was larger than buf
+  bool truncated = false;   // the datagram was larger than buf
+  std::byte* at = nullptr;  // where the datagram is; nullptr: buf.data()
+  std::span<std::byte> data() const { return {at != nullptr ? at : buf.data(), len}; }
 };
 
 class Transport {

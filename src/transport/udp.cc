@@ -2,13 +2,23 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <netinet/udp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <system_error>
+
+// glibc 2.36's headers may lack them; the values are the kernel's ABI.
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+#ifndef UDP_GRO
+#define UDP_GRO 104
+#endif
 
 namespace netdam::transport {
 
@@ -21,6 +31,13 @@ constexpr size_t kChunk = 64;
 // progress, so a wedged NIC queue cannot hang the caller forever.
 constexpr auto kStallLimit = std::chrono::milliseconds(100);
 constexpr int kWaitWritableMs = 10;
+// A train is one IPv4 datagram before segmentation: its payload must fit
+// in 65507 bytes, and kernels before 6.3 segment at most 64 datagrams.
+constexpr size_t kMaxTrainBytes = 65507;
+constexpr size_t kMaxTrainSegments = 64;
+// Trains are worth it only when per-datagram costs dominate; below this a
+// route's MTU never gets in the way (Ethernet 1500 minus IP and UDP).
+constexpr size_t kSafeSegment = 1472;
 
 sockaddr_in to_sockaddr(Endpoint ep) {
   sockaddr_in sin{};
@@ -71,6 +88,11 @@ std::unique_ptr<UdpTransport> UdpTransport::open(const UdpOptions& options, std:
   }
   set_buffer(fd, SO_RCVBUFFORCE, SO_RCVBUF, options.rcvbuf);
   set_buffer(fd, SO_SNDBUFFORCE, SO_SNDBUF, options.sndbuf);
+  // Both are optional speed-ups: a kernel without them gets plain datagrams.
+  const int zero = 0, one = 1;
+  if (options.gso && setsockopt(fd, IPPROTO_UDP, UDP_SEGMENT, &zero, sizeof zero) == 0)
+    transport->gso_max_segment_.store(kMaxTrainBytes, std::memory_order_relaxed);
+  transport->gro_ = options.gro && setsockopt(fd, IPPROTO_UDP, UDP_GRO, &one, sizeof one) == 0;
 
   const sockaddr_in bind_addr = to_sockaddr(options.bind);
   if (bind(fd, reinterpret_cast<const sockaddr*>(&bind_addr), sizeof bind_addr) != 0) {
@@ -113,9 +135,13 @@ std::unique_ptr<UdpTransport> UdpTransport::open_multicast(Endpoint group, uint3
 UdpTransport::~UdpTransport() { ::close(fd_); }
 
 size_t UdpTransport::send_batch(std::span<const OutMsg> msgs) {
+  // Each call carries at most kChunk datagrams, so at most 2 * kChunk iovecs,
+  // grouped into trains (one mmsghdr each).
   mmsghdr hdrs[kChunk];
-  iovec iovs[kChunk][2];
+  iovec iovs[2 * kChunk];
   sockaddr_in addrs[kChunk];
+  alignas(cmsghdr) char ctrl[kChunk][CMSG_SPACE(sizeof(uint16_t))];
+  size_t train_size[kChunk];
 
   size_t done = 0;
   bool stalled = false;
@@ -123,34 +149,71 @@ size_t UdpTransport::send_batch(std::span<const OutMsg> msgs) {
   while (done < msgs.size()) {
     // Rebuilt from `done` on every pass: simpler than tracking a partially
     // sent chunk, and cheap next to the system call.
-    const size_t n = std::min(kChunk, msgs.size() - done);
-    for (size_t i = 0; i < n; ++i) {
-      const OutMsg& m = msgs[done + i];
-      addrs[i] = to_sockaddr(m.to);
-      size_t parts = 0;
-      for (const auto& part : m.parts) {
-        if (part.empty()) continue;  // a zero-length iovec would be legal but pointless
-        iovs[i][parts].iov_base = const_cast<std::byte*>(part.data());
-        iovs[i][parts].iov_len = part.size();
-        ++parts;
+    const size_t max_segment = gso_max_segment_.load(std::memory_order_relaxed);
+    const size_t limit = std::min(msgs.size(), done + kChunk);
+    size_t trains = 0, iov = 0;
+    for (size_t i = done; i < limit; ++trains) {
+      // A train: datagrams to one peer, all of the first one's size except
+      // a shorter last one (that is how the kernel cuts it again).
+      const OutMsg& first = msgs[i];
+      const size_t segment = first.size();
+      size_t count = 0, bytes = 0;
+      const size_t iov0 = iov;
+      do {
+        const OutMsg& m = msgs[i];
+        for (const auto& part : m.parts) {
+          if (part.empty()) continue;  // a zero-length iovec would be legal but pointless
+          iovs[iov].iov_base = const_cast<std::byte*>(part.data());
+          iovs[iov].iov_len = part.size();
+          ++iov;
+        }
+        bytes += m.size();
+        ++count;
+        ++i;
+        if (m.size() < segment) break;
+      } while (i < limit && segment > 0 && segment <= max_segment && count < kMaxTrainSegments &&
+               msgs[i].to == first.to && msgs[i].size() > 0 && msgs[i].size() <= segment &&
+               bytes + msgs[i].size() <= kMaxTrainBytes);
+      addrs[trains] = to_sockaddr(first.to);
+      mmsghdr& h = hdrs[trains];
+      h = mmsghdr{};
+      h.msg_hdr.msg_name = &addrs[trains];
+      h.msg_hdr.msg_namelen = sizeof addrs[trains];
+      h.msg_hdr.msg_iov = &iovs[iov0];
+      h.msg_hdr.msg_iovlen = iov - iov0;
+      if (count > 1) {
+        h.msg_hdr.msg_control = ctrl[trains];
+        h.msg_hdr.msg_controllen = sizeof ctrl[trains];
+        cmsghdr* c = CMSG_FIRSTHDR(&h.msg_hdr);
+        c->cmsg_level = IPPROTO_UDP;
+        c->cmsg_type = UDP_SEGMENT;
+        c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+        const auto gso_size = static_cast<uint16_t>(segment);
+        std::memcpy(CMSG_DATA(c), &gso_size, sizeof gso_size);
       }
-      hdrs[i] = mmsghdr{};
-      hdrs[i].msg_hdr.msg_name = &addrs[i];
-      hdrs[i].msg_hdr.msg_namelen = sizeof addrs[i];
-      hdrs[i].msg_hdr.msg_iov = iovs[i];
-      hdrs[i].msg_hdr.msg_iovlen = parts;
+      train_size[trains] = count;
     }
 
-    const int rc = sendmmsg(fd_, hdrs, static_cast<unsigned>(n), 0);
+    const int rc = sendmmsg(fd_, hdrs, static_cast<unsigned>(trains), 0);
     if (rc > 0) {
-      done += static_cast<size_t>(rc);
+      for (int t = 0; t < rc; ++t) {
+        done += train_size[t];
+        if (train_size[t] > 1) trains_sent_.fetch_add(1, std::memory_order_relaxed);
+      }
       stalled = false;
       continue;
     }
     // sendmmsg reports an error only for the first message of the call, so
-    // `err` is about msgs[done].
+    // `err` is about the train starting at msgs[done].
     const int err = rc < 0 ? errno : EAGAIN;
     if (err == EINTR) continue;
+    if (train_size[0] > 1 && (err == EINVAL || err == EMSGSIZE || err == EIO)) {
+      // The route cannot take segments this large unfragmented (or the
+      // device cannot segment): send such datagrams one by one from now on.
+      const size_t segment = msgs[done].size();
+      gso_max_segment_.store(segment <= kSafeSegment ? 0 : segment - 1, std::memory_order_relaxed);
+      continue;
+    }
     if (is_retryable_send_error(err)) {
       const TimePoint t = Clock::now();
       if (!stalled) {
@@ -170,30 +233,78 @@ size_t UdpTransport::send_batch(std::span<const OutMsg> msgs) {
       continue;
     }
     // Refused for good (unreachable peer, EMSGSIZE, firewall, ...): skip it
-    // so one bad destination never stalls the rest of the batch.
-    send_errors_.fetch_add(1, std::memory_order_relaxed);
-    ++done;
+    // (a train goes to one peer) so one bad destination never stalls the
+    // rest of the batch.
+    send_errors_.fetch_add(train_size[0], std::memory_order_relaxed);
+    done += train_size[0];
     stalled = false;
   }
   return done;
+}
+
+namespace {
+std::byte* bounce_buffer() {
+  thread_local std::vector<std::byte> buffer(kMaxTrainBytes);
+  return buffer.data();
+}
+}  // namespace
+
+size_t UdpTransport::take_stash(std::span<InMsg> msgs) {
+  if (!stash_nonempty_.load(std::memory_order_acquire)) return 0;
+  std::lock_guard lock(stash_mu_);
+  size_t n = 0;
+  for (; n < msgs.size() && !stash_.empty(); ++n) {
+    const Stashed& s = stash_.front();
+    InMsg& m = msgs[n];
+    m.len = std::min(s.bytes.size(), m.buf.size());
+    if (m.len > 0) std::memcpy(m.buf.data(), s.bytes.data(), m.len);
+    m.truncated = s.truncated || s.bytes.size() > m.buf.size();
+    m.from = s.from;
+    m.at = nullptr;
+    stash_.pop_front();
+  }
+  stash_nonempty_.store(!stash_.empty(), std::memory_order_release);
+  return n;
 }
 
 size_t UdpTransport::recv_now(std::span<InMsg> msgs) {
   mmsghdr hdrs[kChunk];
   iovec iovs[kChunk];
   sockaddr_in addrs[kChunk];
+  alignas(cmsghdr) char ctrl[kChunk][CMSG_SPACE(sizeof(int))];
+  // What arrived in each slot, taken before the slots are rewritten.
+  struct Train {
+    std::byte* base;
+    size_t len, segment;
+    Endpoint from;
+    bool truncated;
+  };
+  Train arrived[kChunk];
 
-  size_t got = 0;
+  size_t got = take_stash(msgs);
   while (got < msgs.size()) {
-    const size_t n = std::min(kChunk, msgs.size() - got);
+    size_t n = std::min(kChunk, msgs.size() - got);
+    // With GRO each buffer may hold a train of several datagrams, each of
+    // which needs a slot of its own: ask for as many buffers as the last
+    // trains suggest fit, so the stash (a copy) stays the exception.
+    if (gro_) n = std::clamp<size_t>((msgs.size() - got) / train_estimate_.load(std::memory_order_relaxed), 1, n);
+    // A slot smaller than a train would cut it short and lose the datagrams
+    // past its end: such a slot receives into a bounce buffer, one train at
+    // a time, and its datagrams are copied out (truncated like any other).
+    const bool bounce = gro_ && msgs[got].buf.size() < kMaxTrainBytes;
+    if (bounce) n = 1;
     for (size_t i = 0; i < n; ++i) {
-      iovs[i].iov_base = msgs[got + i].buf.data();
-      iovs[i].iov_len = msgs[got + i].buf.size();
+      iovs[i].iov_base = bounce ? bounce_buffer() : msgs[got + i].buf.data();
+      iovs[i].iov_len = bounce ? kMaxTrainBytes : msgs[got + i].buf.size();
       hdrs[i] = mmsghdr{};
       hdrs[i].msg_hdr.msg_name = &addrs[i];
       hdrs[i].msg_hdr.msg_namelen = sizeof addrs[i];
       hdrs[i].msg_hdr.msg_iov = &iovs[i];
       hdrs[i].msg_hdr.msg_iovlen = 1;
+      if (gro_) {
+        hdrs[i].msg_hdr.msg_control = ctrl[i];
+        hdrs[i].msg_hdr.msg_controllen = sizeof ctrl[i];
+      }
     }
     const int rc = recvmmsg(fd_, hdrs, static_cast<unsigned>(n), MSG_DONTWAIT, nullptr);
     if (rc < 0) {
@@ -203,13 +314,58 @@ size_t UdpTransport::recv_now(std::span<InMsg> msgs) {
       break;  // EAGAIN: queue empty; EINTR and others: hand back what we have
     }
     for (int i = 0; i < rc; ++i) {
-      InMsg& m = msgs[got + static_cast<size_t>(i)];
-      m.len = std::min<size_t>(hdrs[i].msg_len, m.buf.size());
-      m.from = from_sockaddr(addrs[i]);
-      m.truncated = (hdrs[i].msg_hdr.msg_flags & MSG_TRUNC) != 0;
+      const msghdr& h = hdrs[i].msg_hdr;
+      Train& t = arrived[i];
+      t.base = static_cast<std::byte*>(iovs[i].iov_base);
+      t.len = std::min<size_t>(hdrs[i].msg_len, iovs[i].iov_len);
+      t.from = from_sockaddr(addrs[i]);
+      t.truncated = (h.msg_flags & MSG_TRUNC) != 0;
+      t.segment = 0;
+      if (gro_)
+        for (const cmsghdr* c = CMSG_FIRSTHDR(&h); c != nullptr; c = CMSG_NXTHDR(const_cast<msghdr*>(&h), const_cast<cmsghdr*>(c)))
+          if (c->cmsg_level == IPPROTO_UDP && c->cmsg_type == UDP_GRO) {
+            int segment = 0;
+            std::memcpy(&segment, CMSG_DATA(c), sizeof segment);
+            t.segment = segment > 0 ? static_cast<size_t>(segment) : 0;
+          }
     }
-    got += static_cast<size_t>(rc);
-    if (static_cast<size_t>(rc) < n) break;  // the queue is drained
+    // Hand out every datagram in order: the first of a train in its own
+    // slot, the others in the following slots as views into that buffer.
+    size_t most = 1;
+    bool stashed = false;
+    for (int i = 0; i < rc; ++i) {
+      const Train& t = arrived[i];
+      const size_t segment = t.segment > 0 && t.len > t.segment ? t.segment : std::max<size_t>(t.len, 1);
+      const size_t count = (t.len + segment - 1) / segment + (t.len == 0 ? 1 : 0);
+      most = std::max(most, count);
+      if (count > 1) trains_received_.fetch_add(1, std::memory_order_relaxed);
+      for (size_t s = 0; s < count; ++s) {
+        const size_t off = s * segment;
+        const size_t len = std::min(segment, t.len - off);
+        const bool truncated = t.truncated && s + 1 == count;
+        if (got < msgs.size()) {
+          InMsg& m = msgs[got++];
+          m.from = t.from;
+          if (bounce) {
+            m.at = nullptr;
+            m.len = std::min(len, m.buf.size());
+            if (m.len > 0) std::memcpy(m.buf.data(), t.base + off, m.len);
+            m.truncated = truncated || len > m.buf.size();
+          } else {
+            m.at = t.base + off;
+            m.len = len;
+            m.truncated = truncated;
+          }
+        } else {
+          std::lock_guard lock(stash_mu_);
+          stash_.push_back(Stashed{t.from, std::vector<std::byte>(t.base + off, t.base + off + len), truncated});
+          stash_nonempty_.store(true, std::memory_order_release);
+          stashed = true;
+        }
+      }
+    }
+    train_estimate_.store(most, std::memory_order_relaxed);
+    if (stashed || static_cast<size_t>(rc) < n) break;  // full, or the queue is drained
   }
   return got;
 }

@@ -1,4 +1,9 @@
-// Transport over one Linux UDP socket, batched with sendmmsg/recvmmsg.
+// Transport over one Linux UDP socket, batched with sendmmsg/recvmmsg, and
+// with UDP GSO and GRO: consecutive datagrams of one batch that go to the
+// same peer with the same size leave as one "train" (one UDP_SEGMENT send,
+// one skb through the stack), and a socket with UDP_GRO receives a train as
+// one buffer that recv_batch splits into its datagrams again. On the wire
+// they are ordinary datagrams: a peer without GRO gets them one by one.
 //
 // Thread safety: send_batch and recv_batch keep their scratch state on the
 // stack, so one thread may send while another receives (the kernel socket is
@@ -8,9 +13,12 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "transport/transport.h"
 
@@ -24,6 +32,8 @@ struct UdpOptions {
   // for 64 KiB datagrams): less drops chains that were merely early.
   int rcvbuf = 16 << 20;
   int sndbuf = 4 << 20;
+  bool gso = true;  // send trains with UDP_SEGMENT (off by itself if the kernel refuses)
+  bool gro = true;  // receive trains with UDP_GRO (ignored if the kernel lacks it)
 };
 
 class UdpTransport final : public Transport {
@@ -52,21 +62,48 @@ class UdpTransport final : public Transport {
   // EMSGSIZE, firewall) is skipped, counted as sent and in send_errors().
   size_t send_batch(std::span<const OutMsg> msgs) override;
   // Returns 0 on timeout and also when a signal interrupts the wait, so a
-  // server loop can notice a stop flag set by a signal handler.
+  // server loop can notice a stop flag set by a signal handler. With GRO,
+  // datagrams of a train that do not fit in `msgs` are kept (copied) and
+  // come first in the next call.
   size_t recv_batch(std::span<InMsg> msgs, Duration timeout) override;
   TimePoint now() const override { return Clock::now(); }
 
   int fd() const { return fd_; }
   // Datagrams skipped by send_batch because the kernel refused them.
   uint64_t send_errors() const { return send_errors_.load(std::memory_order_relaxed); }
+  // Whether trains are sent (GSO) and received (GRO) now.
+  bool gso() const { return gso_max_segment_.load(std::memory_order_relaxed) > 0; }
+  bool gro() const { return gro_; }
+  // Trains of several datagrams sent in one piece, and received in one.
+  uint64_t trains_sent() const { return trains_sent_.load(std::memory_order_relaxed); }
+  uint64_t trains_received() const { return trains_received_.load(std::memory_order_relaxed); }
 
  private:
   UdpTransport(int fd, Endpoint local) : fd_(fd), local_(local) {}
   size_t recv_now(std::span<InMsg> msgs);
+  size_t take_stash(std::span<InMsg> msgs);
 
   int fd_;
   Endpoint local_;
   std::atomic<uint64_t> send_errors_{0};
+  std::atomic<uint64_t> trains_sent_{0}, trains_received_{0};
+  // Largest datagram sent in a train. A train the kernel refuses (a
+  // segment above the route's MTU: EINVAL) lowers it below that segment
+  // size and is sent datagram by datagram; 0: no trains at all.
+  std::atomic<size_t> gso_max_segment_{0};
+  bool gro_ = false;
+  // How many datagrams the trains of the last receive held at most: sizes
+  // the next recvmmsg so that trains seldom overflow the caller's slots.
+  std::atomic<size_t> train_estimate_{1};
+  // Datagrams of a received train beyond the caller's slots, in order.
+  struct Stashed {
+    Endpoint from;
+    std::vector<std::byte> bytes;
+    bool truncated;
+  };
+  std::mutex stash_mu_;
+  std::deque<Stashed> stash_;
+  std::atomic<bool> stash_nonempty_{false};
 };
 
 }  // namespace netdam::transport

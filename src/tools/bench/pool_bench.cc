@@ -74,7 +74,7 @@ struct Options {
   size_t iters = 2000;
   double duration = 0.5;
   size_t clients = 8, depth = 128;
-  bool skip_redis = false;
+  bool skip_redis = false, skip_proxy = false;
 };
 
 // One measurement.
@@ -106,6 +106,12 @@ struct Slots {
   uint64_t next_pattern = 1;
   std::span<const std::byte> content(uint64_t id, size_t n) const { return pat->slice(id, n); }
 };
+
+// Byte comparison for the verification of both systems: memcmp, because
+// std::equal over two different iterator types compares byte by byte.
+bool same(std::span<const std::byte> a, std::span<const std::byte> b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size()) == 0);
+}
 
 bool stop_now(const Plan& p, uint64_t issued, Clock::time_point t0) {
   return p.iters ? issued >= p.iters : seconds_since(t0) >= p.duration;
@@ -151,8 +157,7 @@ Run run_netdam(PoolIo& io, const Plan& p, Slots& s, std::vector<uint64_t>& last)
         if (p.write) last[slot] = 0;  // unknown now: skip it in the read-back
       } else if (p.write) {
         last[slot] = pending[slot];
-      } else if (!std::equal(rbuf.begin() + slot * p.size, rbuf.begin() + (slot + 1) * p.size,
-                             s.content(last[slot], p.size).begin())) {
+      } else if (!same(std::span(rbuf).subspan(slot * p.size, p.size), s.content(last[slot], p.size))) {
         ++r.wrong;
       }
       free_slots.push_back(slot);
@@ -168,7 +173,7 @@ void verify_netdam(PoolIo& io, const Plan& p, const Slots& s, const std::vector<
   io.read(0, all, 0);
   if (Error e = io.wait_all()) return r.error("read-back: " + e.to_string());
   for (size_t i = 0; i < p.slots; ++i)
-    if (last[i] && !std::equal(all.begin() + i * p.size, all.begin() + (i + 1) * p.size, s.content(last[i], p.size).begin()))
+    if (last[i] && !same(std::span(all).subspan(i * p.size, p.size), s.content(last[i], p.size)))
       ++r.wrong;
 }
 
@@ -235,7 +240,7 @@ Run run_redis(std::span<RespConnection* const> conns, size_t nconns, size_t per_
         } else if (rep.kind != '$' || rep.null) {
           r.error("redis: GET answered no value");
         } else if (rep.data.size() != p.size ||
-                   !std::equal(rep.data.begin(), rep.data.end(), s.content(last[sent.slot], p.size).begin())) {
+                   !same(rep.data, s.content(last[sent.slot], p.size))) {
           ++r.wrong;
         }
         free_slots.push_back(sent.slot);
@@ -346,6 +351,7 @@ int pool_main(int argc, char** argv) {
   app.add_option("--redis", o.redis, "HOST:PORT of a running Redis (IPv4; default: start redis-server)");
   app.add_option("--redis-server", o.redis_server, "redis-server to start (default: from PATH)");
   app.add_flag("--skip-redis", o.skip_redis, "netdam only");
+  app.add_flag("--skip-proxy", o.skip_proxy, "direct path (and Redis) only, e.g. for profiling");
   app.add_option("--sizes", o.sizes, "comma-separated value sizes (default 64,4KiB,64KiB)");
   app.add_option("--iters", o.iters, "latency operations per system, size and op (default 2000)")
       ->check(CLI::PositiveNumber);
@@ -535,11 +541,13 @@ int pool_main(int argc, char** argv) {
         // Warm-up (not reported): a short run of each system.
         Plan warm = p;
         warm.iters = std::max<size_t>(20, o.iters / 10);
-        run_netdam(**proxy_io, warm, s, s.netdam_last);
+        if (!o.skip_proxy) run_netdam(**proxy_io, warm, s, s.netdam_last);
         run_netdam(**direct_io, warm, s, s.netdam_last);
         Cell c;
-        c.proxy = run_netdam(**proxy_io, p, s, s.netdam_last);
-        if (write) verify_netdam(**direct_io, p, s, s.netdam_last, c.proxy);
+        if (!o.skip_proxy) {
+          c.proxy = run_netdam(**proxy_io, p, s, s.netdam_last);
+          if (write) verify_netdam(**direct_io, p, s, s.netdam_last, c.proxy);
+        }
         c.direct = run_netdam(**direct_io, p, s, s.netdam_last);
         if (write) verify_netdam(**proxy_io, p, s, s.netdam_last, c.direct);  // the other path reads it back
         if (!conns.empty()) {

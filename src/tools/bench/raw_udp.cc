@@ -54,6 +54,7 @@ void serve(transport::UdpTransport& sock, std::span<const std::byte> memory) {
   std::vector<transport::OutMsg> out;
   out.reserve(kBatch);
   Counters c;
+  std::array<std::byte, sizeof(Counters)> report;
   for (;;) {
     const size_t n = sock.recv_batch(in, std::chrono::milliseconds(100));
     if (n == 0) continue;
@@ -63,13 +64,14 @@ void serve(transport::UdpTransport& sock, std::span<const std::byte> memory) {
       auto& m = in[i];
       if (m.len < kRawHeader || m.truncated) continue;
       RawHeader h;
-      std::memcpy(&h, m.buf.data(), sizeof h);
+      const auto d = m.data();  // with GRO, a view into another slot's buffer: write nothing past it
+      std::memcpy(&h, d.data(), sizeof h);
       if (h.magic != kRawMagic) continue;
       switch (h.mode) {
         case kEcho: {
           const size_t n = std::clamp<size_t>(h.resp_size, kRawHeader, kMaxDatagramOut) - kRawHeader;
           const size_t at = memory.size() > n ? h.addr % (memory.size() - n) : 0;
-          out.push_back({m.from, {m.buf.first(kRawHeader), memory.subspan(at, n)}});
+          out.push_back({m.from, {d.first(kRawHeader), memory.subspan(at, n)}});
           break;
         }
         case kBlast:
@@ -82,16 +84,16 @@ void serve(transport::UdpTransport& sock, std::span<const std::byte> memory) {
           }
           ++c.packets;
           c.bytes += m.len;
-          if (h.mode == kBlastAck) out.push_back({m.from, {m.buf.first(kRawHeader), {}}});
+          if (h.mode == kBlastAck) out.push_back({m.from, {d.first(kRawHeader), {}}});
           break;
         case kReport: {
-          std::memcpy(m.buf.data() + kRawHeader, &c, sizeof c);
-          out.push_back({m.from, {m.buf.first(kRawHeader + sizeof c), {}}});
+          std::memcpy(report.data(), &c, sizeof c);
+          out.push_back({m.from, {d.first(kRawHeader), std::span<const std::byte>(report)}});
           break;
         }
         case kReset:
           c = Counters{};
-          out.push_back({m.from, {m.buf.first(kRawHeader), {}}});
+          out.push_back({m.from, {d.first(kRawHeader), {}}});
           break;
         default: break;
       }
@@ -166,9 +168,9 @@ bool RawClient::control(uint8_t mode, std::vector<std::byte>* answer) {
       for (size_t i = 0; i < n; ++i) {
         RawHeader r;
         if (in[i].len < kRawHeader) continue;
-        std::memcpy(&r, in[i].buf.data(), sizeof r);
+        std::memcpy(&r, in[i].data().data(), sizeof r);
         if (r.magic == kRawMagic && r.seq == h.seq) {
-          if (answer) answer->assign(in[i].buf.begin(), in[i].buf.begin() + in[i].len);
+          if (answer) answer->assign(in[i].data().begin(), in[i].data().end());
           return true;
         }
       }
@@ -239,7 +241,7 @@ StreamResult RawClient::stream(size_t req_size, size_t resp_size, uint64_t packe
     for (size_t i = 0; i < got; ++i) {
       if (in[i].len < kRawHeader || in[i].truncated) continue;
       RawHeader h;
-      std::memcpy(&h, in[i].buf.data(), sizeof h);
+      std::memcpy(&h, in[i].data().data(), sizeof h);
       if (h.magic != kRawMagic || h.seq < first_seq) continue;
       uint64_t& slot = ring_[h.seq & (kRing - 1)];
       if (slot != h.seq + 1 || in[i].len != resp_size) continue;
@@ -333,7 +335,7 @@ StreamResult RawClient::blast(size_t size, size_t ack_every, Clock::time_point d
     for (size_t i = 0; i < got; ++i) {
       if (in[i].len < kRawHeader || in[i].truncated) continue;
       RawHeader h;
-      std::memcpy(&h, in[i].buf.data(), sizeof h);
+      std::memcpy(&h, in[i].data().data(), sizeof h);
       if (h.magic == kRawMagic && h.seq > acked && h.seq < next_seq_) acked = h.seq;
     }
     if (got) {
