@@ -9,6 +9,7 @@
 // turn of the loop, answered when all are done (docs/POOL.md, "Data path").
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -68,6 +69,8 @@ class Proxy {
   void handle(std::span<std::byte> datagram, const transport::Endpoint& from);
   void reply(const transport::Endpoint& to, const core::Header& req, Status s,
              std::span<const std::byte> payload = {});
+  void reply(const transport::Endpoint& to, const core::Header& req, Status s, std::vector<std::byte>&& payload);
+  void send_answers();
   void answer_ping(const transport::Endpoint& to, const core::Header& h);
   void control(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload);
   std::vector<std::byte> pool_alloc(std::span<const std::byte> payload, Status* s);
@@ -100,6 +103,12 @@ class Proxy {
   uint64_t health_seq_ = 0;
   transport::TimePoint next_health_{};
   std::vector<std::byte> rx_;
+  struct Answer {
+    transport::Endpoint to;
+    std::array<std::byte, kHeaderSize> head;
+    std::vector<std::byte> payload;
+  };
+  std::vector<Answer> answers_;  // queued by reply(), sent by send_answers()
 };
 
 }  // namespace netdam::mmu

@@ -57,6 +57,7 @@
 #include "dataset/pool_io.h"
 #include "netdam/pool.h"
 #include "process.h"
+#include "raw_udp.h"
 #include "resp_client.h"
 
 namespace netdam::bench {
@@ -74,7 +75,7 @@ struct Options {
   size_t iters = 2000;
   double duration = 0.5;
   size_t clients = 8, depth = 128;
-  bool skip_redis = false, skip_proxy = false;
+  bool skip_redis = false, skip_proxy = false, skip_ceiling = false;
 };
 
 // One measurement.
@@ -352,6 +353,7 @@ int pool_main(int argc, char** argv) {
   app.add_option("--redis-server", o.redis_server, "redis-server to start (default: from PATH)");
   app.add_flag("--skip-redis", o.skip_redis, "netdam only");
   app.add_flag("--skip-proxy", o.skip_proxy, "direct path (and Redis) only, e.g. for profiling");
+  app.add_flag("--skip-ceiling", o.skip_ceiling, "do not measure the raw UDP request/response ceiling");
   app.add_option("--sizes", o.sizes, "comma-separated value sizes (default 64,4KiB,64KiB)");
   app.add_option("--iters", o.iters, "latency operations per system, size and op (default 2000)")
       ->check(CLI::PositiveNumber);
@@ -469,13 +471,34 @@ int pool_main(int argc, char** argv) {
   std::vector<RespConnection*> conn_ptrs;
   for (auto& c : conns) conn_ptrs.push_back(c.get());
 
+  // --- the machine's ceiling: raw UDP request/response --------------------
+  std::unique_ptr<RawClient> raw;
+  if (!o.skip_ceiling) {
+    Child r;
+    if (!start_server({self_exe(), "raw-server", "--listen", "127.0.0.1:0", "--threads", "1"}, tmp + "/raw-server.log",
+                      r, error)) {
+      fmt::print(stderr, "netdam-bench pool: {}\n", error);
+      return 2;
+    }
+    server_pids.push_back(r.pid);
+    auto ep = transport::parse_endpoint(r.address, &error);
+    if (ep) raw = RawClient::open(*ep, &error);
+    if (!raw) {
+      fmt::print(stderr, "netdam-bench pool: raw server: {}\n", error);
+      return 2;
+    }
+  }
+
   fmt::print("# netdam-bench pool: {} device(s) behind netdam-mmu {}; Redis {} at {}\n",
              stat ? stat->devices.size() : 0, proxy, redis_version, o.skip_redis ? "-" : redis);
   fmt::print("# host: {} cores, {}; load {}\n", std::thread::hardware_concurrency(), cpu_model(), load_average());
   fmt::print("# lat: 1 outstanding (p50/p99 us); c8: 8 outstanding (Redis: 8 connections, unpipelined); "
              "pipe: {} outstanding (Redis: 8 connections x {} pipelined). Every value verified.\n",
              o.depth, o.depth / 8);
-  fmt::print("# ratios: throughput netdam/Redis, latency Redis p50/netdam p50 (>1: netdam ahead)\n\n");
+  fmt::print("# ratios: throughput netdam/Redis, latency Redis p50/netdam p50 (>1: netdam ahead)\n");
+  fmt::print("# ceiling: raw UDP request/response between one client and one server process, {} outstanding, "
+             "values in datagrams of at most 32 KiB, no protocol and no verification\n\n",
+             o.depth);
   fmt::print("{:>6} {:>5} {:>5} | {:>22} {:>22} {:>22} | {:>6} {:>6}\n", "size", "op", "mode", "proxy", "direct",
              "redis", "px/rd", "dr/rd");
 
@@ -485,6 +508,7 @@ int pool_main(int argc, char** argv) {
   // (size, write) -> best ops/s of proxy, direct, redis over c8/pipe; and proxy/redis, direct/redis.
   std::map<std::pair<size_t, bool>, std::array<double, 3>> top;
   std::map<std::pair<size_t, bool>, std::pair<double, double>> best;
+  std::map<std::pair<size_t, bool>, double> ceilings;  // raw UDP ops/s, pipelined
   for (size_t size : sizes) {
     const size_t slots = std::max<size_t>(o.depth, 64);
     AllocOptions ao;
@@ -557,6 +581,20 @@ int pool_main(int argc, char** argv) {
           if (write) verify_redis(*conns[0], p, s, s.redis_last, keys, c.redis);
         }
         const char* op = write ? "WRITE" : "READ";
+        double ceiling = 0;  // ops/s
+        if (raw && !m.latency && m.depth == o.depth) {
+          const size_t per_packet = std::min<size_t>(size, 32u << 10);
+          const size_t packets_per_op = (size + per_packet - 1) / per_packet;
+          Window w;
+          w.packets = o.depth;
+          w.bytes = o.depth * (per_packet + kRawHeader);
+          const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                   std::chrono::duration<double>(o.duration));
+          const StreamResult sr = write ? raw->stream(kRawHeader + per_packet, kRawHeader, 0, deadline, w)
+                                        : raw->stream(kRawHeader, kRawHeader + per_packet, 0, deadline, w);
+          if (sr.seconds > 0) ceiling = double(sr.packets) / double(packets_per_op) / sr.seconds;
+          ceilings[{size, write}] = ceiling;
+        }
         if (m.latency) {
           auto l = [](const Run& r, double q) { return percentile(r.lat_us, q); };
           fmt::print("{:>6} {:>5} {:>5} | {:>22} {:>22} {:>22} | {:>6} {:>6}\n", format_bytes(size), op, "p50",
@@ -572,6 +610,10 @@ int pool_main(int argc, char** argv) {
                      fmt_rate(c.proxy, size), fmt_rate(c.direct, size), fmt_rate(c.redis, size),
                      fmt_ratio(c.proxy.ops_per_s(), c.redis.ops_per_s()),
                      fmt_ratio(c.direct.ops_per_s(), c.redis.ops_per_s()));
+          if (ceiling > 0)
+            fmt::print("{:>6} {:>5} {:>5} | {:>22} {:>22} {:>22} | {:>6} {:>6}\n", "", "", "ceil",
+                       fmt::format("{:.1f}k {:.2f}GB/s", ceiling / 1e3, ceiling * double(size) / 1e9), "", "",
+                       "", "");
         }
         for (const Run* r : {&c.proxy, &c.direct, &c.redis})
           if (r->wrong || r->errors) {
@@ -605,9 +647,14 @@ int pool_main(int argc, char** argv) {
     fmt::print("\n# targets (best throughput of c8/pipe, per system): direct >= 2x Redis, proxy >= 1x Redis\n");
     for (const auto& [k, v] : best) {
       if (k.first < 4096) continue;
-      fmt::print("#   {:>6} {:>5}: proxy {:.2f}x {}, direct {:.2f}x {}\n", format_bytes(k.first),
+      fmt::print("#   {:>6} {:>5}: proxy {:.2f}x {}, direct {:.2f}x {}", format_bytes(k.first),
                  k.second ? "WRITE" : "READ", v.first, v.first >= 1 ? "met" : "MISSED", v.second,
                  v.second >= 2 ? "met" : "MISSED");
+      const auto& t = top[k];
+      if (const double ceil = ceilings[k]; ceil > 0)
+        fmt::print("; of the UDP ceiling: direct {:.2f}, proxy {:.2f}, Redis {:.2f} (2x Redis = {:.2f})", t[1] / ceil,
+                   t[0] / ceil, t[2] / ceil, 2 * t[2] / ceil);
+      fmt::print("\n");
     }
   }
   fmt::print("# packets the netdam clients retransmitted: proxy path {}, direct path {}\n", proxy_rexmit,
