@@ -199,6 +199,8 @@ class Client {
   // sendmmsg, and with UDP GSO one train per run of equal-sized packets).
   // Off by default: an asynchronous call sends at once.
   void defer_sends(bool on) { defer_sends_ = on; }
+  // Sends what is queued (as far as the window allows), nothing else.
+  void flush() { send_queued(); }
 
   // The transport's clock (virtual on the test fabric): use it for timers.
   std::chrono::steady_clock::time_point now() const;

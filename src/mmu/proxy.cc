@@ -164,7 +164,7 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
   progress();
   // Device operations the turn started, and its answers, leave now.
   for (auto& c : conns_)
-    if (c->client) c->client->poll();
+    if (c->client) c->client->flush();
   send_answers();
   health_tick();
 }
