@@ -36,16 +36,22 @@ struct Slots {
   std::vector<InMsg> msgs;
 };
 
-// Receives until `want` datagrams arrived or a generous deadline passed.
-std::vector<std::vector<std::byte>> receive(UdpTransport& t, size_t want, std::vector<Endpoint>* from) {
-  Slots slots(16, 65536);
+// Receives until `want` datagrams arrived or a generous deadline passed,
+// into `slots` slots of `slot_size` bytes. Datagrams must not be truncated
+// unless `truncated` collects which were.
+std::vector<std::vector<std::byte>> receive(UdpTransport& t, size_t want, std::vector<Endpoint>* from,
+                                            size_t slots = 16, size_t slot_size = 65536,
+                                            std::vector<bool>* truncated = nullptr) {
+  Slots in(slots, slot_size);
   std::vector<std::vector<std::byte>> out;
   const TimePoint deadline = Clock::now() + std::chrono::seconds(5);
   while (out.size() < want && Clock::now() < deadline) {
-    const size_t n = t.recv_batch(slots.msgs, milliseconds(100));
+    const size_t n = t.recv_batch(in.msgs, milliseconds(100));
+    EXPECT_LE(n, slots);
     for (size_t i = 0; i < n; ++i) {
-      const InMsg& m = slots.msgs[i];
-      EXPECT_FALSE(m.truncated);
+      const InMsg& m = in.msgs[i];
+      if (truncated != nullptr) truncated->push_back(m.truncated);
+      else EXPECT_FALSE(m.truncated);
       out.emplace_back(m.data().begin(), m.data().end());
       if (from != nullptr) from->push_back(m.from);
     }
@@ -61,6 +67,13 @@ std::vector<std::byte> pattern(size_t size, unsigned seed) {
 
 OutMsg out_msg(Endpoint to, const std::vector<std::byte>& a, const std::vector<std::byte>& b = {}) {
   return OutMsg{to, {std::span<const std::byte>(a), std::span<const std::byte>(b)}};
+}
+
+// Sends every payload to `to` in one send_batch; returns what it reports.
+size_t send_all(UdpTransport& from, Endpoint to, const std::vector<std::vector<std::byte>>& payloads) {
+  std::vector<OutMsg> out;
+  for (const auto& p : payloads) out.push_back(out_msg(to, p));
+  return from.send_batch(out);
 }
 
 TEST(UdpTransport, BindsEphemeralPort) {
@@ -81,9 +94,7 @@ TEST(UdpTransport, BatchOfVariousSizesArrivesIntact) {
     const size_t size = i == 0 ? 0 : i == 1 ? 60000 : i == 2 ? 1 : (i * 997) % 9000;
     payloads.push_back(pattern(size, i));
   }
-  std::vector<OutMsg> out;
-  for (const auto& p : payloads) out.push_back(out_msg(b->local(), p));
-  ASSERT_EQ(a->send_batch(out), 64u);
+  ASSERT_EQ(send_all(*a, b->local(), payloads), 64u);
   EXPECT_EQ(a->send_errors(), 0u);
 
   std::vector<Endpoint> from;
@@ -203,9 +214,7 @@ TEST(UdpTransport, TrainsArriveAsTheirDatagrams) {
   payloads.push_back(pattern(1000, 40));                                   // a shorter last one
   payloads.push_back(pattern(8232, 41));                                   // a larger one: a new train
   payloads.push_back(pattern(8232, 42));
-  std::vector<OutMsg> out;
-  for (const auto& p : payloads) out.push_back(out_msg(b->local(), p));
-  ASSERT_EQ(a->send_batch(out), payloads.size());
+  ASSERT_EQ(send_all(*a, b->local(), payloads), payloads.size());
   EXPECT_EQ(a->send_errors(), 0u);
   EXPECT_GE(a->trains_sent(), 3u);
 
@@ -227,9 +236,7 @@ TEST(UdpTransport, TrainsReachAPeerWithoutGroAsSingleDatagrams) {
   EXPECT_FALSE(b->gro());
   std::vector<std::vector<std::byte>> payloads;
   for (unsigned i = 0; i < 20; ++i) payloads.push_back(pattern(3000, i));
-  std::vector<OutMsg> out;
-  for (const auto& p : payloads) out.push_back(out_msg(b->local(), p));
-  ASSERT_EQ(a->send_batch(out), payloads.size());
+  ASSERT_EQ(send_all(*a, b->local(), payloads), payloads.size());
   EXPECT_GE(a->trains_sent(), 1u);
   EXPECT_EQ(receive(*b, payloads.size(), nullptr), payloads);
   EXPECT_EQ(b->trains_received(), 0u);
@@ -243,22 +250,13 @@ TEST(UdpTransport, TrainLongerThanTheSlotsIsDeliveredOverSeveralCalls) {
   ASSERT_TRUE(a && b);
   std::vector<std::vector<std::byte>> payloads;
   for (unsigned i = 0; i < 30; ++i) payloads.push_back(pattern(2000, i));
-  std::vector<OutMsg> out;
-  for (const auto& p : payloads) out.push_back(out_msg(b->local(), p));
-  ASSERT_EQ(a->send_batch(out), payloads.size());
+  ASSERT_EQ(send_all(*a, b->local(), payloads), payloads.size());
   // Then one more, which must come after the whole train.
   const auto last = pattern(500, 99);
   const OutMsg tail[] = {out_msg(b->local(), last)};
   ASSERT_EQ(a->send_batch(tail), 1u);
 
-  Slots slots(3, 65536);
-  std::vector<std::vector<std::byte>> got;
-  const TimePoint deadline = Clock::now() + std::chrono::seconds(5);
-  while (got.size() < payloads.size() + 1 && Clock::now() < deadline) {
-    const size_t n = b->recv_batch(slots.msgs, milliseconds(100));
-    EXPECT_LE(n, 3u);
-    for (size_t i = 0; i < n; ++i) got.emplace_back(slots.msgs[i].data().begin(), slots.msgs[i].data().end());
-  }
+  const auto got = receive(*b, payloads.size() + 1, nullptr, 3);
   payloads.push_back(last);
   EXPECT_EQ(got, payloads);
   EXPECT_GE(b->trains_received(), 1u);  // else this did not test the overflow
@@ -273,28 +271,17 @@ TEST(UdpTransport, SmallSlotsGetEveryDatagramOfATrain) {
   std::vector<std::vector<std::byte>> payloads;
   for (unsigned i = 0; i < 12; ++i) payloads.push_back(pattern(64, i));
   for (unsigned i = 0; i < 4; ++i) payloads.push_back(pattern(300, 50 + i));
-  std::vector<OutMsg> out;
-  for (const auto& p : payloads) out.push_back(out_msg(b->local(), p));
-  ASSERT_EQ(a->send_batch(out), payloads.size());
+  ASSERT_EQ(send_all(*a, b->local(), payloads), payloads.size());
 
-  Slots slots(8, 100);
-  std::vector<InMsg> got;
-  std::vector<std::vector<std::byte>> bytes;
-  const TimePoint deadline = Clock::now() + std::chrono::seconds(5);
-  while (got.size() < payloads.size() && Clock::now() < deadline) {
-    const size_t n = b->recv_batch(slots.msgs, milliseconds(100));
-    for (size_t i = 0; i < n; ++i) {
-      got.push_back(slots.msgs[i]);
-      bytes.emplace_back(slots.msgs[i].data().begin(), slots.msgs[i].data().end());
-    }
-  }
-  ASSERT_EQ(got.size(), payloads.size());
+  std::vector<bool> truncated;
+  const auto bytes = receive(*b, payloads.size(), nullptr, 8, 100, &truncated);
+  ASSERT_EQ(bytes.size(), payloads.size());
   for (size_t i = 0; i < 12; ++i) {
-    EXPECT_FALSE(got[i].truncated);
+    EXPECT_FALSE(truncated[i]);
     EXPECT_EQ(bytes[i], payloads[i]);
   }
   for (size_t i = 12; i < payloads.size(); ++i) {
-    EXPECT_TRUE(got[i].truncated) << i;
+    EXPECT_TRUE(truncated[i]) << i;
     EXPECT_EQ(bytes[i], std::vector<std::byte>(payloads[i].begin(), payloads[i].begin() + 100));
   }
   EXPECT_GE(b->trains_received(), 2u);
