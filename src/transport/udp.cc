@@ -291,8 +291,10 @@ size_t UdpTransport::recv_now(std::span<InMsg> msgs) {
     // A slot smaller than a train would cut it short and lose the datagrams
     // past its end: such a slot receives into a bounce buffer, one train at
     // a time, and its datagrams are copied out (truncated like any other).
-    const bool bounce = gro_ && msgs[got].buf.size() < kMaxTrainBytes;
-    if (bounce) n = 1;
+    size_t big = 0;  // leading slots that can hold a whole train
+    while (gro_ && big < n && msgs[got + big].buf.size() >= kMaxTrainBytes) ++big;
+    const bool bounce = gro_ && big == 0;
+    if (gro_) n = bounce ? 1 : big;
     for (size_t i = 0; i < n; ++i) {
       iovs[i].iov_base = bounce ? bounce_buffer() : msgs[got + i].buf.data();
       iovs[i].iov_len = bounce ? kMaxTrainBytes : msgs[got + i].buf.size();
