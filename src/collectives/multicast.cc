@@ -38,9 +38,6 @@ namespace netdam::collectives {
 
 namespace {
 
-constexpr uint8_t kStore = kSegGen | kSegStamp;
-constexpr uint8_t kStoreElsewhere = kSegGen | kSegSkipStale | kSegStamp;
-
 // The store at every member of the group.
 Hop group_store(const Context& c, const Hop& group, uint64_t addr, uint32_t aux) {
   Hop h = group;
@@ -78,19 +75,19 @@ Plan multicast_allgather(const Context& c, const Hop& group, std::span<const std
   plan.output = out;
   const uint32_t per_rank = static_cast<uint32_t>((n + c.block - 1) / c.block);
   for (int k = 0; k < p; ++k) {
-    for (uint64_t off = 0; off < n; off += c.block) {
-      const uint32_t index = per_rank * static_cast<uint32_t>(k) + static_cast<uint32_t>(off / c.block);
-      plan.stamps.push_back(index);
+    for (const Block& b : blocks(0, n, c.block, per_rank * static_cast<uint32_t>(k))) {
+      plan.stamps.push_back(b.index);
       if (k != c.rank) continue;
-      const uint64_t placed = dst + static_cast<uint64_t>(k) * n + off;
+      const uint64_t placed = dst + static_cast<uint64_t>(k) * n + b.offset;
+      const uint32_t aux = c.slot.stamp_aux(b.index);
       ChainPlan chain;
-      chain.length = static_cast<uint32_t>(std::min<uint64_t>(c.block, n - off));
-      chain.hops.push_back(make_hop(c, k, Opcode::kRead, kSegGen, src + off));
-      chain.hops.push_back(make_hop(c, k, Opcode::kWrite, kStore, placed, c.slot.stamp_aux(index)));
+      chain.length = b.length;
+      chain.hops.push_back(make_hop(c, k, Opcode::kRead, kSegGen, src + b.offset));
+      chain.hops.push_back(make_hop(c, k, Opcode::kWrite, kStore, placed, aux));
       ChainPlan repair = chain;
-      chain.hops.push_back(group_store(c, group, placed, c.slot.stamp_aux(index)));
-      repair.hops.back() = make_hop(c, k, Opcode::kWrite, kStoreElsewhere, placed, c.slot.stamp_aux(index));
-      plan.deliveries.push_back({index, as_repair(std::move(repair))});
+      chain.hops.push_back(group_store(c, group, placed, aux));
+      repair.hops.back() = make_hop(c, k, Opcode::kWrite, kStoreElsewhere, placed, aux);
+      plan.deliveries.push_back({b.index, as_repair(std::move(repair))});
       plan.chains.push_back(std::move(chain));
     }
   }
@@ -107,14 +104,14 @@ Plan multicast_broadcast(const Context& c, const Hop& group, std::span<std::byte
   plan.output = buf;
   uint32_t index = 0;
   for (int k = 0; k < p; ++k) {
-    const uint64_t begin = buf.size() * static_cast<uint64_t>(k) / p;
-    const uint64_t end = buf.size() * static_cast<uint64_t>(k + 1) / p;
-    for (uint64_t off = begin; off < end; off += c.block, ++index) {
-      plan.stamps.push_back(index);
+    const auto [begin, end] = shard(buf.size(), 1, k, p);
+    for (const Block& b : blocks(begin, end, c.block, index)) {
+      const uint64_t off = b.offset;
+      plan.stamps.push_back(b.index);
       if (k != c.rank) continue;
-      const uint32_t aux = c.slot.stamp_aux(index);
+      const uint32_t aux = c.slot.stamp_aux(b.index);
       ChainPlan chain;
-      chain.length = static_cast<uint32_t>(std::min<uint64_t>(c.block, end - off));
+      chain.length = b.length;
       chain.hops.push_back(make_hop(c, root, Opcode::kRead, kSegGen, src + off));
       chain.hops.push_back(make_hop(c, root, Opcode::kWrite, kStore, dst + off, aux));
       chain.hops.push_back(group_store(c, group, dst + off, aux));
@@ -126,9 +123,10 @@ Plan multicast_broadcast(const Context& c, const Hop& group, std::span<std::byte
       repair.length = chain.length;
       repair.hops = {chain.hops[0], make_hop(c, root, Opcode::kWrite, kStoreElsewhere, dst + off, aux)};
       repair.fallback = {chain.fallback[0], repair.hops.back()};
-      plan.deliveries.push_back({index, as_repair(std::move(repair))});
+      plan.deliveries.push_back({b.index, as_repair(std::move(repair))});
       plan.chains.push_back(std::move(chain));
     }
+    index += static_cast<uint32_t>((end - begin + c.block - 1) / c.block);
   }
   return plan;
 }

@@ -146,6 +146,32 @@ inline Hop make_hop(const Context& c, int rank, Opcode op, uint8_t flags, uint64
   return h;
 }
 
+// Segment flags of a stamped store of a result: where the host is still
+// waiting for it, and at a device whose host may have moved on.
+inline constexpr uint8_t kStore = kSegGen | kSegStamp;
+inline constexpr uint8_t kStoreElsewhere = kSegGen | kSegSkipStale | kSegStamp;
+
+// A block of a buffer: at most one chain packet of payload.
+struct Block {
+  uint64_t offset;  // bytes from the start of the buffer
+  uint32_t length;
+  uint32_t index;  // stamp index
+};
+
+// Blocks of [begin, end) bytes of at most `block` bytes, numbered from `first_index`.
+inline std::vector<Block> blocks(uint64_t begin, uint64_t end, size_t block, uint32_t first_index) {
+  std::vector<Block> out;
+  for (uint64_t off = begin; off < end; off += block)
+    out.push_back({off, static_cast<uint32_t>(std::min<uint64_t>(block, end - off)),
+                   first_index + static_cast<uint32_t>(out.size())});
+  return out;
+}
+
+// Byte range of shard k of `count` elements of size `esize`, split evenly.
+inline std::pair<uint64_t, uint64_t> shard(uint64_t count, size_t esize, int k, int p) {
+  return {count * k / p * esize, count * (k + 1) / p * esize};
+}
+
 // direct_chain.cc
 Plan direct_allreduce(const Context& c, std::span<const std::byte> in, std::span<std::byte> out,
                       DType t, RedOp op);

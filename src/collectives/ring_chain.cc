@@ -21,30 +21,6 @@ namespace netdam::collectives {
 
 namespace {
 
-
-constexpr uint8_t kStore = kSegGen | kSegStamp;
-constexpr uint8_t kStoreElsewhere = kSegGen | kSegSkipStale | kSegStamp;
-
-struct Block {
-  uint64_t offset;  // bytes from the start of the buffer
-  uint32_t length;
-  uint32_t index;  // stamp index
-};
-
-// Blocks of [begin, end) bytes, numbered from `first_index`.
-std::vector<Block> blocks(uint64_t begin, uint64_t end, size_t block, uint32_t first_index) {
-  std::vector<Block> out;
-  for (uint64_t off = begin; off < end; off += block)
-    out.push_back({off, static_cast<uint32_t>(std::min<uint64_t>(block, end - off)),
-                   first_index + static_cast<uint32_t>(out.size())});
-  return out;
-}
-
-// Byte range of shard k of `count` elements of size `esize`, split evenly.
-std::pair<uint64_t, uint64_t> shard(uint64_t count, size_t esize, int k, int p) {
-  return {count * k / p * esize, count * (k + 1) / p * esize};
-}
-
 // The gather half: store the block at every device after `owner`, in ring
 // order, skipping devices whose host has moved on (they have the block).
 void gather_after(const Context& c, int owner, const Block& b, uint64_t out_base,

@@ -53,8 +53,6 @@ namespace {
 
 constexpr uint8_t kLoad = kSegGen;
 constexpr uint8_t kLoadAwait = kSegGen | kSegAwait;
-constexpr uint8_t kStore = kSegGen | kSegStamp;
-constexpr uint8_t kStoreElsewhere = kSegGen | kSegSkipStale | kSegStamp;
 
 using Coords = std::array<int, 3>;
 
