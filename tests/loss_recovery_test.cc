@@ -95,5 +95,45 @@ TEST(LossRecovery, AnAnsweredResendBoundsEveryOtherRequestByItsDelay) {
   EXPECT_EQ(lr.lost_at(t0 + 60ms), TP::max());
 }
 
+// An answer sooner after a resend than any round trip took answers the
+// first send: the resend was spurious, so the route reorders more than the
+// window allowed. The window doubles, up to one smoothed round trip.
+TEST(LossRecovery, SpuriousResendsWidenTheReorderingWindowUpToARoundTrip) {
+  LossRecovery lr(kLimits);
+  for (int i = 0; i < 20; ++i) lr.on_answer(t0, t0, 1, t0 + 8ms);  // srtt = min rtt = 8 ms
+  EXPECT_EQ(lr.reordering_window(), 2ms);
+  // Resent at +9 ms, answered 1 ms later: quicker than any round trip.
+  lr.on_answer(t0, t0 + 9ms, 2, t0 + 10ms);
+  EXPECT_EQ(lr.spurious_resends(), 1u);
+  EXPECT_EQ(lr.reordering_window(), 4ms);
+  lr.on_answer(t0, t0 + 9ms, 2, t0 + 10ms);
+  EXPECT_EQ(lr.reordering_window(), 8ms);
+  lr.on_answer(t0, t0 + 9ms, 2, t0 + 10ms);
+  EXPECT_EQ(lr.reordering_window(), 8ms);  // capped at the smoothed round trip
+  // The loss deadline moves with it.
+  const TP later = t0 + 1ms;
+  lr.on_answer(later, later, 1, later + 8ms);
+  EXPECT_EQ(lr.lost_at(t0), t0 + 8ms + 8ms);
+}
+
+TEST(LossRecovery, AResendAnsweredAfterARoundTripIsNotSpurious) {
+  LossRecovery lr(kLimits);
+  for (int i = 0; i < 20; ++i) lr.on_answer(t0, t0, 1, t0 + 8ms);
+  lr.on_answer(t0, t0 + 20ms, 2, t0 + 29ms);  // 9 ms after the resend: may be its answer
+  EXPECT_EQ(lr.spurious_resends(), 0u);
+  EXPECT_EQ(lr.reordering_window(), 2ms);
+}
+
+TEST(LossRecovery, TheWindowShrinksAgainAfterManyCleanAnswers) {
+  LossRecovery lr(kLimits);
+  for (int i = 0; i < 20; ++i) lr.on_answer(t0, t0, 1, t0 + 8ms);
+  lr.on_answer(t0, t0 + 9ms, 2, t0 + 10ms);
+  ASSERT_EQ(lr.reordering_window(), 4ms);
+  for (int i = 0; i < 1023; ++i) lr.on_answer(t0, t0, 1, t0 + 8ms);
+  EXPECT_EQ(lr.reordering_window(), 4ms);
+  lr.on_answer(t0, t0, 1, t0 + 8ms);
+  EXPECT_EQ(lr.reordering_window(), 2ms);
+}
+
 }  // namespace
 }  // namespace netdam::client_detail

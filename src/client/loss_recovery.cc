@@ -6,8 +6,18 @@ namespace netdam::client_detail {
 
 using namespace std::chrono_literals;
 
-void LossRecovery::on_answer(TimePoint first, TimePoint /*last*/, int sends, TimePoint now) {
+namespace {
+constexpr int kMaxReorderingMult = 16;
+constexpr uint32_t kCleanAnswersToShrink = 1024;
+}  // namespace
+
+void LossRecovery::on_answer(TimePoint first, TimePoint last, int sends, TimePoint now) {
   if (sends > 1) {
+    if (min_rtt_ != Ns::max() && now - last < min_rtt_) {
+      ++spurious_;
+      reo_mult_ = std::min(2 * reo_mult_, kMaxReorderingMult);
+      clean_answers_ = 0;
+    }
     // Which send does this answer? Without a timestamp in the answer there
     // is no telling, and guessing "the last" when it was the first (the
     // request was only slow) makes every request sent in between look lost:
@@ -22,6 +32,11 @@ void LossRecovery::on_answer(TimePoint first, TimePoint /*last*/, int sends, Tim
   }
   tail_delay_ = Ns{0};
   const Ns rtt = now - first;
+  min_rtt_ = std::min(min_rtt_, rtt);
+  if (reo_mult_ > 1 && ++clean_answers_ >= kCleanAnswersToShrink) {
+    reo_mult_ /= 2;
+    clean_answers_ = 0;
+  }
   if (srtt_.count() == 0) {
     srtt_ = rtt;
     rttvar_ = rtt / 2;
@@ -39,9 +54,11 @@ void LossRecovery::on_answer(TimePoint first, TimePoint /*last*/, int sends, Tim
 
 LossRecovery::Ns LossRecovery::reordering_window() const {
   // Routes of one class keep their order on a LAN, except through
-  // multi-threaded devices and parked chains; a quarter of a round trip,
-  // at least a millisecond, tolerates that without waiting for a timeout.
-  return std::max<Ns>(srtt_ / 4, 1ms);
+  // multi-threaded devices, parked chains and the pool proxy; a quarter of
+  // a round trip, at least a millisecond, tolerates that without waiting
+  // for a timeout, and spurious resends widen it (on_answer).
+  const Ns base = std::max<Ns>(srtt_ / 4, 1ms);
+  return std::min<Ns>(base * reo_mult_, std::max<Ns>(srtt_, base));
 }
 
 LossRecovery::TimePoint LossRecovery::lost_at(TimePoint last_sent) const {

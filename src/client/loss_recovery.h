@@ -20,11 +20,18 @@
 //    of losses everything missing is, at once.
 // Answers to requests sent once are the only RTT samples (Karn): an answer
 // to a resent request may be the first send's.
+//  - an answer to a resent request that comes sooner after the resend than
+//    any round trip ever took answers the first send: the resend was
+//    spurious, the route reorders more than the window allowed (a proxy
+//    answering jobs as they complete does). As RFC 8985 does on a DSACK,
+//    the reordering window then doubles, up to one smoothed round trip,
+//    and halves again after 1024 answers without such evidence.
 //
 // Pure logic on time points: tested without sockets or clocks.
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 
 namespace netdam::client_detail {
 
@@ -56,12 +63,16 @@ class LossRecovery {
 
   Ns rto() const;  // with the current backoff
   Ns srtt() const { return srtt_; }
+  Ns reordering_window() const;
+  uint64_t spurious_resends() const { return spurious_; }
 
  private:
-  Ns reordering_window() const;
-
   Limits limits_;
   Ns srtt_{0}, rttvar_{0};
+  Ns min_rtt_ = Ns::max();
+  int reo_mult_ = 1;                 // the reordering window's multiplier
+  uint32_t clean_answers_ = 0;       // answers since the last spurious resend
+  uint64_t spurious_ = 0;
   TimePoint rack_xmit_{};  // send time of the latest-sent request answered
   Ns rack_rtt_{0};         // and its round trip
   Ns tail_delay_{0};       // first send to answer of the last resent request answered
