@@ -9,32 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 import netdam
-from netdam.local import Device
+from cluster import ClusterTestCase
 
 P = 4
-ADMIN = 0xAD
 SIZES = (1, 1000, 5000)  # direct chains; 5000 float32 = 20 KB: ring chains over several blocks
 
 
-def create_groups(endpoints, **options):
-    with ThreadPoolExecutor(len(endpoints)) as ex:
-        futures = [ex.submit(netdam.Group, r, endpoints, admin_key=ADMIN, capacity=1 << 20,
-                             timeout=5.0, **options) for r in range(len(endpoints))]
-        return [f.result() for f in futures]
-
-
-class GroupTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.devices = [Device(memory="8MiB", admin_key=ADMIN) for _ in range(P)]
-        cls.groups = create_groups([d.endpoint for d in cls.devices])
-
-    @classmethod
-    def tearDownClass(cls):
-        for g in cls.groups:
-            g.close()
-        for d in cls.devices:
-            d.close()
+class GroupTest(ClusterTestCase):
+    RANKS = P
 
     def run_ranks(self, fn):
         """fn(rank, group) on every rank at once; returns the results by rank."""

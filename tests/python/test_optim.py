@@ -15,10 +15,9 @@ import torch
 
 import netdam
 import netdam.optim
-from netdam.local import Device
+from cluster import ClusterTestCase
 
 P = 3
-ADMIN = 0xAD
 STEPS = 100
 
 
@@ -41,22 +40,15 @@ def grads_of(model, rank, step):
     return [p.grad.clone() for p in model.parameters()]
 
 
-class OptimTest(unittest.TestCase):
+class OptimTest(ClusterTestCase):
+    RANKS = P
+    MEMORY = "32MiB"
+    GROUP_TIMEOUT = 10.0
+
     @classmethod
     def setUpClass(cls):
         torch.set_num_threads(1)
-        cls.devices = [Device(memory="32MiB", admin_key=ADMIN) for _ in range(P)]
-        endpoints = [d.endpoint for d in cls.devices]
-        with ThreadPoolExecutor(P) as ex:
-            cls.groups = list(ex.map(lambda r: netdam.Group(r, endpoints, admin_key=ADMIN, capacity=1 << 20,
-                                                              timeout=10.0), range(P)))
-
-    @classmethod
-    def tearDownClass(cls):
-        for g in cls.groups:
-            g.close()
-        for d in cls.devices:
-            d.close()
+        super().setUpClass()
 
     def train(self, make_offloaded, make_reference, steps=STEPS):
         replicas = [make_model(1) for _ in range(P)]

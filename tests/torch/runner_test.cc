@@ -73,6 +73,17 @@ class RunnerTest : public ::testing::Test {
 std::span<const std::byte> cbytes(const std::vector<int32_t>& v) { return std::as_bytes(std::span(v)); }
 std::span<std::byte> wbytes(std::vector<int32_t>& v) { return std::as_writable_bytes(std::span(v)); }
 
+// A request of `kind` over int32 vectors (may be the same one): reductions
+// add int32 elements, AllGather moves bytes.
+Request int32_request(Collective kind, const std::vector<int32_t>& in, std::vector<int32_t>& out) {
+  Request q;
+  q.kind = kind;
+  q.dtype = kind == Collective::kAllGather ? DType::kBytes : DType::kI32;
+  q.in = cbytes(in);
+  q.out = wbytes(out);
+  return q;
+}
+
 int32_t value(int rank, size_t i) { return static_cast<int32_t>((i * 7 + static_cast<size_t>(rank) * 3) % 11) - 5; }
 
 TEST_F(RunnerTest, AllReduceInChunks) {
@@ -80,14 +91,7 @@ TEST_F(RunnerTest, AllReduceInChunks) {
   std::vector<std::vector<int32_t>> buf(kRanks, std::vector<int32_t>(n));
   for (int r = 0; r < kRanks; ++r)
     for (size_t i = 0; i < n; ++i) buf[r][i] = value(r, i);
-  for (const Error& e : run_all([&](int r) {
-         Request q;
-         q.kind = Collective::kAllReduce;
-         q.dtype = DType::kI32;
-         q.in = cbytes(buf[r]);
-         q.out = wbytes(buf[r]);
-         return q;
-       }))
+  for (const Error& e : run_all([&](int r) { return int32_request(Collective::kAllReduce, buf[r], buf[r]); }))
     ASSERT_FALSE(e) << e.to_string();
   for (int r = 0; r < kRanks; ++r)
     for (size_t i = 0; i < n; ++i) ASSERT_EQ(buf[r][i], value(0, i) + value(1, i) + value(2, i)) << r << " " << i;
@@ -98,13 +102,7 @@ TEST_F(RunnerTest, AllGatherAndReduceScatterInChunks) {
   std::vector<std::vector<int32_t>> in(kRanks, std::vector<int32_t>(n)), out(kRanks, std::vector<int32_t>(kRanks * n));
   for (int r = 0; r < kRanks; ++r)
     for (size_t i = 0; i < n; ++i) in[r][i] = value(r, i);
-  for (const Error& e : run_all([&](int r) {
-         Request q;
-         q.kind = Collective::kAllGather;
-         q.in = cbytes(in[r]);
-         q.out = wbytes(out[r]);
-         return q;
-       }))
+  for (const Error& e : run_all([&](int r) { return int32_request(Collective::kAllGather, in[r], out[r]); }))
     ASSERT_FALSE(e) << e.to_string();
   for (int r = 0; r < kRanks; ++r)
     for (int k = 0; k < kRanks; ++k)
@@ -113,14 +111,7 @@ TEST_F(RunnerTest, AllGatherAndReduceScatterInChunks) {
   // ReduceScatter of the gathered buffers: block k of every rank's `out`
   // is in[k], so rank k gets kRanks x in[k].
   std::vector<std::vector<int32_t>> mine(kRanks, std::vector<int32_t>(n));
-  for (const Error& e : run_all([&](int r) {
-         Request q;
-         q.kind = Collective::kReduceScatter;
-         q.dtype = DType::kI32;
-         q.in = cbytes(out[r]);
-         q.out = wbytes(mine[r]);
-         return q;
-       }))
+  for (const Error& e : run_all([&](int r) { return int32_request(Collective::kReduceScatter, out[r], mine[r]); }))
     ASSERT_FALSE(e) << e.to_string();
   for (int r = 0; r < kRanks; ++r)
     for (size_t i = 0; i < n; ++i) ASSERT_EQ(mine[r][i], kRanks * value(r, i)) << r << " " << i;
@@ -164,10 +155,7 @@ TEST_F(RunnerTest, ManyRequestsInFlight) {
 TEST_F(RunnerTest, MismatchedSizesFailAtOnce) {
   std::vector<int32_t> in(10), out(7);
   std::promise<Error> p;
-  Request q;
-  q.kind = Collective::kAllGather;
-  q.in = cbytes(in);
-  q.out = wbytes(out);
+  Request q = int32_request(Collective::kAllGather, in, out);
   q.done = [&](const Error& e) { p.set_value(e); };
   runners_[0]->submit(std::move(q));
   const Error e = p.get_future().get();
