@@ -133,7 +133,7 @@ Error Watch::check() {
     }
     if (now - p->changed > liveness_)
       return Error::timeout(fmt::format("rank {} is gone: its heartbeat on device {} has not moved for {:.1f} s "
-                                        "(the process ended, or hangs outside of Python)",
+                                        "(its process ended or is frozen)",
                                         r, dev, seconds(now - p->changed)));
     if (!p->probe.valid() && now >= p->next_probe) {
       p->probe = p->client->read_async(control_.heartbeat(), p->word);
