@@ -21,8 +21,9 @@ rendezvous, so every ``init_method`` (env://, tcp://, file://) and
 ``torchrun`` work.
 
 Every netdam process group of a process uses that one device: the default
-group from address 0, every other group (``new_group``) in a place of its
-own after it (``NETDAM_SUBGROUPS`` places of ``NETDAM_SUBGROUP_CAPACITY``),
+group from address 0 (or, when the default group is another backend's, the
+first netdam group of all ranks), every other group (``new_group``) in a
+place of its own after it (``NETDAM_SUBGROUPS`` places of ``NETDAM_SUBGROUP_CAPACITY``),
 numbered through the default group's store, so ``new_group`` costs a
 rendezvous and a few region registrations, not new devices.
 
@@ -147,6 +148,7 @@ class _Settings:
 _device = None
 _groups = weakref.WeakSet()  # live netdam process groups of this process
 _world_token = None          # names the current default group's places in the store
+_place0 = None               # weakref to the group at address 0 when the default group is not netdam
 
 
 def _local_device(settings):
@@ -206,7 +208,7 @@ def _fail_if_any(facts, what):
 
 def create_process_group(store, rank, size, timeout):
     """The backend's creator: ``(store, rank, world_size, timeout)`` (torch 1.13)."""
-    global _world_token
+    global _world_token, _place0
     from . import Client, Error
     default = dist.distributed_c10d.GroupMember.WORLD
     is_default = default is None  # this is the default group being created
@@ -268,6 +270,14 @@ def create_process_group(store, rank, size, timeout):
             store.set("netdam/token", uuid.uuid4().hex)
         _world_token = store.get("netdam/token").decode()
         base, key_base, capacity, mailbox = 0, KEY_BASE, settings.capacity, MAILBOX
+        place0 = False
+    elif (size == settings.world_size and not isinstance(default, ProcessGroupNetdam)
+          and (_place0 is None or _place0() is None)):
+        # The default group is another backend's: the first netdam group of
+        # every rank takes the default group's place (and capacity). Every
+        # rank creates the same groups in the same order, so all agree.
+        base, key_base, capacity, mailbox = 0, KEY_BASE, settings.capacity, MAILBOX
+        place0 = True
     else:
         if rank == 0:
             token = _world_token if isinstance(default, ProcessGroupNetdam) and _world_token else "no-netdam-world"
@@ -281,10 +291,13 @@ def create_process_group(store, rank, size, timeout):
         base = arena + (index - 1) * sub_bytes
         key_base = SUBGROUP_KEYS + index * 0x100
         capacity, mailbox = settings.sub_capacity, SUBGROUP_MAILBOX
+        place0 = False
     pg = ProcessGroupNetdam(rank, devices, shm=shm, admin_key=settings.admin_key, capacity=capacity,
                             slots=settings.slots, timeout=settings.timeout, device=device, base=base,
                             key_base=key_base, liveness=settings.liveness, mailbox=mailbox)
     _groups.add(pg)
+    if place0:
+        _place0 = weakref.ref(pg)
     return pg
 
 
