@@ -25,8 +25,7 @@ What is done to run them here:
   (spawning them, as upstream does, costs an import of torch, ~10 s here,
   per rank and test).
 - For netdam, DistTestCases (the suite's table of backend features) lists
-  netdam among the backends with DDP, subgroups and plugins, and among
-  those without send/recv from any source, which netdam lacks.
+  netdam among the backends with DDP, subgroups and plugins.
 - Tests skipped only because the suite names another backend for a
   CPU feature netdam has run anyway (--backend netdam): the skips "Only
   gloo backend supports timeouts", "GLOO Batch Send Recv CPU", "Only MPI
@@ -136,7 +135,6 @@ def main():
         import netdam.distributed  # noqa: F401  registers the backend before the suite looks
         for feature in ("ddp", "subgroup", "plugin"):
             cd.DistTestCases.backend_feature[feature].add("netdam")
-        cd.DistTestCases.skip_collective["sendrecv anysource"].add("netdam")
     from torch.testing._internal.distributed import distributed_test as dt
     # Every rank turns on DDP's experimental ReplicatedTensor path first,
     # whose module (torch.distributed._shard) does not import on Debian's

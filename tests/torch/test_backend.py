@@ -290,6 +290,19 @@ def worker(rank, size, port):
             x = torch.empty(10)
             dist.recv(x, 0)
             dist.send(-x, 0)
+        # From any source: rank 0 takes one message from every other rank,
+        # in whatever order they come, and learns who sent each.
+        if rank == 0:
+            senders = []
+            for _ in range(1, size):
+                x = torch.empty(3)
+                w = dist.irecv(x)
+                w.wait()
+                senders.append(w._source_rank())
+                expect_equal(x, torch.full((3,), float(senders[-1])), "recv from any source")
+            assert sorted(senders) == list(range(1, size)), senders
+        else:
+            dist.send(torch.full((3,), float(rank)), 0)
 
     def gather_coalesced():
         a = torch.full((3,), float(rank))

@@ -76,6 +76,7 @@ struct Mailboxes::Recv {
   std::vector<std::byte> discard;  // a piece that does not fit: read and dropped
   Error error;                     // kept until the message's last piece is taken
   std::array<std::byte, 4> pad{};
+  std::function<void(int)> source;  // recv_any: told the sender once known
 };
 
 Mailboxes::Mailboxes(Client& client, std::vector<Hop> devices, int rank, const ControlLayout& control,
@@ -111,7 +112,23 @@ void Mailboxes::recv(int peer, int64_t tag, std::span<std::byte> out, std::funct
   recvs_[static_cast<size_t>(peer)].push_back(std::move(r));
 }
 
+void Mailboxes::recv_any(int64_t tag, std::span<std::byte> out, std::function<void(int)> source,
+                         std::function<void(const Error&)> done) {
+  auto r = std::make_unique<Recv>();
+  r->peer = -1;
+  r->tag = tag;
+  r->out = out;
+  r->source = std::move(source);
+  r->done = std::move(done);
+  if (local_.empty()) {
+    complete(*r, Error::invalid("recv from any source needs this rank's device memory mapped (NETDAM_SHM)"));
+    return;
+  }
+  any_.push_back(std::move(r));
+}
+
 bool Mailboxes::busy() const {
+  if (!any_.empty()) return true;
   for (size_t k = 0; k < devices_.size(); ++k)
     if (!sends_[k].empty() || !recvs_[k].empty()) return true;
   return false;
@@ -132,6 +149,8 @@ bool Mailboxes::waiting_on_network() const {
 }
 
 void Mailboxes::fail_all(const Error& e) {
+  for (auto& r : any_) complete(*r, e);
+  any_.clear();
   for (size_t k = 0; k < devices_.size(); ++k) {
     for (auto& s : sends_[k]) complete(*s, e);
     for (auto& r : recvs_[k]) complete(*r, e);
@@ -157,6 +176,28 @@ std::optional<uint32_t> Mailboxes::stamp(uint32_t aux, Op& op, std::array<std::b
 
 bool Mailboxes::progress() {
   bool any = false;
+  // Recvs from any source, oldest first: bind each to a rank whose next
+  // message is there and that has no recv of its own waiting.
+  while (!any_.empty()) {
+    const size_t p = devices_.size();
+    int found = -1;
+    for (size_t i = 0; i < p && found < 0; ++i) {
+      const size_t k = (next_any_ + i) % p;
+      if (static_cast<int>(k) == rank_ || !recvs_[k].empty()) continue;
+      const uint64_t at = control_.base + control_.header_stamp_aux(static_cast<int>(k));
+      const uint32_t st = std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(local_.data() + at))
+                              .load(std::memory_order_acquire);
+      if (reached(st, taken_[k] + 1)) found = static_cast<int>(k);
+    }
+    if (found < 0) break;
+    next_any_ = static_cast<size_t>(found) + 1;
+    std::unique_ptr<Recv> r = std::move(any_.front());
+    any_.pop_front();
+    r->peer = found;
+    if (r->source) r->source(found);
+    recvs_[static_cast<size_t>(found)].push_back(std::move(r));
+    any = true;
+  }
   for (size_t k = 0; k < devices_.size(); ++k) {
     while (!sends_[k].empty() && step(*sends_[k].front())) {
       any = true;

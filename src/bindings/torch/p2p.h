@@ -20,7 +20,9 @@
 // a send never waits for the matching recv unless the message is longer
 // than M. Messages of one pair arrive in order; a recv whose tag or size
 // differs from the next message's fails with an error that says so.
-// Sends to different ranks, and recvs from different ranks, run at once.
+// Sends to different ranks, and recvs from different ranks, run at once. A
+// recv from any source takes the first message that is there from a rank
+// with no recv of its own waiting, and from then on is a recv from it.
 //
 // Driven by the Runner's thread through the Group's client (one thread).
 #pragma once
@@ -51,6 +53,11 @@ class Mailboxes {
 
   void send(int peer, int64_t tag, std::span<const std::byte> data, std::function<void(const Error&)> done);
   void recv(int peer, int64_t tag, std::span<std::byte> out, std::function<void(const Error&)> done);
+  // A recv from whichever rank's next message is there first (among the
+  // ranks with no recv of their own waiting); `source` learns that rank
+  // before `done` runs. Needs this rank's device memory mapped.
+  void recv_any(int64_t tag, std::span<std::byte> out, std::function<void(int)> source,
+                std::function<void(const Error&)> done);
   // Advances every message without blocking; true if any advanced.
   bool progress();
   bool busy() const;
@@ -79,6 +86,8 @@ class Mailboxes {
   std::vector<uint32_t> sent_, taken_;  // per peer: last sequence number sent / taken out
   std::vector<std::deque<std::unique_ptr<Send>>> sends_;  // per peer, in order
   std::vector<std::deque<std::unique_ptr<Recv>>> recvs_;
+  std::deque<std::unique_ptr<Recv>> any_;  // recv_any, not yet bound to a rank
+  size_t next_any_ = 0;                    // where the next search for a message starts
 };
 
 }  // namespace netdam::torch_backend

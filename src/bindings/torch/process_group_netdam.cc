@@ -175,6 +175,12 @@ std::vector<at::Tensor> WorkNetdam::result() { return outputs_; }
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkNetdam::getFuture() { return future_; }
 
+int WorkNetdam::sourceRank() const {
+  const int s = source ? source->load() : -1;
+  TORCH_CHECK(s >= 0, "netdam: sourceRank() of a work that is not a completed recv from any source");
+  return s;
+}
+
 void WorkNetdam::complete(const Error& e) {
   // The future first: whoever wait()s may read it right after.
   if (e) {
@@ -231,10 +237,12 @@ Runner& ProcessGroupNetdam::runner(const char* what) {
 c10::intrusive_ptr<c10d::Work> ProcessGroupNetdam::enqueue(c10d::OpType type, const char* what, Request r,
                                                          std::vector<at::Tensor> outputs,
                                                          std::vector<at::Tensor> keep,
-                                                         std::function<void()> finish) {
+                                                         std::function<void()> finish,
+                                                         std::shared_ptr<std::atomic<int>> source) {
   Runner& runner = this->runner(what);
   auto work = c10::make_intrusive<WorkNetdam>(rank_, type, what, std::move(outputs),
                                               options_.runner.group.timeout);
+  work->source = std::move(source);
   r.done = [work, keep = std::move(keep), finish = std::move(finish)](const Error& e) mutable {
     Error err = e;
     if (!err && finish) {
@@ -652,6 +660,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNetdam::recv(std::vector<at::Tensor>&
   std::function<void()> back;
   if (!dst.is_same(t)) back = [t, dst]() mutable { t.copy_(dst); };
   return enqueue(c10d::OpType::RECV, "recv", r, {t}, {dst}, std::move(back));
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupNetdam::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  at::Tensor t = single(tensors, "recvAnysource");
+  at::Tensor dst = t.contiguous();
+  Request r;
+  r.kind = Collective::kRecv;
+  r.root = -1;
+  r.tag = tag;
+  r.out = bytes(dst);
+  std::function<void()> back;
+  if (!dst.is_same(t)) back = [t, dst]() mutable { t.copy_(dst); };
+  // The work learns the sender before it completes.
+  auto source = std::make_shared<std::atomic<int>>(-1);
+  r.source = [source](int rank) { source->store(rank); };
+  return enqueue(c10d::OpType::RECVANYSOURCE, "recvAnysource", r, {t}, {dst}, std::move(back), source);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupNetdam::barrier(const c10d::BarrierOptions&) {

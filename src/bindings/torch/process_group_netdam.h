@@ -23,6 +23,7 @@
 // last reference to a tensor or run a Python callback).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -41,6 +42,9 @@ class WorkNetdam : public c10d::Work {
              std::chrono::milliseconds timeout);
   std::vector<at::Tensor> result() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  // recvAnysource: the rank the message came from (once completed).
+  int sourceRank() const override;
+  std::shared_ptr<std::atomic<int>> source;  // set by the Runner before complete()
   // Runner thread: completes the future and the work (wakes wait()).
   void complete(const Error& e);
 
@@ -107,6 +111,7 @@ class ProcessGroupNetdam : public c10d::ProcessGroup {
                                           const c10d::AllToAllOptions& opts = {}) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = {}) override;
 
  private:
@@ -115,7 +120,8 @@ class ProcessGroupNetdam : public c10d::ProcessGroup {
   // tensors); `keep` holds the buffers until then.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* what, Request r,
                                          std::vector<at::Tensor> outputs, std::vector<at::Tensor> keep,
-                                         std::function<void()> finish = {});
+                                         std::function<void()> finish = {},
+                                         std::shared_ptr<std::atomic<int>> source = nullptr);
   // PRODUCT, BAND, BOR, BXOR: every rank's `input` gathered, then combined
   // in rank order; `finish` gets the combined tensor (input's shape).
   c10::intrusive_ptr<c10d::Work> combine_gathered(c10d::OpType type, const char* what, const at::Tensor& input,

@@ -246,6 +246,11 @@ void Runner::expand(Request r) {
       break;
     case Collective::kSend:
     case Collective::kRecv: {
+      if (r.kind == Collective::kRecv && r.root == -1) {  // from any source
+        mailboxes_->recv_any(r.tag, r.out, std::move(r.source),
+                             [owner](const Error& e) { complete(owner->done, e); });
+        return;
+      }
       if (r.root < 0 || r.root >= size_ || r.root == rank_)
         return fail(fmt::format("no peer rank {} in a group of {} (this rank is {})", r.root, size_, rank_));
       auto done = [owner](const Error& e) { complete(owner->done, e); };

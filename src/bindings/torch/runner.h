@@ -81,6 +81,8 @@ struct Request {
   uint64_t max_piece = 0;
   bool max_known = false;
   int64_t tag = 0;  // Send, Recv
+  // Recv with root -1: from any rank; `source` learns which before `done`.
+  std::function<void(int)> source;
   // Called once, on the Runner's thread, with the outcome.
   std::function<void(const Error&)> done;
 };
