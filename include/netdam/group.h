@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -199,9 +200,9 @@ class Group {
                       std::span<const uint64_t> send, std::span<const uint64_t> recv);
   Error alltoall(std::span<const std::byte> in, std::span<std::byte> out, uint64_t stride,
                  std::span<const uint64_t> send, std::span<const uint64_t> recv);
-  // wait() for at most `max` (of the transport's clock): true if `w` is
-  // done, false if the time ran out first.
-  bool wait_for(Work& w, std::chrono::microseconds max);
+  // wait() for at most `max` (of the transport's clock), or until `stop`
+  // (if given, asked between steps) says so: true if `w` is done.
+  bool wait_for(Work& w, std::chrono::microseconds max, const std::function<bool()>& stop = {});
 
   Client& client() { return *client_; }
 

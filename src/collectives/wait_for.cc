@@ -8,7 +8,7 @@
 
 namespace netdam {
 
-bool Group::wait_for(Work& w, std::chrono::microseconds max) {
+bool Group::wait_for(Work& w, std::chrono::microseconds max, const std::function<bool()>& stop) {
   using namespace std::chrono_literals;
   if (!w.valid()) return true;
   const auto until = client_->now() + max;
@@ -19,7 +19,7 @@ bool Group::wait_for(Work& w, std::chrono::microseconds max) {
       continue;
     }
     const auto now = client_->now();
-    if (now >= until) return false;
+    if (now >= until || (stop && stop())) return false;
     // As wait(): block in the socket while answers are due, back off while
     // only other ranks' stamps are awaited.
     bool waiting_on_network = false;

@@ -96,20 +96,23 @@ Watch::~Watch() = default;
 
 void Watch::waiting(bool on) {
   if (on && !waiting_) {
+    // The first probes go out only once the wait has lasted a while:
+    // collectives that finish sooner cost no packet.
     const auto now = Clock::now();
     for (auto& p : peers_) {
       if (!p) continue;
       p->changed = now;
-      p->next_probe = now;
+      p->next_probe = now + every();
     }
   }
   waiting_ = on;
 }
 
+std::chrono::milliseconds Watch::every() const { return clamp<std::chrono::milliseconds>(liveness_ / 4, 50ms, 1000ms); }
+
 Error Watch::check() {
   if (!waiting_) return {};
   const auto now = Clock::now();
-  const auto every = clamp<std::chrono::milliseconds>(liveness_ / 4, 50ms, 1000ms);
   for (size_t r = 0; r < peers_.size(); ++r) {
     Peer* p = peers_[r].get();
     if (!p) continue;
@@ -117,7 +120,7 @@ Error Watch::check() {
     if (p->failed)
       return Error::timeout(fmt::format("rank {} is gone: its device {} does not answer ({})", r, dev,
                                         p->failed.to_string()));
-    p->client->poll();
+    if (p->probe.valid()) p->client->poll();
     if (p->probe.valid() && p->probe.done()) {
       if (const Error& e = p->probe.error())
         return Error::timeout(fmt::format("rank {} is gone: its device {} has not answered for {:.1f} s ({})", r, dev,
@@ -137,7 +140,7 @@ Error Watch::check() {
                                         r, dev, seconds(now - p->changed)));
     if (!p->probe.valid() && now >= p->next_probe) {
       p->probe = p->client->read_async(control_.heartbeat(), p->word);
-      p->next_probe = now + every;
+      p->next_probe = now + every();
     }
   }
   return {};

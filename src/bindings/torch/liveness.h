@@ -64,6 +64,7 @@ class Watch {
 
  private:
   struct Peer;
+  std::chrono::milliseconds every() const;  // between probes of one device
   std::vector<std::string> devices_;
   int rank_;
   ControlLayout control_;

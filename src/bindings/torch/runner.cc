@@ -148,6 +148,7 @@ void Runner::submit(Request r) {
     std::lock_guard lk(mu_);
     queue_.push_back(std::move(r));
   }
+  submitted_.store(true, std::memory_order_relaxed);
   cv_.notify_one();
 }
 
@@ -420,11 +421,12 @@ void Runner::wait_a_little() {
   if (!in_flight_.empty()) {
     // Nothing else to start: let the Group wait for the oldest collective
     // as it does best (blocking in the socket for answers, backing off
-    // while other ranks' chains fill its stamps), in slices short enough
-    // for the rest: a request submitted meanwhile may take a free slot,
-    // messages move, the liveness probes run.
+    // while other ranks' chains fill its stamps), in slices for the rest:
+    // the liveness probes (50 ms), messages (1 ms); and a request
+    // submitted meanwhile ends the slice when it could take a free slot.
     const bool room = in_flight_.size() < max_in_flight_ && chunks_.empty();
-    group_->wait_for(in_flight_.front()->work, p2p || room ? 1000us : 50000us);
+    group_->wait_for(in_flight_.front()->work, p2p ? 1000us : 50000us,
+                     room ? [this] { return submitted_.load(std::memory_order_relaxed); } : std::function<bool()>());
     if (p2p) mailboxes_->progress();
     return;
   }
@@ -470,6 +472,7 @@ void Runner::run() {
         if (queue_.empty()) return;  // stopping with nothing left
       }
       incoming.swap(queue_);
+      submitted_.store(false, std::memory_order_relaxed);
     }
     for (auto& r : incoming) expand(std::move(r));
     incoming.clear();

@@ -24,6 +24,7 @@
 // This file knows nothing of torch: buffers are spans of bytes.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
@@ -151,6 +152,7 @@ class Runner {
   std::condition_variable cv_;
   std::deque<Request> queue_;  // guarded by mu_
   bool stop_ = false;          // guarded by mu_
+  std::atomic<bool> submitted_{false};  // queue_ got a request since the Runner last took it
 
   // Runner thread only.
   std::deque<std::unique_ptr<Chunk>> chunks_;     // not yet issued, in order
