@@ -22,10 +22,10 @@ rendezvous, so every ``init_method`` (env://, tcp://, file://) and
 
 Every netdam process group of a process uses that one device: the default
 group from address 0 (or, when the default group is another backend's, the
-first netdam group of all ranks), every other group (``new_group``) in a
-place of its own after it (``NETDAM_SUBGROUPS`` places of ``NETDAM_SUBGROUP_CAPACITY``),
-numbered through the default group's store, so ``new_group`` costs a
-rendezvous and a few region registrations, not new devices.
+first netdam group of all ranks), every other group (``new_group``) in one
+of ``NETDAM_SUBGROUPS`` places after it, the first that is free on every
+member's device, so ``new_group`` costs a rendezvous and a few region
+registrations, not new devices.
 
 Before a group is created every rank checks its device (it answers, it has
 the memory, it takes the admin key) and every other rank's, and tells the
@@ -44,10 +44,10 @@ Settings (every rank must use the same values; checked at creation):
     NETDAM_LIVENESS   seconds after which a rank that has stopped (its
                       heartbeat, or its device) is declared gone, failing
                       what waits for it (default 5; 0: never)
-    NETDAM_SUBGROUP_CAPACITY  capacity of every other group (default 8MiB,
+    NETDAM_SUBGROUP_CAPACITY  capacity of every other group (default 4MiB,
                       at most NETDAM_CAPACITY)
-    NETDAM_SUBGROUPS  how many other groups the devices have room for
-                      (default 16)
+    NETDAM_SUBGROUPS  how many other groups may live on a device at once
+                      (default 4)
     NETDAM_DAEMON     the netdamd to start (default: the one of this build)
     NETDAM_MAX_PAYLOAD  payload of a started device's packets (default 63KiB)
     NETDAM_OFFLOAD_MEMORY  device memory for an optimizer offloaded to the
@@ -60,7 +60,6 @@ import atexit
 import json
 import os
 import re
-import uuid
 import weakref
 
 import torch.distributed as dist
@@ -121,8 +120,8 @@ class _Settings:
         self.admin_key = int(os.environ.get("NETDAM_ADMIN_KEY", "0xAD"), 0)
         self.timeout = float(os.environ.get("NETDAM_TIMEOUT", timeout.total_seconds()))
         self.liveness = float(os.environ.get("NETDAM_LIVENESS", "5"))
-        self.sub_capacity = min(parse_size(os.environ.get("NETDAM_SUBGROUP_CAPACITY", "8MiB")), self.capacity)
-        self.subgroups = int(os.environ.get("NETDAM_SUBGROUPS", "16"))
+        self.sub_capacity = min(parse_size(os.environ.get("NETDAM_SUBGROUP_CAPACITY", "4MiB")), self.capacity)
+        self.subgroups = int(os.environ.get("NETDAM_SUBGROUPS", "4"))
         self.offload = parse_size(os.environ.get("NETDAM_OFFLOAD_MEMORY", "0"))
         self.max_payload_text = os.environ.get("NETDAM_MAX_PAYLOAD", "63KiB")
         self.world_size = world_size
@@ -147,7 +146,7 @@ class _Settings:
 # groups, stopped at exit.
 _device = None
 _groups = weakref.WeakSet()  # live netdam process groups of this process
-_world_token = None          # names the current default group's places in the store
+_places = {}                 # place k >= 1 -> weakref to this process's group there
 _place0 = None               # weakref to the group at address 0 when the default group is not netdam
 
 
@@ -155,7 +154,7 @@ def _local_device(settings):
     """This process's started device, (re)started if too small."""
     global _device
     max_payload = parse_size(settings.max_payload_text)
-    world, _, _, memory = settings.layout(max_payload)
+    _, _, _, memory = settings.layout(max_payload)
     if _device is not None and (_device.memory < memory or _device.pid < 0):
         if _device.users == 0:
             _device.stop()
@@ -164,8 +163,7 @@ def _local_device(settings):
             raise RuntimeError("netdam: this process's device is too small for the new group's settings "
                                "while other groups use it")
     if _device is None:
-        _device = _torch_backend.start_device(_daemon_path(), memory, settings.admin_key, settings.max_payload_text,
-                                              prefault=world)
+        _device = _torch_backend.start_device(_daemon_path(), memory, settings.admin_key, settings.max_payload_text)
     return _device
 
 
@@ -208,7 +206,7 @@ def _fail_if_any(facts, what):
 
 def create_process_group(store, rank, size, timeout):
     """The backend's creator: ``(store, rank, world_size, timeout)`` (torch 1.13)."""
-    global _world_token, _place0
+    global _place0
     from . import Client, Error
     default = dist.distributed_c10d.GroupMember.WORLD
     is_default = default is None  # this is the default group being created
@@ -226,6 +224,9 @@ def create_process_group(store, rank, size, timeout):
             shm = os.environ.get("NETDAM_SHM", "")
         mine = _check_device(address, settings, shm)
         mine["config"] = settings.key(mine["max_payload"])
+        # The places this rank's device has taken by live groups: a new
+        # group takes one that is free on every member's device.
+        mine["used"] = sorted(k for k, ref in _places.items() if ref() is not None)
     except (RuntimeError, ValueError, OSError) as e:
         mine = {"error": str(e)}
     facts = _exchange(store, "device", rank, size, mine)
@@ -266,30 +267,28 @@ def create_process_group(store, rank, size, timeout):
     max_payload = mine["max_payload"]
     _, arena, sub_bytes, _ = settings.layout(max_payload)
     if is_default:
-        if rank == 0:
-            store.set("netdam/token", uuid.uuid4().hex)
-        _world_token = store.get("netdam/token").decode()
         base, key_base, capacity, mailbox = 0, KEY_BASE, settings.capacity, MAILBOX
-        place0 = False
+        place, place0 = 0, False
     elif (size == settings.world_size and not isinstance(default, ProcessGroupNetdam)
           and (_place0 is None or _place0() is None)):
         # The default group is another backend's: the first netdam group of
         # every rank takes the default group's place (and capacity). Every
         # rank creates the same groups in the same order, so all agree.
         base, key_base, capacity, mailbox = 0, KEY_BASE, settings.capacity, MAILBOX
-        place0 = True
+        place, place0 = 0, True
     else:
-        if rank == 0:
-            token = _world_token if isinstance(default, ProcessGroupNetdam) and _world_token else "no-netdam-world"
-            index = dist.distributed_c10d._get_default_store().add(f"netdam/{token}/groups", 1)
-            store.set("netdam/index", str(index))
-        index = int(store.get("netdam/index").decode())
-        if index > settings.subgroups:
+        # The first place free on every member's device; every rank
+        # computes it from the same facts.
+        taken = set()
+        for f in facts:
+            taken.update(f["used"])
+        place = next(k for k in range(1, settings.subgroups + 2) if k not in taken)
+        if place > settings.subgroups:
             raise RuntimeError(f"netdam: no room on the devices for another process group: NETDAM_SUBGROUPS="
-                               f"{settings.subgroups} groups besides the default one fit (raise it: each takes "
-                               f"{sub_bytes >> 20} MiB of device memory)")
-        base = arena + (index - 1) * sub_bytes
-        key_base = SUBGROUP_KEYS + index * 0x100
+                               f"{settings.subgroups} groups besides the default one may live on a device at once "
+                               f"(raise it: each takes {sub_bytes >> 20} MiB of device memory)")
+        base = arena + (place - 1) * sub_bytes
+        key_base = SUBGROUP_KEYS + place * 0x100
         capacity, mailbox = settings.sub_capacity, SUBGROUP_MAILBOX
         place0 = False
     pg = ProcessGroupNetdam(rank, devices, shm=shm, admin_key=settings.admin_key, capacity=capacity,
@@ -298,6 +297,8 @@ def create_process_group(store, rank, size, timeout):
     _groups.add(pg)
     if place0:
         _place0 = weakref.ref(pg)
+    elif place > 0:
+        _places[place] = weakref.ref(pg)
     return pg
 
 

@@ -117,7 +117,7 @@ def main():
     os.environ["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"] = str(args.timeout)
     # Small groups: every test starts the ranks' devices afresh.
     os.environ.setdefault("NETDAM_CAPACITY", "4MiB")
-    os.environ.setdefault("NETDAM_SUBGROUP_CAPACITY", "1MiB")
+    os.environ.setdefault("NETDAM_SUBGROUP_CAPACITY", "512KiB")
 
     import torch
     try:

@@ -19,7 +19,6 @@
 
 #include <fmt/format.h>
 
-#include "common/mapping.h"
 #include "common/process.h"
 
 namespace netdam::torch_backend {
@@ -62,7 +61,7 @@ Result<std::unique_ptr<LocalDevice>> LocalDevice::start(const LocalDeviceOptions
   const std::string port_file = d->dir_ + "/port", log = d->dir_ + "/netdamd.log";
   std::vector<std::string> argv = {opts.netdamd, "--listen", "127.0.0.1:0", "--port-file", port_file,
                                    "--memory", std::to_string(opts.memory), "--shm", d->shm_,
-                                   "--admin-key", fmt::format("{:#x}", opts.admin_key),
+                                   "--admin-key", fmt::format("{:#x}", opts.admin_key), "--prefault",
                                    "--max-payload", opts.max_payload, "--log-level", opts.log_level};
   std::vector<char*> args;
   for (auto& a : argv) args.push_back(a.data());
@@ -102,20 +101,6 @@ Result<std::unique_ptr<LocalDevice>> LocalDevice::start(const LocalDeviceOptions
       std::error_code ec;
       std::filesystem::remove_all(d->dir_, ec);
       d->dir_.clear();
-      // The first `prefault` bytes made resident through this process's own
-      // mapping (zeros: the memory is zero already), so the first
-      // collectives do not wait for the kernel to allocate pages. The rest
-      // (room for more groups) costs nothing until a group uses it.
-      if (opts.prefault > 0) {
-        std::string why;
-        auto m = Mapping::open_shared(d->shm_, &why);
-        if (!m) {
-          d->stop();
-          return Error::transport("mapping the device's memory: " + why);
-        }
-        auto b = m->bytes();
-        std::memset(b.data(), 0, std::min<uint64_t>(opts.prefault, b.size()));
-      }
       return d;
     }
     int status = 0;

@@ -2,11 +2,10 @@
 // process group that uses it.
 //
 // `netdamd --listen 127.0.0.1:0 --port-file F --memory M --shm NAME
-// --admin-key K --max-payload P`: the kernel picks the port, the memory is
-// /dev/shm/NAME so the rank's Groups map it (no copies through the socket
-// for its own device), and the Groups register their regions with the
-// admin key. The first `prefault` bytes are made resident before start()
-// returns; the rest is allocated as groups use it. The daemon gets SIGTERM
+// --admin-key K --prefault --max-payload P`: the kernel picks the port, the
+// memory is /dev/shm/NAME so the rank's Groups map it (no copies through
+// the socket for its own device), and the Groups register their regions
+// with the admin key. The daemon gets SIGTERM
 // when this object is destroyed and when the thread that started it exits
 // (PR_SET_PDEATHSIG), so a crashed rank does not leave it behind.
 //
@@ -32,7 +31,6 @@ struct LocalDeviceOptions {
   uint32_t admin_key = 0xAD;
   std::string max_payload = "63KiB";  // loopback's MTU is 64 KiB
   std::string log_level = "warn";
-  uint64_t prefault = 0;      // bytes from address 0 made resident at start
 };
 
 class LocalDevice {

@@ -35,22 +35,19 @@ PYBIND11_MODULE(_torch_backend, m) {
 
   m.def(
       "start_device",
-      [](const std::string& netdamd, uint64_t memory, uint32_t admin_key, const std::string& max_payload,
-         uint64_t prefault) {
+      [](const std::string& netdamd, uint64_t memory, uint32_t admin_key, const std::string& max_payload) {
         LocalDeviceOptions o;
         o.netdamd = netdamd;
         o.memory = memory;
         o.admin_key = admin_key;
         o.max_payload = max_payload;
-        o.prefault = prefault;
         auto d = LocalDevice::start(o);
         if (!d) throw std::runtime_error("netdam: cannot start a device: " + d.error().to_string());
         return std::shared_ptr<LocalDevice>(std::move(d.value()));
       },
       py::arg("netdamd"), py::arg("memory"), py::arg("admin_key") = 0xAD, py::arg("max_payload") = "63KiB",
-      py::arg("prefault") = 0, py::call_guard<py::gil_scoped_release>(),
-      "Starts netdamd on 127.0.0.1 (port chosen by the kernel, memory in /dev/shm); the first `prefault` bytes "
-      "are made resident.");
+      py::call_guard<py::gil_scoped_release>(),
+      "Starts netdamd on 127.0.0.1 (port chosen by the kernel, memory in /dev/shm, prefaulted).");
 
   m.def("device_memory_bytes", &netdam::torch_backend::device_memory_bytes, py::arg("capacity"), py::arg("slots"),
         py::arg("ranks"), py::arg("max_payload"), py::arg("mailbox") = 1 << 20,
