@@ -124,6 +124,7 @@ class _Settings:
         self.subgroups = int(os.environ.get("NETDAM_SUBGROUPS", "4"))
         self.offload = parse_size(os.environ.get("NETDAM_OFFLOAD_MEMORY", "0"))
         self.max_payload_text = os.environ.get("NETDAM_MAX_PAYLOAD", "63KiB")
+        self.algorithm = os.environ.get("NETDAM_ALGORITHM", "ring")
         self.world_size = world_size
         for name, cap in (("NETDAM_CAPACITY", self.capacity), ("NETDAM_SUBGROUP_CAPACITY", self.sub_capacity)):
             if cap < 64 * world_size or cap % 8:
@@ -139,7 +140,7 @@ class _Settings:
 
     def key(self, max_payload):
         return (f"{self.capacity},{self.slots},{self.admin_key:#x},{self.sub_capacity},{self.subgroups},"
-                f"{self.offload},{self.world_size},{max_payload}")
+                f"{self.offload},{self.world_size},{max_payload},{self.algorithm}")
 
 
 # This process's device when it started one: kept for the process's later
@@ -293,7 +294,8 @@ def create_process_group(store, rank, size, timeout):
         place0 = False
     pg = ProcessGroupNetdam(rank, devices, shm=shm, admin_key=settings.admin_key, capacity=capacity,
                             slots=settings.slots, timeout=settings.timeout, device=device, base=base,
-                            key_base=key_base, liveness=settings.liveness, mailbox=mailbox)
+                            key_base=key_base, liveness=settings.liveness, mailbox=mailbox,
+                            algorithm=settings.algorithm)
     _groups.add(pg)
     if place0:
         _place0 = weakref.ref(pg)
