@@ -40,7 +40,8 @@ What is done to run them here:
   CPU path is chosen by that name) while the process group is netdam's.
 
 Prints one line per test and a table per family; exits non-zero if a test
-failed (skips are not failures). --json FILE writes the outcomes.
+failed (skips are not failures). --json FILE writes the outcomes. CI runs
+the tests listed in distributed_suite_ci.txt (CTest torch_distributed_suite).
 """
 
 import argparse
@@ -107,6 +108,7 @@ def main():
     ap.add_argument("--json", default="", help="write the outcomes here")
     ap.add_argument("--lifted-only", action="store_true", help="run only the tests whose skip is lifted")
     ap.add_argument("--no-lift", action="store_true", help="keep every skip of the suite")
+    ap.add_argument("--list", default="", help="run only the tests named in this file (one a line, # comments)")
     ap.add_argument("--timeout", type=int, default=90, help="seconds per test")
     args = ap.parse_args()
 
@@ -176,8 +178,15 @@ def main():
             super()._run(rank, test_name, file_name, pipe)
 
     families = set(f for f in args.family.split(",") if f)
+    listed = None
+    if args.list:
+        with open(args.list) as f:
+            listed = {line.split("#")[0].strip() for line in f} - {""}
     names = [n for n in sorted(dir(base)) if n.startswith("test_") and (not families or family(n) in families)
-             and args.pattern in n and (not args.lifted_only or n in lifted)]
+             and args.pattern in n and (not args.lifted_only or n in lifted) and (listed is None or n in listed)]
+    if listed is not None and len(names) != len(listed):
+        print(f"listed but not in the suite: {sorted(listed - set(names))}", flush=True)
+        return 1
     suite = unittest.TestSuite(TestSuiteOnBackend(n) for n in names)
 
     outcomes = {}
