@@ -8,10 +8,13 @@ small integers, so every sum is exact in every dtype and in any order);
 tensors larger than the group capacity (NETDAM_CAPACITY=256KiB here, so
 they are cut into chunks), non-contiguous tensors, asynchronous work and
 its futures, a barrier and an all_reduce with a rank 2.5 s late, errors
-(unsupported dtype and op, a rank that does not show up: timeout),
-all_gather_object and broadcast_object_list, and DDP training with the
-netdam backend against the same training with gloo (examples/ddp_train.py),
-losses within 1e-5.
+(unsupported op, a rank that does not show up: timeout),
+all_gather_object and broadcast_object_list, the calls beyond the devices'
+own collectives (int8/uint8/int16/bool reductions through int32,
+PRODUCT and bitwise ops, gather, scatter, all_to_all, send/recv also from
+any source, all_gather_coalesced), subgroups on the default group's
+devices, and DDP training with the netdam backend against the same
+training with gloo (examples/ddp_train.py), losses within 1e-5.
 
     PYTHONPATH=build/python NETDAM_DAEMON=build/src/daemon/netdamd /usr/bin/python3 tests/torch/test_backend.py
 
