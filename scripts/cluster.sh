@@ -28,9 +28,11 @@
 #   --rate RATE         link rate each way, tc units: 500mbit, 1gbit, 2.5gbit
 #                       (decimal; "none": no rate limit; default 1gbit)
 #   --mtu BYTES         MTU of every link and the bridge (default 9000)
-#   --burst SIZE        tbf bucket, bytes (K/M suffixes binary; default
-#                       max(64K, 1 ms at RATE))
-#   --queue SIZE|Tms    tbf queue: bytes, or a time at RATE (default 5ms)
+#   --burst SIZE        tbf bucket, bytes (K/M suffixes binary; default 64K:
+#                       one whole GSO packet, so tbf never has to split one;
+#                       after an idle moment that much leaves at wire speed)
+#   --queue SIZE|Tms    tbf queue: bytes, or a time at RATE (default 5ms, at
+#                       least 2 buckets)
 #   --prefix NAME       names of everything it creates: namespaces NAME-h0,
 #                       NAME-d0, bridge NAME-br (default ndc; [a-z0-9], 1..8
 #                       chars, starting with a letter)
@@ -141,19 +143,23 @@ if [[ "$rate" != none ]]; then
 fi
 
 if [[ -z "$burst" ]]; then
-  burst_bytes=$(( rate_bps / 8 / 1000 ))           # 1 ms at the rate
-  ((burst_bytes >= 65536)) || burst_bytes=65536     # a whole 64 KB GSO packet
+  # A whole 64 KB GSO packet: a smaller bucket makes tbf segment every TCP
+  # super-packet in software (2 frames of 9000: 4x the softirq time at 1gbit).
+  burst_bytes=65536
+  ((burst_bytes >= mtu + 14)) || burst_bytes=$((mtu + 14))
 else
   burst_bytes=$(to_bytes "$burst") || die $EX_USAGE "--burst: bytes, e.g. 131072 or 128K"
 fi
 ((burst_bytes >= mtu + 14)) || die $EX_USAGE "--burst must hold one frame (MTU + 14 bytes)"
+# The queue holds at least two buckets: a TCP GSO packet (up to 64 KB) that
+# does not fit the queue is dropped whole, and TCP then waits for a timeout.
 if [[ "$queue" =~ ^([0-9]+)ms$ ]]; then
   queue_bytes=$(( rate_bps / 8 * BASH_REMATCH[1] / 1000 ))
-  ((queue_bytes >= 4 * (mtu + 14))) || queue_bytes=$((4 * (mtu + 14)))
+  ((queue_bytes >= 2 * burst_bytes)) || queue_bytes=$((2 * burst_bytes))
 else
   queue_bytes=$(to_bytes "$queue") || die $EX_USAGE "--queue: bytes (128K) or milliseconds (5ms)"
+  ((queue_bytes >= burst_bytes)) || die $EX_USAGE "--queue must hold at least one bucket (--burst)"
 fi
-((queue_bytes >= mtu + 14)) || die $EX_USAGE "--queue must hold one frame"
 
 if [[ -z "$max_payload" ]]; then
   # Largest multiple of 1 KiB that fits a datagram with netdam's 40-byte header,
@@ -462,13 +468,36 @@ case "$sub" in
     ((${#cmd[@]})) || die $EX_USAGE "run -- CMD..."
     cluster_up
     # From here the cluster goes on any exit: the command's end, a failure,
-    # Ctrl-C (which reaches the command too: it runs in the foreground).
+    # Ctrl-C (which reaches the command too: same process group), SIGTERM or
+    # SIGHUP (forwarded to the command). The command runs as a background
+    # job so that a signal need not wait for it, with SIGINT and SIGQUIT back
+    # to their defaults (bash ignores them in background jobs) and this
+    # shell's standard input.
     building=2
     set -a
     # shellcheck disable=SC1091
     source "$state/env"
     set +a
-    "${cmd[@]}"
+    child="" got=""
+    forward() { got=$1; [[ -n "$child" ]] && kill -s "$1" "$child" 2>/dev/null; }
+    trap 'forward INT' INT
+    trap 'forward TERM' TERM
+    trap 'forward HUP' HUP
+    defaults=()
+    env --default-signal=INT true 2>/dev/null && defaults=(env --default-signal=INT,QUIT)
+    "${defaults[@]}" "${cmd[@]}" <&0 &
+    child=$!
+    while :; do
+      wait "$child"
+      st=$?
+      kill -0 "$child" 2>/dev/null || break   # else a trapped signal interrupted the wait
+    done
+    if [[ -n "$got" ]]; then
+      wait "$child" 2>/dev/null
+      s2=$?
+      ((s2 != 127)) && st=$s2
+    fi
+    exit "$st"
     ;;
   *)
     die $EX_USAGE "unknown command '$sub' (up, down, status, env, exec, run; --help)"
