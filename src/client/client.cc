@@ -735,7 +735,9 @@ void Client::check_timers() {
       due = now >= p->due;
       resend = due;
       if (!due) next = std::min(next, p->due);
-    } else if (const TimePoint lost = lr.lost_at(p->last_sent); now >= lost) {
+    } else if (const TimePoint lost = p->aggregate ? TimePoint::max() : lr.lost_at(p->last_sent); now >= lost) {
+      // (An aggregation's answers come as blocks complete, in an order the
+      // other contributors decide: a later answer is no evidence of loss.)
       resend = true;
     } else if (!probed[route] && lr.probe_due(p->last_sent, now)) {
       resend = true;

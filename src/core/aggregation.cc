@@ -132,7 +132,7 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
   Block& b = t->blocks[c.block];
   AggReply& waiting = t->replies[c.block * r.contributors + r.contributor];
   // Serial-number comparison, as for chain generations.
-  const auto ahead = static_cast<int32_t>(b.generation[s] - c.generation);
+  const auto ahead = b.used[s] ? static_cast<int32_t>(b.generation[s] - c.generation) : -1;
   if (ahead > 0 || (ahead == 0 && b.abandoned[s])) {
     out.status = Status::kStaleGeneration;  // that collective is over
     return out;
@@ -142,12 +142,12 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
     // g has had every answer of g-1, so every host has contributed to g-1
     // and had g-2's result: the state of g-2 (this parity) is free. A g-1
     // that never completed was abandoned by a failed collective.
-    if (static_cast<int32_t>(b.generation[o] - (c.generation - 1)) == 0 && !b.done[o] &&
-        b.have[o] != 0) {
+    if (b.used[o] && b.generation[o] == c.generation - 1 && !b.done[o] && b.have[o] != 0) {
       b.abandoned[o] = true;
       out.abandoned = true;
     }
     b.generation[s] = c.generation;
+    b.used[s] = true;
     b.have[s] = b.skip[s] = 0;
     b.done[s] = b.abandoned[s] = b.zero[s] = false;
     b.length[s] = c.length;

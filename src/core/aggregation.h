@@ -129,6 +129,7 @@ class Aggregator {
  private:
   struct Block {
     std::array<uint32_t, 2> generation{};  // by generation parity
+    std::array<bool, 2> used{};            // a generation has been there (else any one may start)
     std::array<uint64_t, 2> have{};        // contributors received
     std::array<uint64_t, 2> skip{};        // of those, relays (kAggSkip)
     std::array<bool, 2> done{};

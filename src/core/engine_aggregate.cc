@@ -22,7 +22,9 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address reply_to, con
   if (!is_valid_redop(static_cast<uint8_t>(h.redop)) ||
       (h.dtype == DType::kBytes && h.redop != RedOp::kNone))
     return answer(h, reply_to, Status::kBadRedop, {}, out);
-  if (p.payload.size() < kAggRecordSize || h.length % dtype_size(h.dtype))
+  // The answer carries its record and the block: both within max_payload.
+  if (p.payload.size() < kAggRecordSize || h.length % dtype_size(h.dtype) ||
+      h.length > device_.config().max_payload - kAggAnswerRecordSize)
     return answer(h, reply_to, Status::kBadLength, {}, out);
   const AggRecord rec = decode_agg_record(p.payload.data());
   const bool no_data = rec.flags & (kAggZero | kAggSkip);

@@ -110,14 +110,19 @@ int collectives_main(int argc, char** argv) {
   app.add_option("--time-per-size", c.time_per_size, "seconds of timed iterations per size, about (default 2)")
       ->check(CLI::Range(0.001, 3600.0));
   app.add_option("-r,--root", c.root, "broadcast root (default 0)");
-  app.add_option("--algo", algo_s, "auto | ring | direct | torus (default auto; direct and torus apply to allreduce only)");
+  app.add_option("--algo", algo_s, "auto | ring | direct | torus | aggregate (default auto; direct and torus apply to allreduce only; aggregate: in-network aggregation, every collective)");
   std::string torus_s;
   app.add_option("--torus", torus_s, "--algo torus: the shape XxY or XxYxZ (default: X x P/X, X the largest divisor <= sqrt(P))");
   app.add_flag("--sparse", c.sparse, "let devices send mostly-zero blocks as (index, value) pairs");
   app.add_option("--local", local, "start P devices and P ranks on this machine")->check(CLI::Range(1, 16));
   app.add_option("--devices", devices, "every rank's device HOST:PORT, in rank order (comma-separated)")
       ->delimiter(',');
-  app.add_option("--rank", c.rank, "this process's rank (with --devices)");
+  app.add_option("--rank", c.rank, "this process's rank (with --devices, or --ranks)");
+  app.add_option("--ranks", c.ranks, "the group's size when the hosts have no devices (with --aggregators)")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--aggregators", c.aggregators,
+                 "aggregating devices in the network, HOST:PORT (comma-separated); with --algo aggregate")
+      ->delimiter(',');
   app.add_option("--shm", shm, "this rank's device memory name, if co-located (with --devices)");
   app.add_option("--admin-key", admin_s, "devices' admin key, registers the slots (default 0xAD; 0: already there)");
   app.add_option("--slots", c.slots, "collectives slots (default 2)")->check(CLI::Range(1, 64));
@@ -158,6 +163,7 @@ int collectives_main(int argc, char** argv) {
   else if (algo_s == "ring") c.algorithm = Algorithm::kRing;
   else if (algo_s == "direct") c.algorithm = Algorithm::kDirect;
   else if (algo_s == "torus") c.algorithm = Algorithm::kTorus;
+  else if (algo_s == "aggregate") c.algorithm = Algorithm::kAggregate;
   else return usage_error("unknown --algo '" + algo_s + "'");
   for (size_t at = 0; !torus_s.empty() && at <= torus_s.size();) {
     const size_t x = std::min(torus_s.find('x', at), torus_s.size());
@@ -186,8 +192,19 @@ int collectives_main(int argc, char** argv) {
                                 fmt_prob(reorder), seed);
 
   // ---- one rank by hand
+  if (!c.aggregators.empty() && c.algorithm != Algorithm::kAggregate)
+    return usage_error("--aggregators go with --algo aggregate");
+  if (local == 0 && devices.empty() && !c.aggregators.empty()) {
+    // Hosts without devices: every collective by aggregation.
+    if (c.ranks < 1) return usage_error("--aggregators without --devices needs --ranks P");
+    if (faults) return usage_error("--drop/--dup/--reorder need --local");
+    if (c.rank < 0 || c.rank >= c.ranks)
+      return usage_error(fmt::format("--rank {} is not in 0..{}", c.rank, c.ranks - 1));
+    if (c.root < 0 || c.root >= c.ranks) return usage_error("--root out of range");
+    return run_rank(c);
+  }
   if (local == 0) {
-    if (devices.empty()) return usage_error("give --local P, or --devices and --rank");
+    if (devices.empty()) return usage_error("give --local P, or --devices and --rank, or --ranks and --aggregators");
     if (faults) return usage_error("--drop/--dup/--reorder need --local (start the devices with --inject-*)");
     if (c.rank < 0 || static_cast<size_t>(c.rank) >= devices.size())
       return usage_error(fmt::format("--rank {} is not in 0..{}", c.rank, devices.size() - 1));

@@ -36,6 +36,7 @@ std::string_view nccl_type_name(DType t) {
 // alternative to ring by chains, kDirect, which kAuto takes up to
 // kDirectMaxBytes.
 Algorithm algorithm_for(CollOp op, Algorithm requested, uint64_t bytes) {
+  if (requested == Algorithm::kAggregate) return Algorithm::kAggregate;
   if (op != CollOp::kAllReduce) return Algorithm::kRing;
   if (requested == Algorithm::kTorus) return Algorithm::kTorus;
   if (requested == Algorithm::kDirect || (requested == Algorithm::kAuto && bytes <= kDirectMaxBytes))
@@ -282,12 +283,18 @@ uint64_t group_capacity(const BenchConfig& c) {
 uint64_t device_memory_needed(const BenchConfig& c, size_t p) {
   const int partials = c.algorithm == Algorithm::kTorus ? static_cast<int>(c.torus_dims.size()) - 1 : 0;
   const uint64_t slot = collectives::SlotLayout::bytes(group_capacity(c), block_for(p), p, partials);
-  const uint64_t bytes = slot * static_cast<uint64_t>(c.slots) + (1u << 20);
+  uint64_t bytes = slot * static_cast<uint64_t>(c.slots) + (1u << 20);
+  if (c.algorithm == Algorithm::kAggregate && c.aggregators.empty()) {
+    // Each device aggregates 1/p of the blocks: RESULT0, RESULT1 and p
+    // stages of them (Group::setup_aggregation), blocks up to 64 KiB.
+    const uint64_t share = group_capacity(c) / p + 2 * 65536;
+    bytes += static_cast<uint64_t>(c.slots) * (p + 2) * share;
+  }
   return (bytes + (1u << 20) - 1) / (1u << 20) * (1u << 20);
 }
 
 int run_rank(const BenchConfig& c) {
-  const int p = static_cast<int>(c.devices.size());
+  const int p = c.devices.empty() ? c.ranks : static_cast<int>(c.devices.size());
   const bool lead = c.rank == 0;
   auto fail = [&](const std::string& what) {
     std::fflush(stdout);
@@ -298,6 +305,8 @@ int run_rank(const BenchConfig& c) {
   GroupOptions o;
   o.rank = c.rank;
   o.devices = c.devices;
+  o.ranks = c.devices.empty() ? c.ranks : 0;
+  o.aggregators = c.aggregators;
   o.shm = c.shm;
   o.admin_key = c.admin_key;
   o.capacity = group_capacity(c);
@@ -331,10 +340,16 @@ int run_rank(const BenchConfig& c) {
     const std::string chosen =
         small == large ? std::string(to_string(small))
                        : fmt::format("{} up to {} B, {} above", to_string(small), kDirectMaxBytes, to_string(large));
-    fmt::print("#  algorithm: {} (requested {}); p={}; {} B per chain packet, {} slots, timeout {} ms, "
-               "client window {} packets{}\n", chosen, to_string(c.algorithm), p, g.block_bytes(), c.slots,
+    fmt::print("#  algorithm: {} (requested {}); p={}; {} B per {}, {} slots, timeout {} ms, "
+               "client window {} packets{}\n", chosen, to_string(c.algorithm), p,
+               g.aggregates() ? g.aggregate_block_bytes() : g.block_bytes(),
+               g.aggregates() ? "aggregated block" : "chain packet", c.slots,
                c.timeout.count(), g.client().options().window_packets, c.sparse ? ", sparse blocks allowed" : "");
-    fmt::print("#  devices: {}{}\n", fmt::join(c.devices, " "), c.shm.empty() ? "" : " (co-located, shm)");
+    if (!c.devices.empty())
+      fmt::print("#  devices: {}{}\n", fmt::join(c.devices, " "), c.shm.empty() ? "" : " (co-located, shm)");
+    if (!c.aggregators.empty())
+      fmt::print("#  aggregators (devices in the network, {} of them): {}\n", c.aggregators.size(),
+                 fmt::join(c.aggregators, " "));
     fmt::print("#  iterations: -n {} -w {}, fewer for large sizes (about {:.1f} s timed per size); {}\n",
                c.iters, c.warmup, c.time_per_size,
                c.check ? "every iteration verified (untimed, ranks synchronised by a barrier before each)"

@@ -32,6 +32,8 @@ struct BenchConfig {
 
   // The group.
   std::vector<std::string> devices;
+  int ranks = 0;                         // with no devices: the group's size
+  std::vector<std::string> aggregators;  // GroupOptions::aggregators
   int rank = 0;
   std::string shm;             // this rank's device memory, if co-located
   uint32_t admin_key = 0xAD;
