@@ -26,7 +26,7 @@
 #   --hosts N           host namespaces (default 4; 1..100)
 #   --devices M         device namespaces (default 0; 0..100)
 #   --rate RATE         link rate each way, tc units: 500mbit, 1gbit, 2.5gbit
-#                       (decimal; "none": no rate limit; default 1gbit)
+#                       (decimal; "none": no rate limit; default 500mbit)
 #   --mtu BYTES         MTU of every link and the bridge (default 9000)
 #   --burst SIZE        tbf bucket, bytes (K/M suffixes binary; default 64K:
 #                       one whole GSO packet, so tbf never has to split one;
@@ -68,7 +68,7 @@ readonly SCRIPT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BAS
 readonly REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 readonly STATE_ROOT="${CLUSTER_STATE_ROOT:-/run/netdam-cluster}"
 
-hosts=4 devices=0 rate=1gbit mtu=9000 burst="" queue=5ms prefix=ndc subnet=""
+hosts=4 devices=0 rate=500mbit mtu=9000 burst="" queue=5ms prefix=ndc subnet=""
 netdamd=0 colocated=0 port=7000 memory=2GiB max_payload="" netdamd_args="" build="$REPO/build"
 sub="" node="" cmd=()
 

@@ -10,8 +10,9 @@
 #
 #   --hosts P          host namespaces, one rank each (default 4)
 #   --devices M        device namespaces with a netdamd each (default P)
-#   --rate RATE        every link, each way (tc units; default 1gbit, see
-#                      docs/CLUSTER.md for why)
+#   --rate RATE        every link, each way (tc units, e.g. 500mbit; default
+#                      auto = 2 Gbit/s / P: 500mbit at P=4, 250mbit at P=8,
+#                      where the 2 cores are not the limit; docs/CLUSTER.md)
 #   --mtu BYTES        (default 9000)
 #   -b SIZE / -e SIZE / -f F   sizes (default 4K .. 64M, x4)
 #   --iters N          timed iterations at small sizes (default 10; large
@@ -40,7 +41,7 @@ peers="$repo/bench/peers"
 build="$repo/${BUILD_DIR:-build}"
 [[ "${BUILD_DIR:-}" == /* ]] && build="$BUILD_DIR"
 
-P=4 M="" rate=1gbit mtu=9000 min=4K max=64M factor=4 iters=10 budget=64M
+P=4 M="" rate=auto mtu=9000 min=4K max=64M factor=4 iters=10 budget=64M
 systems=gloo,mpi,netdam colocated=0 prefix=ndb out="" sys_timeout=1800
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -65,6 +66,11 @@ while (($#)); do
   esac
 done
 M=${M:-$P}
+# The default keeps the traffic through the emulated switch at 2 Gbit/s each
+# way whatever P is: what the links carry costs the cores per byte (veth,
+# bridge, tbf in softirq, the ranks' copies), and at that total Gloo tracks
+# the rate (>= 97%) with about a third of the 2 cores busy (docs/CLUSTER.md).
+[[ "$rate" == auto ]] && rate="$((2000 / P))mbit"
 [[ "$P" =~ ^[0-9]+$ ]] && ((P >= 2 && P <= 64)) || { echo "cluster_bench: --hosts 2..64" >&2; exit 2; }
 [[ "$M" =~ ^[0-9]+$ ]] && ((M <= 64)) || { echo "cluster_bench: --devices 0..64" >&2; exit 2; }
 want() { [[ ",$systems," == *",$1,"* ]]; }
@@ -76,6 +82,7 @@ mkdir -p "$out"
 : >"$out/runs.txt"
 
 echo "== cluster_bench: p=$P hosts, M=$M devices, rate $rate each way, MTU $mtu, allreduce f32 sum $min..$max x$factor"
+echo "== $(date '+%F %T'), $0 --hosts $P --devices $M --rate $rate --mtu $mtu -b $min -e $max -f $factor --systems $systems$( ((colocated)) && echo ' --colocated')"
 echo "== $(nproc) cores, loadavg $(cut -d' ' -f1-3 /proc/loadavg) at the start; logs and CSVs in $out"
 
 # ------------------------------------------------------------ what can run ---
@@ -191,14 +198,36 @@ run_ranks() {  # run_ranks NAME
   rc=$worst
 }
 
+# CPU seconds (user sys) of this shell's waited-for children so far: every
+# rank, daemon launcher and mpirun of a system ends as one of them.
+# (Call it in this shell, not in $(...): a subshell's `times` is its own.)
+child_cpu() {  # child_cpu VAR
+  times >"$out/.times"
+  printf -v "$1" '%s' "$(tail -1 "$out/.times" | sed 's/m/ /g; s/s//g' |
+                         awk '{ printf "%.2f %.2f", $1 * 60 + $2, $3 * 60 + $4 }')"
+}
+
+# CPU seconds (user + sys) of the cluster's netdamd processes so far (they
+# are cluster.sh's children, not ours).
+device_cpu() {
+  local f pid ticks=0 t
+  for f in "$CLUSTER_STATE_DIR"/*.pid; do
+    [[ -f "$f" ]] || continue
+    pid=$(<"$f")
+    t=$(awk '{print $14 + $15}' "/proc/$pid/stat" 2>/dev/null) || continue
+    ticks=$((ticks + ${t:-0}))
+  done
+  awk -v t="$ticks" -v hz="$(getconf CLK_TCK)" 'BEGIN { printf "%.2f", t / hz }'
+}
+
 # measure NAME FUNC: runs FUNC, records wall, CPU and link bytes in runs.txt.
 measure() {
-  local name=$1 fn=$2 c0 c1 l0 l1 t0 t1 load
+  local name=$1 fn=$2 c0 c1 l0 l1 t0 t1 k0 k1 d0 d1 load
   load=$(cut -d' ' -f1 /proc/loadavg)
-  c0=$(cpu_snap); l0=$(link_bytes); t0=$(date +%s.%N)
+  c0=$(cpu_snap); l0=$(link_bytes); child_cpu k0; d0=$(device_cpu); t0=$(date +%s.%N)
   "$fn"
-  t1=$(date +%s.%N); c1=$(cpu_snap); l1=$(link_bytes)
-  echo "$name|$rc|$t0|$t1|$c0|$c1|$l0|$l1|$load" >>"$out/runs.txt"
+  t1=$(date +%s.%N); c1=$(cpu_snap); l1=$(link_bytes); child_cpu k1; d1=$(device_cpu)
+  echo "$name|$rc|$t0|$t1|$c0|$c1|$l0|$l1|$load|$k0|$k1|$d0|$d1" >>"$out/runs.txt"
   awk -v n="$name" -v a="$t0" -v b="$t1" -v r="$rc" 'BEGIN { printf "   %s: %.0f s, exit %s\n", n, b - a, r }' 
 }
 
@@ -441,19 +470,21 @@ if "gloo" in per_algo:
     print()
     print("# gloo, busbw of every algorithm (GB/s; * = wrong elements); the bound of each is B" +
           (f" = {B:.4f}" if B else ""))
-    print(f"  {'size':>8} " + " ".join(f"{a[:16]:>16}" for a in algos))
+    print(f"  {'size':>8} " + " ".join(f"{a:>21}" for a in algos))
     for size in sizes:
         cells = []
         for a in algos:
             v = per_algo["gloo"][a].get(size)
-            cells.append(f"{v[0]:15.4f}{'*' if v[1] else ' '}" if v else f"{'-':>16}")
+            cells.append(f"{v[0]:20.4f}{'*' if v[1] else ' '}" if v else f"{'-':>20} ")
         print(f"  {human(size):>8} " + " ".join(cells))
 
 # CPU and links of each system's whole run (all sizes).
 runs = []
 with open(os.path.join(out, "runs.txt")) as fh:
     for line in fh:
-        name, rc, t0, t1, c0, c1, l0, l1, load = line.rstrip("\n").split("|")
+        name, rc, t0, t1, c0, c1, l0, l1, load, k0, k1, d0, d1 = line.rstrip("\n").split("|")
+        own = sum(b - a for a, b in zip(map(float, k0.split()), map(float, k1.split())))
+        dev = float(d1) - float(d0)
         c0 = list(map(int, c0.split()))[:8]
         c1 = list(map(int, c1.split()))[:8]
         d = [b - a for a, b in zip(c0, c1)]
@@ -464,24 +495,29 @@ with open(os.path.join(out, "runs.txt")) as fh:
         lb = [b - a for a, b in zip(l0, l1)]
         runs.append((name, int(rc), float(t1) - float(t0), 100 * (tot - idle - iowait) / tot,
                      100 * (user + nice) / tot, 100 * system / tot, 100 * (irq + softirq) / tot,
-                     100 * steal / tot, lb, load))
+                     100 * steal / tot, lb, load, own, dev))
 print()
-print(f"# CPU ({cores} cores; /proc/stat over each system's whole run, everything on the machine) and the bytes")
-print("# the links' tbf qdiscs sent (host/device links, up = node to switch, down = switch to node):")
-print(f"  {'system':<16} {'wall s':>7} {'busy':>5} {'user':>5} {'sys':>5} {'sirq':>5} {'steal':>5}"
-      f" {'host up GB':>10} {'host dn GB':>10} {'dev up GB':>9} {'dev dn GB':>9} {'busiest link':>12} {'drops':>7} {'load1':>6}")
-for name, rc, wall, busy, user, system, sirq, steal, lb, load in runs:
+print(f"# CPU over each system's whole run, in % of the {cores} cores: 'own' = user+sys of that system's host")
+print("# processes (ranks, mpirun, orteds), 'dev' = of the netdamd devices (extra nodes: their CPU would be the")
+print("# devices' own hardware); busy/user/sys/sirq/steal = /proc/stat, everything on the")
+print("# machine (sirq: the emulated links' packet processing, mostly). Bytes the links' tbf qdiscs sent")
+print("# (host/device links; up = node to switch, down = switch to node):")
+print(f"  {'system':<16} {'wall s':>7} {'own':>5} {'dev':>5} {'busy':>5} {'user':>5} {'sys':>5} {'sirq':>5} {'steal':>5}"
+      f" {'host up GB':>10} {'host dn GB':>10} {'dev up GB':>9} {'dev dn GB':>9} {'busiest link':>12} {'drops hu/hd/du/dd':>19} {'load1':>6}")
+for name, rc, wall, busy, user, system, sirq, steal, lb, load, own, dev in runs:
+    ownp = 100 * own / (cores * wall) if wall > 0 else 0
+    devp = 100 * dev / (cores * wall) if wall > 0 else 0
     hu, hd, du, dd = (x / 1e9 for x in lb[:4])
     # Mean use of the busiest direction: a lower bound on how busy the busiest link was.
     busiest = ""
     if B:
         per = max(hu / P, hd / P, (du / M if M else 0), (dd / M if M else 0))
         busiest = f"{100 * per / (wall * B):11.0f}%"
-    print(f"  {name:<16} {wall:7.1f} {busy:4.0f}% {user:4.0f}% {system:4.0f}% {sirq:4.0f}% {steal:4.0f}%"
-          f" {hu:10.3f} {hd:10.3f} {du:9.3f} {dd:9.3f} {busiest:>12} {sum(lb[4:8]):>7} {load:>6}")
+    print(f"  {name:<16} {wall:7.1f} {ownp:4.0f}% {devp:4.0f}% {busy:4.0f}% {user:4.0f}% {system:4.0f}% {sirq:4.0f}% {steal:4.0f}%"
+          f" {hu:10.3f} {hd:10.3f} {du:9.3f} {dd:9.3f} {busiest:>12} {'/'.join(map(str, lb[4:8])):>19} {load:>6}")
 print("# busy counts polling too (Open MPI's ranks spin between messages). 'busiest link': mean load of the")
 print("# busiest direction over the whole run (setup, small sizes, barriers included); drops: packets the")
-print("# tbf queues dropped (TCP resends them; netdam's loss recovery resends its own).")
+print("# tbf queues dropped, host up/host down/device up/device down (TCP resends them, netdam its own).")
 
 with open(os.path.join(out, "summary.csv"), "w", newline="") as fh:
     w = csv.writer(fh)
