@@ -27,7 +27,7 @@ constexpr uint32_t kAdmin = 0xAD;
 // aggregation regions (admin key), as a real group does.
 struct AggCluster {
   AggCluster(int p, int m, FaultModel faults, uint64_t capacity, std::chrono::milliseconds timeout = 10s,
-             int slots = 2, bool skip_zero = true)
+             int slots = 2, bool skip_zero = true, bool mapped = false)
       : fabric(faults) {
     GroupOptions o;
     o.ranks = p;
@@ -48,7 +48,11 @@ struct AggCluster {
     groups.resize(static_cast<size_t>(p));
     for (int r = p - 1; r >= 0; --r) {
       o.rank = r;
-      auto g = Group::create(o, fabric.attach({0x0B000000u + static_cast<uint32_t>(r), 5000}), {});
+      // mapped: rank r shares the memory of its aggregator r % m, as the
+      // ranks of one host share their device.
+      std::span<std::byte> local;
+      if (mapped) local = devices[static_cast<size_t>(r % m)]->memory;
+      auto g = Group::create(o, fabric.attach({0x0B000000u + static_cast<uint32_t>(r), 5000}), local);
       EXPECT_TRUE(g.ok()) << g.error().to_string();
       if (!g.ok()) return;
       groups[static_cast<size_t>(r)] = std::move(g.value());
@@ -309,6 +313,41 @@ TEST(AggregateGroup, OtherCollectives) {
     for (auto& w : works) ASSERT_TRUE(w.error().is_ok()) << w.error().to_string();
     for (int r = 0; r < p; ++r) EXPECT_EQ(0, std::memcmp(buf[static_cast<size_t>(r)].data(), in[2].data(), 4 * n)) << r;
     EXPECT_EQ(red, sum);
+  }
+}
+
+// Ranks that share their aggregator's memory stage their blocks through it
+// and read the results from it: only control datagrams travel.
+TEST(AggregateGroup, RanksSharingADeviceStageThroughItsMemory) {
+  FaultModel f;
+  f.drop = f.duplicate = f.reorder = 0.1;
+  for (int m : {1, 2}) {
+    const int p = 4;
+    AggCluster c(p, m, f, 256u << 10, 10s, 2, true, true);
+    ASSERT_EQ(c.groups.size(), static_cast<size_t>(p));
+    std::vector<std::vector<std::byte>> in, out, gathered;
+    for (int r = 0; r < p; ++r) {
+      in.push_back(random_elements(DType::kF32, 30000, static_cast<uint64_t>(r + 90), 0.3));
+      out.emplace_back(in.back().size());
+      gathered.emplace_back(4 * 1000 * p);
+    }
+    std::vector<Work> works;
+    for (int r = 0; r < p; ++r)
+      works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
+                                                                         DType::kF32, Reduction::kSum));
+    for (int r = 0; r < p; ++r)
+      works.push_back(c.groups[static_cast<size_t>(r)]->allgather_async(std::span(in[static_cast<size_t>(r)]).first(4000),
+                                                                         gathered[static_cast<size_t>(r)]));
+    c.run(works);
+    for (auto& w : works) ASSERT_TRUE(w.error().is_ok()) << w.error().to_string();
+    const auto want = reference(in, DType::kF32, RedOp::kSum);
+    for (int r = 0; r < p; ++r) {
+      EXPECT_EQ(out[static_cast<size_t>(r)], want) << "m " << m << " rank " << r;
+      for (int k = 0; k < p; ++k)
+        EXPECT_EQ(0, std::memcmp(gathered[static_cast<size_t>(r)].data() + 4000 * static_cast<size_t>(k),
+                                 in[static_cast<size_t>(k)].data(), 4000));
+    }
+    if (m == 1) EXPECT_LT(c.stat(0, "rx_bytes"), 4u * 30000 * 4 / 4);  // blocks did not travel
   }
 }
 

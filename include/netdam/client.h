@@ -102,6 +102,7 @@ struct AggregateRequest {
   std::span<const std::byte> data;  // `length` bytes; empty with zero or relay
   bool zero = false;       // the block is all zero bits: send a marker, not the block
   bool relay = false;      // add nothing, only receive the result (AllGather, Broadcast)
+  bool staged = false;     // the block is in the device's STAGE already (written through its mapping)
   std::span<std::byte> result;      // `length` bytes for the result, or empty: acknowledgement only
 };
 

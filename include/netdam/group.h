@@ -227,6 +227,7 @@ class Group {
   void probe_multicast();
   Error setup_aggregation();
   bool start_aggregate(detail::WorkState& w);
+  void stage_locally(detail::WorkState& w);
   bool step_aggregate(detail::WorkState& w);
   bool use_aggregation(size_t bytes) const;
   uint8_t chain_flags() const { return opts_.sparse ? kFlagSparseOk : 0; }
@@ -240,6 +241,7 @@ class Group {
   uint32_t agg_stride_ = 0;
   uint64_t agg_region_bytes_ = 0;
   uint64_t agg_base_ = 0;
+  int home_aggregator_ = -1;  // index of the aggregator whose memory is mapped (local_)
   std::unique_ptr<Client> client_;
   std::unique_ptr<class LocalMemory> mapping_;
   std::span<std::byte> local_;  // this rank's device memory, if co-located

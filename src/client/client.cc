@@ -380,7 +380,7 @@ Op Client::chain_async(std::span<const Hop> hops, uint32_t generation, DType t, 
 Op Client::aggregate_async(const AggregateRequest& r) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kChain;
-  const bool no_data = r.zero || r.relay;
+  const bool no_data = r.zero || r.relay || r.staged;
   if (r.data.size() != (no_data ? 0 : r.length) || (!r.result.empty() && r.result.size() != r.length)) {
     op->error = Error::invalid(fmt::format("aggregate: {} data and {} result bytes for a block of {}",
                                            r.data.size(), r.result.size(), r.length));
@@ -403,7 +403,7 @@ Op Client::aggregate_async(const AggregateRequest& r) {
   rec.contributor = r.contributor;
   rec.contributors = r.contributors;
   rec.stride = r.stride;
-  rec.flags = (r.zero ? core::kAggZero : 0) | (r.relay ? core::kAggSkip : 0) |
+  rec.flags = (r.zero ? core::kAggZero : 0) | (r.relay ? core::kAggSkip : 0) | (r.staged ? core::kAggStaged : 0) |
               (r.result.empty() ? core::kAggNoResult : 0);
   core::encode_agg_record(rec, p.chain_head.data() + core::payload_offset(1));
   p.to = transport::Endpoint{r.device.ip, r.device.port};

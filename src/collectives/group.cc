@@ -223,6 +223,7 @@ Error Group::setup() {
 // aggregator owns. Rank a % p registers them on aggregator a.
 Error Group::setup_aggregation() {
   const size_t p = static_cast<size_t>(ranks_);
+  const bool own = !devices_.empty();
   if (p > core::kMaxContributors)
     return Error::invalid(fmt::format("aggregation serves at most {} ranks", core::kMaxContributors));
   std::vector<Hop> aggs;
@@ -275,6 +276,14 @@ Error Group::setup_aggregation() {
   // reaches one before its rank registered it is refused BAD_KEY and sent
   // again until the group's timeout (step_aggregate), as a chain that
   // reaches an unarmed slot waits.
+  // The aggregator whose memory this rank maps, if any.
+  const Hop mine = own ? devices_[static_cast<size_t>(opts_.rank)] : aggs[static_cast<size_t>(opts_.rank) % aggs.size()];
+  if (!local_.empty())
+    for (size_t a = 0; a < aggs.size(); ++a)
+      if (aggs[a].ip == mine.ip && aggs[a].port == mine.port) home_aggregator_ = static_cast<int>(a);
+  if (home_aggregator_ >= 0 && local_.size() < region_end)
+    return Error::invalid(fmt::format("the mapped device memory ({} B) is smaller than its aggregation regions ({} B)",
+                                      local_.size(), region_end));
   aggregators_ = std::move(aggs);
   return {};
 }
@@ -841,6 +850,7 @@ bool Group::start_aggregate(detail::WorkState& w) {
   const collectives::AggregateContext ctx{w.slot->aggregators, opts_.rank, ranks_, w.generation, agg_stride_,
                                           opts_.skip_zero_blocks};
   w.requests = w.make_aggregate(ctx);
+  stage_locally(w);
   w.chains.clear();
   w.chains.reserve(w.requests.size());
   for (const auto& r : w.requests) w.chains.push_back(client_->aggregate_async(r));
@@ -849,6 +859,40 @@ bool Group::start_aggregate(detail::WorkState& w) {
   w.chains_sent = 0;  // the first contribution not known to be done
   w.phase = detail::WorkState::Phase::kAggregating;
   return true;
+}
+
+// Blocks whose aggregator is this rank's co-located device (its memory is
+// mapped here) go through the mapping: the block is copied into STAGE_r
+// and the contribution only says so (STAGED); the result is read from
+// RESULT once the device answers (NO_RESULT). Only the control datagrams
+// cross the network stack.
+void Group::stage_locally(detail::WorkState& w) {
+  w.mapped_results.assign(w.requests.size(), {0, {}});
+  if (local_.empty() || home_aggregator_ < 0) return;
+  const Hop& home = aggregators_[static_cast<size_t>(home_aggregator_)];
+  size_t s = 0;
+  while (slots_[s].get() != w.slot) ++s;
+  const uint64_t base = agg_base_ + s * agg_region_bytes_;
+  const core::AggGeometry g = core::AggGeometry::of(agg_region_bytes_, static_cast<uint16_t>(ranks_), agg_stride_);
+  for (size_t i = 0; i < w.requests.size(); ++i) {
+    AggregateRequest& r = w.requests[i];
+    if (r.device.ip != home.ip || r.device.port != home.port) continue;
+    if (!r.relay) {
+      std::byte* stage = local_.data() + base + g.stage(static_cast<uint16_t>(opts_.rank), r.block);
+      if (r.zero)
+        std::memset(stage, 0, r.length);
+      else
+        std::memcpy(stage, r.data.data(), r.length);
+      r.staged = true;
+      r.zero = false;
+      r.data = {};
+    }
+    if (!r.result.empty()) {
+      w.mapped_results[i] = {base + g.result(w.generation, r.block), r.result};
+      r.result = {};
+    }
+  }
+  LocalMemory::publish();
 }
 
 bool Group::step_aggregate(detail::WorkState& w) {
@@ -869,6 +913,10 @@ bool Group::step_aggregate(detail::WorkState& w) {
     if (e.code() == Error::Code::kNak && e.status() == Status::kBadKey && client_->now() < w.deadline) {
       w.retry.emplace_back(client_->now() + 1ms, i);  // its rank has not registered the region yet
       continue;
+    }
+    if (!e && !w.mapped_results[i].second.empty()) {
+      const auto& [from, to] = w.mapped_results[i];
+      std::memcpy(to.data(), local_.data() + from, to.size());
     }
     if (e) {
       const Hop& at = w.requests[i].device;
@@ -900,6 +948,7 @@ bool Group::step_aggregate(detail::WorkState& w) {
   if (w.aggregates_left > 0) return advanced;
   w.chains.clear();
   w.requests.clear();
+  w.mapped_results.clear();
   if (!w.own_to.empty()) std::memcpy(w.own_to.data(), w.own.data(), w.own.size());
   if (w.average) divide(w.average_out, w.average_type, size());
   finish(w, {});

@@ -37,6 +37,9 @@ struct WorkState {
   DType average_type = DType::kBytes;
   size_t aggregates_left = 0;
   std::vector<AggregateRequest> requests;  // one per block, as sent
+  // Blocks of the co-located aggregator: their result is read through the
+  // mapping (offset in device memory -> where it goes), by request index.
+  std::vector<std::pair<uint64_t, std::span<std::byte>>> mapped_results;
   std::vector<std::pair<std::chrono::steady_clock::time_point, size_t>> retry;  // BAD_KEY: send again then
   bool average = false;
   // Optimizer steps: the config this rank's device needs before its

@@ -106,7 +106,8 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
   const AggRecord& r = c.record;
   // The record's own rules (the engine has checked key, types and sizes).
   if (r.contributors == 0 || r.contributors > kMaxContributors || r.contributor >= r.contributors ||
-      r.reserved != 0 || (r.flags & ~kAggFlagsKnown) || r.stride < kAggMinStride ||
+      r.reserved != 0 || (r.flags & ~kAggFlagsKnown) || std::popcount(r.flags & kAggNoPayload) > 1 ||
+      r.stride < kAggMinStride ||
       r.stride % 64 != 0) {
     out.status = Status::kBadPayload;
     return out;
@@ -182,7 +183,7 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
     out.status = Status::kBadRedop;
     return out;
   }
-  if (!relay) {
+  if (!relay && !(r.flags & kAggStaged)) {  // staged: its host wrote STAGE_r through the mapping
     std::byte* stage = base + g.stage(r.contributor, c.block);
     if (r.flags & kAggZero)
       std::memset(stage, 0, c.length);

@@ -34,7 +34,10 @@ inline constexpr size_t kAggAnswerRecordSize = 8;
 inline constexpr uint32_t kAggZero = 0x1;      // the block is all zero bits: no data follows
 inline constexpr uint32_t kAggNoResult = 0x2;  // answer without the result's data
 inline constexpr uint32_t kAggSkip = 0x4;      // adds nothing, only waits for the result (a relay)
-inline constexpr uint32_t kAggFlagsKnown = kAggZero | kAggNoResult | kAggSkip;
+inline constexpr uint32_t kAggStaged = 0x8;    // the data is in STAGE_r already (a host sharing the memory)
+inline constexpr uint32_t kAggFlagsKnown = kAggZero | kAggNoResult | kAggSkip | kAggStaged;
+// The flags that say where the data is instead of the payload: at most one.
+inline constexpr uint32_t kAggNoPayload = kAggZero | kAggSkip | kAggStaged;
 // Answer flags.
 inline constexpr uint32_t kAggResultZero = 0x1;  // the result is all zero bits: no data follows
 inline constexpr uint32_t kAggResultNone = 0x2;  // no data asked for (kAggNoResult)

@@ -22,13 +22,16 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address reply_to, con
   if (!is_valid_redop(static_cast<uint8_t>(h.redop)) ||
       (h.dtype == DType::kBytes && h.redop != RedOp::kNone))
     return answer(h, reply_to, Status::kBadRedop, {}, out);
-  // The answer carries its record and the block: both within max_payload.
-  if (p.payload.size() < kAggRecordSize || h.length % dtype_size(h.dtype) ||
-      h.length > device_.config().max_payload - kAggAnswerRecordSize)
+  if (p.payload.size() < kAggRecordSize || h.length % dtype_size(h.dtype))
     return answer(h, reply_to, Status::kBadLength, {}, out);
   const AggRecord rec = decode_agg_record(p.payload.data());
-  const bool no_data = rec.flags & (kAggZero | kAggSkip);
-  if (p.payload.size() != kAggRecordSize + (no_data ? 0 : h.length))
+  // A block that travels (in the request or the answer) fits max_payload
+  // with the answer's record; a staged block whose result is read through
+  // the mapping need not.
+  const bool carries = !(rec.flags & kAggNoPayload);
+  const bool answers = !(rec.flags & kAggNoResult);
+  if (((carries || answers) && h.length > device_.config().max_payload - kAggAnswerRecordSize) ||
+      p.payload.size() != kAggRecordSize + (carries ? h.length : 0))
     return answer(h, reply_to, Status::kBadLength, {}, out);
 
   AggContribution c;

@@ -91,7 +91,7 @@ int collectives_main(int argc, char** argv) {
   std::string admin_s = "0xAD", netdamd, csv, shm;
   std::vector<std::string> devices;
   BenchConfig c;
-  int local = 0, check = 1;
+  int local = 0, local_devices = 0, check = 1;
   unsigned timeout_ms = 5000;
   double drop = 0, dup = 0, reorder = 0;
   std::string max_payload_s;
@@ -115,6 +115,10 @@ int collectives_main(int argc, char** argv) {
   app.add_option("--torus", torus_s, "--algo torus: the shape XxY or XxYxZ (default: X x P/X, X the largest divisor <= sqrt(P))");
   app.add_flag("--sparse", c.sparse, "let devices send mostly-zero blocks as (index, value) pairs");
   app.add_option("--local", local, "start P devices and P ranks on this machine")->check(CLI::Range(1, 16));
+  app.add_option("--local-devices", local_devices,
+                 "--local with --algo aggregate: start only N devices, shared by the ranks (rank r maps device "
+                 "r % N, as the GPUs of a server share its NIC)")
+      ->check(CLI::Range(1, 16));
   app.add_option("--devices", devices, "every rank's device HOST:PORT, in rank order (comma-separated)")
       ->delimiter(',');
   app.add_option("--rank", c.rank, "this process's rank (with --devices, or --ranks)");
@@ -218,6 +222,12 @@ int collectives_main(int argc, char** argv) {
   if (!devices.empty()) return usage_error("--local and --devices exclude each other");
   if (c.root < 0 || c.root >= local) return usage_error("--root out of range");
   if (c.admin_key == 0) return usage_error("--local needs a nonzero --admin-key");
+  if (local_devices == 0) local_devices = local;
+  if (local_devices > local) return usage_error("--local-devices is at most --local");
+  const bool shared = local_devices < local;
+  if (shared && c.algorithm != Algorithm::kAggregate)
+    return usage_error("--local-devices below --local needs --algo aggregate (ranks share devices)");
+  if (shared) c.ranks = local;
   if (netdamd.empty())
     netdamd = (std::filesystem::path(self_dir()) / ".." / ".." / "daemon" / "netdamd").lexically_normal().string();
   if (access(netdamd.c_str(), X_OK) != 0) return usage_error("cannot run " + netdamd + " (give --netdamd PATH)");
@@ -225,13 +235,15 @@ int collectives_main(int argc, char** argv) {
   install_stop_handler();
   const std::string dir = make_temp_dir();
   if (dir.empty()) return usage_error("cannot create a temporary directory");
-  const uint64_t memory = device_memory_needed(c, static_cast<size_t>(local));
-  std::vector<Daemon> daemons(static_cast<size_t>(local));
+  if (shared) c.aggregators = {""};  // (their addresses once started) sizes device_memory_needed
+  const uint64_t memory = device_memory_needed(c, static_cast<size_t>(local), static_cast<size_t>(local_devices));
+  c.aggregators.clear();
+  std::vector<Daemon> daemons(static_cast<size_t>(local_devices));
   auto cleanup = [&] {
     for (auto& d : daemons) stop_daemon(d);
     remove_tree(dir);
   };
-  for (int r = 0; r < local; ++r) {
+  for (int r = 0; r < local_devices; ++r) {
     Daemon& d = daemons[static_cast<size_t>(r)];
     d.shm = fmt::format("netdam-bench-{}-{}", getpid(), r);
     std::vector<std::string> args = {netdamd, "--listen", "127.0.0.1:0", "--memory", std::to_string(memory),
@@ -249,17 +261,18 @@ int collectives_main(int argc, char** argv) {
       cleanup();
       return usage_error("device " + std::to_string(r) + ": " + why);
     }
-    c.devices.push_back(d.address);
+    (shared ? c.aggregators : c.devices).push_back(d.address);
   }
-  fmt::print("# started {} netdamd ({} of /dev/shm memory each{}): {}\n", local, format_size(memory),
-             faults ? ", injecting faults" : "", fmt::join(c.devices, " "));
+  fmt::print("# started {} netdamd ({} of /dev/shm memory each{}): {}{}\n", local_devices, format_size(memory),
+             faults ? ", injecting faults" : "", fmt::join(shared ? c.aggregators : c.devices, " "),
+             shared ? fmt::format(" (shared by {} ranks)", local) : "");
   std::fflush(stdout);
 
   std::vector<pid_t> ranks;
   for (int r = 0; r < local && !stop_requested(); ++r) {
     BenchConfig rc = c;
     rc.rank = r;
-    rc.shm = daemons[static_cast<size_t>(r)].shm;
+    rc.shm = daemons[static_cast<size_t>(r % local_devices)].shm;
     const pid_t pid = fork_child([rc] { return run_rank(rc); });
     if (pid < 0) {
       std::fprintf(stderr, "netdam-bench: fork failed\n");

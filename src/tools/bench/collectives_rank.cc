@@ -280,15 +280,16 @@ uint64_t group_capacity(const BenchConfig& c) {
   return (cap + 63) / 64 * 64;
 }
 
-uint64_t device_memory_needed(const BenchConfig& c, size_t p) {
+uint64_t device_memory_needed(const BenchConfig& c, size_t p, size_t devices) {
   const int partials = c.algorithm == Algorithm::kTorus ? static_cast<int>(c.torus_dims.size()) - 1 : 0;
   const uint64_t slot = collectives::SlotLayout::bytes(group_capacity(c), block_for(p), p, partials);
   uint64_t bytes = slot * static_cast<uint64_t>(c.slots) + (1u << 20);
-  if (c.algorithm == Algorithm::kAggregate && c.aggregators.empty()) {
-    // Each device aggregates 1/p of the blocks: RESULT0, RESULT1 and p
-    // stages of them (Group::setup_aggregation), blocks up to 64 KiB.
-    const uint64_t share = group_capacity(c) / p + 2 * 65536;
-    bytes += static_cast<uint64_t>(c.slots) * (p + 2) * share;
+  if (c.algorithm == Algorithm::kAggregate) {
+    // Each device aggregates 1/devices of the blocks: RESULT0, RESULT1 and
+    // p stages of them (Group::setup_aggregation), blocks up to 64 KiB.
+    const uint64_t share = group_capacity(c) / devices + (p / devices + 2) * 65536;
+    const uint64_t agg = static_cast<uint64_t>(c.slots) * (p + 2) * share;
+    bytes = c.aggregators.empty() ? bytes + agg : agg + (1u << 20);  // shared devices hold no chain slots
   }
   return (bytes + (1u << 20) - 1) / (1u << 20) * (1u << 20);
 }

@@ -50,7 +50,8 @@ struct BenchConfig {
 // Capacity the group needs for the sweep (the largest buffer).
 uint64_t group_capacity(const BenchConfig& c);
 // Device memory that holds `slots` slots of that capacity for p ranks.
-uint64_t device_memory_needed(const BenchConfig& c, size_t p);
+// (`devices` of them: fewer than p when ranks share devices).
+uint64_t device_memory_needed(const BenchConfig& c, size_t p, size_t devices);
 
 // Runs this rank; returns the process exit code (0 ok, 1 wrong data or error).
 int run_rank(const BenchConfig& c);
