@@ -312,6 +312,42 @@ TEST_F(AggregateTest, NoResultAndRelays) {
             Status::kBadRedop);
 }
 
+// A host that maps the device's memory writes its block into STAGE_r
+// itself and sends only the record; it may read the result from RESULT.
+TEST_F(AggregateTest, StagedBlocksAreTakenFromTheStage) {
+  const AggGeometry g = AggGeometry::of(256 << 10, 2, kStride);
+  const Bytes mine = Floats({5, 6});
+  std::memcpy(mem_.data() + g.stage(0, 3), mine.data(), mine.size());
+  EXPECT_TRUE(Send({.rank = 0, .ranks = 2, .block = 3, .flags = kAggStaged | kAggNoResult, .length = 8}).empty());
+  auto a = Send({.rank = 1, .ranks = 2, .block = 3, .data = Floats({1, 1})});
+  ASSERT_EQ(a.size(), 2u);
+  for (const Answer& x : a) {
+    if (x.to == Host(0)) {
+      EXPECT_EQ(x.rec.flags, kAggResultNone);
+      EXPECT_TRUE(x.data.empty());
+    } else {
+      EXPECT_EQ(x.data, Floats({6, 7}));
+    }
+  }
+  EXPECT_EQ(Bytes(mem_.begin() + static_cast<ptrdiff_t>(g.result(1, 3)),
+                  mem_.begin() + static_cast<ptrdiff_t>(g.result(1, 3) + 8)),
+            Floats({6, 7}));
+  // Staged and zero at once say two things about one block.
+  EXPECT_EQ(StatusOf({.rank = 0, .ranks = 2, .block = 4, .flags = kAggStaged | kAggZero, .length = 8}),
+            Status::kBadPayload);
+}
+
+// Blocks that never travel (staged, results read from RESULT) may be
+// larger than a datagram; blocks that travel may not.
+TEST_F(AggregateTest, StagedBlocksMayExceedThePayloadLimit) {
+  constexpr uint32_t kBig = 16384;
+  EXPECT_TRUE(Send({.rank = 0, .ranks = 2, .stride = kBig, .flags = kAggStaged | kAggNoResult, .length = kBig}).empty());
+  EXPECT_EQ(StatusOf({.rank = 1, .ranks = 2, .stride = kBig, .flags = kAggStaged, .length = kBig}), Status::kBadLength);
+  auto a = Send({.rank = 1, .ranks = 2, .stride = kBig, .flags = kAggStaged | kAggNoResult, .length = kBig});
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(a[0].rec.flags & kAggResultNone, kAggResultNone);
+}
+
 TEST_F(AggregateTest, Refusals) {
   const Bytes d = Floats({1, 2});
   EXPECT_EQ(StatusOf({.stride = 128 << 10, .data = d}), Status::kOutOfBounds);  // not one block fits
