@@ -347,7 +347,9 @@ TEST(AggregateGroup, RanksSharingADeviceStageThroughItsMemory) {
         EXPECT_EQ(0, std::memcmp(gathered[static_cast<size_t>(r)].data() + 4000 * static_cast<size_t>(k),
                                  in[static_cast<size_t>(k)].data(), 4000));
     }
-    if (m == 1) EXPECT_LT(c.stat(0, "rx_bytes"), 4u * 30000 * 4 / 4);  // blocks did not travel
+    if (m == 1) {
+      EXPECT_LT(c.stat(0, "rx_bytes"), 4u * 30000 * 4 / 4);  // blocks did not travel
+    }
   }
 }
 

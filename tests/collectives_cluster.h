@@ -66,9 +66,13 @@ struct CollectivesCluster {
     o.admin_key = spec.admin_key;
     for (int r = 0; r < p; ++r) o.devices.push_back(device_addr(r).to_string());
     const uint64_t slot = collectives::SlotLayout::bytes(spec.capacity, block_bytes(p), p, spec.partials);
+    // The group's own layout from `base` 0: the chain slots (which this
+    // cluster registers itself), then whatever the group adds (aggregation
+    // regions, which it registers with the admin key).
+    const uint64_t group_bytes = Group::device_bytes(o, kDefaultMaxPayload);
     for (int r = 0; r < p; ++r) {
       devices.push_back(std::make_unique<FabricDevice>(
-          fabric, device_addr(r), 100 + r, slot * spec.slots + spec.extra_memory,
+          fabric, device_addr(r), 100 + r, group_bytes + spec.extra_memory,
           spec.admin_key ? std::optional<uint32_t>(spec.admin_key) : std::nullopt));
       for (int s = 0; s < spec.slots; ++s)
         devices.back()->device.regions().add(

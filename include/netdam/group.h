@@ -74,6 +74,10 @@ struct GroupOptions {
   // Aggregation: a rank whose block is all zero bits sends a marker instead
   // (OmniReduce); results stay bit-identical to dense.
   bool skip_zero_blocks = true;
+  // kAuto with an admin_key: collectives up to this many bytes run by
+  // aggregation on the ranks' own devices (two one-way trips instead of
+  // p+1 hops; small regions after the chain slots); 0: never.
+  uint64_t aggregate_auto_bytes = 256 << 10;
   std::string shm;             // this rank's device memory if co-located (netdamd --shm)
   uint32_t admin_key = 0;      // registers the slots on this rank's device (0: already there)
   uint64_t capacity = 64ull << 20;  // largest collective buffer, bytes
@@ -134,6 +138,10 @@ class Group {
   static Result<std::unique_ptr<Group>> create(const GroupOptions& opts,
                                                std::unique_ptr<transport::Transport> t,
                                                std::span<std::byte> local_memory);
+  // Device memory a group with these options takes on each rank's own
+  // device (chain slots and aggregation regions, from opts.base), for a
+  // device whose payload limit is `max_payload`.
+  static uint64_t device_bytes(const GroupOptions& opts, size_t max_payload);
   ~Group();
 
   int rank() const { return opts_.rank; }
@@ -241,6 +249,7 @@ class Group {
   uint32_t agg_stride_ = 0;
   uint64_t agg_region_bytes_ = 0;
   uint64_t agg_base_ = 0;
+  uint64_t agg_capacity_ = 0;  // largest buffer aggregated
   int home_aggregator_ = -1;  // index of the aggregator whose memory is mapped (local_)
   std::unique_ptr<Client> client_;
   std::unique_ptr<class LocalMemory> mapping_;

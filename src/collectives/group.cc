@@ -106,6 +106,44 @@ Result<std::unique_ptr<Group>> Group::create(const GroupOptions& opts,
   return g;
 }
 
+namespace {
+// Sizes both setup() and device_bytes() use.
+size_t chain_block(size_t max_payload, size_t p) {
+  const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
+  return max_payload >= route + 64 ? (max_payload - route) / 64 * 64 : 0;
+}
+uint32_t aggregate_stride(size_t max_payload) {
+  // Request: 40 + 16 + 24 + 16 + block; keep it within the payload limit
+  // plus a header, as chains do, in whole 64-byte units.
+  const size_t overhead = kSrPreambleSize + kSegmentSize + core::kAggRecordSize;
+  return max_payload >= overhead + core::kAggMinStride ? static_cast<uint32_t>((max_payload - overhead) / 64 * 64) : 0;
+}
+uint64_t aggregate_region_bytes(uint64_t capacity, size_t p, size_t aggregators, uint32_t stride) {
+  const uint64_t blocks = collectives::aggregate_blocks_per_device(capacity, stride, static_cast<int>(p), aggregators);
+  return ((p + 2) * blocks * stride + 4095) / 4096 * 4096;
+}
+// Whether a group aggregates on the ranks' own devices, and up to what size.
+uint64_t own_aggregation_capacity(const GroupOptions& o) {
+  if (o.devices.empty() || !o.aggregators.empty()) return 0;
+  if (o.algorithm == Algorithm::kAggregate) return o.capacity;
+  if (o.algorithm == Algorithm::kAuto && o.admin_key != 0) return std::min(o.capacity, o.aggregate_auto_bytes);
+  return 0;
+}
+}  // namespace
+
+uint64_t Group::device_bytes(const GroupOptions& o, size_t max_payload) {
+  const size_t p = o.devices.size();
+  const int partials = o.algorithm == Algorithm::kTorus ? static_cast<int>(o.torus_dims.size()) - 1 : 0;
+  uint64_t bytes = o.base;
+  if (p == 0) return bytes;
+  const size_t block = chain_block(max_payload, p);
+  if (block > 0) bytes += static_cast<uint64_t>(o.slots) * collectives::SlotLayout::bytes(o.capacity, block, p, partials);
+  const uint64_t agg = own_aggregation_capacity(o);
+  const uint32_t stride = aggregate_stride(max_payload);
+  if (agg > 0 && stride > 0) bytes += static_cast<uint64_t>(o.slots) * aggregate_region_bytes(agg, p, p, stride);
+  return bytes;
+}
+
 Error Group::setup() {
   const bool own = !opts_.devices.empty();
   const size_t p = own ? opts_.devices.size() : static_cast<size_t>(std::max(opts_.ranks, 0));
@@ -157,8 +195,8 @@ Error Group::setup() {
   // datagram within the device's payload limit, in whole 64-byte units.
   const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
   const size_t max_payload = client_->options().max_payload;
-  if (max_payload < route + 64) return Error::invalid("device max payload too small for chains");
-  block_ = (max_payload - route) / 64 * 64;
+  block_ = chain_block(max_payload, p);
+  if (block_ == 0) return Error::invalid("device max payload too small for chains");
   // Optimizer chains take one segment more (collectives::ring_optimizer_step).
   if (2 * p + 1 <= kMaxSegments && max_payload >= route + kSegmentSize + 64)
     opt_block_ = (max_payload - route - kSegmentSize) / 64 * 64;
@@ -212,7 +250,7 @@ Error Group::setup() {
     }
   }
   slots_end_ = opts_.base + static_cast<uint64_t>(opts_.slots) * slot_bytes_;
-  if (opts_.algorithm == Algorithm::kAggregate || !opts_.aggregators.empty())
+  if (!opts_.aggregators.empty() || own_aggregation_capacity(opts_) > 0)
     if (Error e = setup_aggregation()) return e;
   if (multicast_.ip != 0) probe_multicast();
   return {};
@@ -240,16 +278,13 @@ Error Group::setup_aggregation() {
       aggs.push_back(h);
     }
   }
-  // Request: 40 + 16 + 24 + 16 + block; keep it within the payload limit
-  // plus a header, as chains do, in whole 64-byte units.
-  const size_t overhead = kSrPreambleSize + kSegmentSize + core::kAggRecordSize;
   const size_t max_payload = client_->options().max_payload;
-  if (max_payload < overhead + core::kAggMinStride)
+  agg_stride_ = aggregate_stride(max_payload);
+  if (agg_stride_ == 0)
     return Error::invalid(fmt::format("device max payload {} too small for aggregation", max_payload));
-  agg_stride_ = static_cast<uint32_t>((max_payload - overhead) / 64 * 64);
-  const uint64_t blocks =
-      collectives::aggregate_blocks_per_device(opts_.capacity, agg_stride_, ranks_, aggs.size());
-  agg_region_bytes_ = ((p + 2) * blocks * agg_stride_ + 4095) / 4096 * 4096;
+  agg_capacity_ = own_aggregation_capacity(opts_);
+  if (agg_capacity_ == 0) agg_capacity_ = opts_.capacity;  // aggregators given, or no devices of their own
+  agg_region_bytes_ = aggregate_region_bytes(agg_capacity_, p, aggs.size(), agg_stride_);
   agg_base_ = opts_.aggregators.empty() ? slots_end_ : opts_.base;
   if (opts_.aggregators.empty()) slots_end_ += static_cast<uint64_t>(opts_.slots) * agg_region_bytes_;
   const uint64_t region_end = agg_base_ + static_cast<uint64_t>(opts_.slots) * agg_region_bytes_;
@@ -288,8 +323,11 @@ Error Group::setup_aggregation() {
   return {};
 }
 
-bool Group::use_aggregation(size_t) const {
-  return aggregates() && (opts_.algorithm == Algorithm::kAggregate || devices_.empty());
+bool Group::use_aggregation(size_t bytes) const {
+  if (!aggregates()) return false;
+  if (opts_.algorithm == Algorithm::kAggregate || devices_.empty()) return true;
+  // kAuto: the small ones (aggregators given: every size).
+  return opts_.algorithm == Algorithm::kAuto && bytes <= agg_capacity_;
 }
 
 // Has this rank's device send a token to the multicast group and checks

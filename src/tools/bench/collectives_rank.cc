@@ -256,10 +256,6 @@ Error run_one(Group& g, const BenchConfig& c, const Shape& s, std::span<std::byt
   return Error::invalid("unknown collective");
 }
 
-size_t block_for(size_t p) {
-  const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
-  return (kDefaultMaxPayload - route) / 64 * 64;
-}
 
 }  // namespace
 
@@ -281,15 +277,20 @@ uint64_t group_capacity(const BenchConfig& c) {
 }
 
 uint64_t device_memory_needed(const BenchConfig& c, size_t p, size_t devices) {
-  const int partials = c.algorithm == Algorithm::kTorus ? static_cast<int>(c.torus_dims.size()) - 1 : 0;
-  const uint64_t slot = collectives::SlotLayout::bytes(group_capacity(c), block_for(p), p, partials);
-  uint64_t bytes = slot * static_cast<uint64_t>(c.slots) + (1u << 20);
+  GroupOptions o;
+  o.devices.assign(p, "");
+  o.capacity = group_capacity(c);
+  o.slots = c.slots;
+  o.admin_key = c.admin_key;
+  o.algorithm = c.algorithm;
+  o.torus_dims = c.torus_dims;
+  uint64_t bytes = Group::device_bytes(o, kMaxPayloadLimit) + (1u << 20);
   if (c.algorithm == Algorithm::kAggregate) {
     // Each device aggregates 1/devices of the blocks: RESULT0, RESULT1 and
     // p stages of them (Group::setup_aggregation), blocks up to 64 KiB.
     const uint64_t share = group_capacity(c) / devices + (p / devices + 2) * 65536;
     const uint64_t agg = static_cast<uint64_t>(c.slots) * (p + 2) * share;
-    bytes = c.aggregators.empty() ? bytes + agg : agg + (1u << 20);  // shared devices hold no chain slots
+    if (!c.aggregators.empty()) bytes = agg + (1u << 20);  // shared devices hold no chain slots
   }
   return (bytes + (1u << 20) - 1) / (1u << 20) * (1u << 20);
 }
