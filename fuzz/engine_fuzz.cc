@@ -146,7 +146,8 @@ struct World {
     FUZZ_CHECK(h.length <= dev->config().max_payload);
     FUZZ_CHECK(data.empty() || Inside(data, mem));
     const AggAnswerRecord r = decode_agg_answer(head.data() + kHeaderSize);
-    FUZZ_CHECK((r.flags & ~(kAggResultZero | kAggResultNone)) == 0);
+    FUZZ_CHECK((r.flags & ~(kAggResultZero | kAggResultNone | kAggHeld)) == 0);
+    FUZZ_CHECK(!(r.flags & kAggHeld) || (r.flags == kAggHeld && data.empty()));
     FUZZ_CHECK(data.empty() || r.flags == 0);
   }
 

@@ -54,6 +54,9 @@ struct Client::Packet {
   transport::Endpoint to{};           // CHAIN: the first hop (others: the device, unless elsewhere)
   bool elsewhere = false;             // a plain request to another device than the client's
   bool aggregate = false;             // an AGGREGATE contribution: the answer starts with its record
+  bool held = false;                  // AGGREGATE: the device has it and answers when all are in
+  TimePoint held_since{};
+  int held_resends = 0;
   std::span<const std::byte> payload;
   std::vector<std::byte> owned;     // payloads the client builds itself
   std::byte* answer_to = nullptr;   // READ / REDUCE_PAYLOAD: where the answer goes
@@ -731,13 +734,30 @@ void Client::check_timers() {
     client_detail::LossRecovery& lr = recovery_->route(*p);
     const size_t route = Recovery::index(*p);
     bool resend = false, due = false;
-    if (p->due != TimePoint{}) {  // NOT_READY: asked to come back later, not a loss
+    if (p->aggregate) {
+      // Held: the block waits for other contributors; ask again (the
+      // answer is the result, or held again) only after a long while, so
+      // a late rank is not flooded. Not held: lost by the evidence of
+      // later contributions' answers, or by its own timer (each
+      // contribution its own, as SwitchML's slots: a tail of losses after
+      // a queue overflowed is repaired in one timeout, not one per probe).
+      const auto rto = lr.rto();
+      const TimePoint at = p->held ? p->held_since + std::max<transport::Duration>(8 * rto, 20ms) * (1 << std::min(p->held_resends, 6))
+                                   : std::min(lr.lost_at(p->last_sent), p->last_sent + rto);
+      if (now >= at) {
+        resend = true;
+        if (p->held) {
+          ++p->held_resends;
+          p->held_since = now;
+        }
+      } else {
+        next = std::min(next, at);
+      }
+    } else if (p->due != TimePoint{}) {  // NOT_READY: asked to come back later, not a loss
       due = now >= p->due;
       resend = due;
       if (!due) next = std::min(next, p->due);
-    } else if (const TimePoint lost = p->aggregate ? TimePoint::max() : lr.lost_at(p->last_sent); now >= lost) {
-      // (An aggregation's answers come as blocks complete, in an order the
-      // other contributors decide: a later answer is no evidence of loss.)
+    } else if (const TimePoint lost = lr.lost_at(p->last_sent); now >= lost) {
       resend = true;
     } else if (!probed[route] && lr.probe_due(p->last_sent, now)) {
       resend = true;
@@ -764,6 +784,14 @@ void Client::check_timers() {
     auto it = inflight_.find(txn);
     if (it == inflight_.end()) continue;  // gone with an earlier failure of its op
     Packet& p = *it->second;
+    if (p.aggregate && p.held) {
+      auto seg = core::decode_segment(p.chain_head.data() + kHeaderSize + kSrPreambleSize);
+      finish(p, Error::timeout(fmt::format("AGGREGATE block {} on {}: timeout: the device holds this block, but not "
+                                           "every contributor's block arrived within {} ms (a rank is late or gone)",
+                                           seg.aux, transport::Endpoint{seg.ip, seg.port}.to_string(),
+                                           opts_.timeout.count())));
+      continue;
+    }
     if (p.is_chain()) {
       std::string route;
       for (size_t i = 0; i < p.h.seg_count; ++i) {
@@ -796,7 +824,7 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
   }
   ++counters_.answers;
   Packet& p = *it->second;
-  if (h.status != Status::kNotReady)
+  if (h.status != Status::kNotReady && !p.held)
     recovery_->route(p).on_answer(p.first_sent, p.last_sent, p.sends, transport_->now());
   auto what = [&] { return fmt::format("{} at {:#x} on {}", to_string(h.opcode), p.h.addr, device_address()); };
   if (p.is_chain() && h.status == Status::kNotReady) {
@@ -823,6 +851,11 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
       return finish(p, Error::protocol(what() + ": AGGREGATE answer without its record"));
     const core::AggAnswerRecord rec = core::decode_agg_answer(payload.data());
     const auto data = payload.subspan(core::kAggAnswerRecordSize);
+    if (rec.flags & core::kAggHeld) {  // arrived; the result comes when every contributor's block is in
+      if (!p.held) p.held_since = transport_->now();
+      p.held = true;
+      return;
+    }
     if (p.answer_to != nullptr && !(rec.flags & core::kAggResultNone)) {
       if (rec.flags & core::kAggResultZero)
         std::memset(p.answer_to, 0, p.h.length);  // the device found the result all zero bits

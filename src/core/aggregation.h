@@ -41,6 +41,7 @@ inline constexpr uint32_t kAggNoPayload = kAggZero | kAggSkip | kAggStaged;
 // Answer flags.
 inline constexpr uint32_t kAggResultZero = 0x1;  // the result is all zero bits: no data follows
 inline constexpr uint32_t kAggResultNone = 0x2;  // no data asked for (kAggNoResult)
+inline constexpr uint32_t kAggHeld = 0x4;        // not a result: the contribution is held until all are in
 // Contributors are a 64-bit set.
 inline constexpr size_t kMaxContributors = 64;
 // Blocks are whole 64-byte units of at least this size, which bounds the

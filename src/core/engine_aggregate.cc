@@ -51,7 +51,22 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address reply_to, con
   Stats::inc(o.duplicate ? stats_.agg_duplicates : stats_.agg_contributions);
   if (o.completed) Stats::inc(stats_.agg_completed);
   if (o.abandoned) Stats::inc(stats_.agg_abandoned);
-  if (o.answer.empty()) return {};  // held: answered when the block completes
+  if (o.answer.empty()) {
+    // Held until the block completes. Say so at once: the contributor then
+    // knows its block arrived (and how long the network takes), and
+    // retransmits only if the result does not come for a long while.
+    Header a = h;
+    a.flags = kFlagResponse;
+    a.status = Status::kOk;
+    a.seg_count = 0;
+    a.boot = device_.config().boot_id;
+    a.length = static_cast<uint32_t>(kAggAnswerRecordSize);
+    encode_header(a, out.data());
+    encode_agg_answer({p.sr.generation, kAggHeld}, out.data() + kHeaderSize);
+    Stats::inc(stats_.tx_packets);
+    Stats::inc(stats_.tx_bytes, kHeaderSize + kAggAnswerRecordSize);
+    return Action{Action::Kind::kReply, reply_to, out.first(kHeaderSize + kAggAnswerRecordSize), {}};
+  }
 
   // Every answer echoes the contributor's own request fields; the data is
   // the result in device memory.
