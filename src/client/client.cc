@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <unordered_map>
 #include <utility>
 
 #include "client/loss_recovery.h"
@@ -103,12 +104,22 @@ struct Client::Recovery {
   static constexpr size_t kCount = kMaxSegments + 2;
   static constexpr size_t kAggregate = kMaxSegments + 1;
   std::array<client_detail::LossRecovery, kCount> routes;
+  // AGGREGATE: one estimator per aggregating device. Each device answers
+  // (held) in the order it receives, but devices sit behind queues of
+  // their own: an answer from one is no evidence about another.
+  std::unordered_map<uint64_t, client_detail::LossRecovery> aggregators;
   TimePoint next_check{};  // the earliest time check_timers has work
   Recovery() : routes(make()) {}
   static size_t index(const Packet& p) {
     return p.aggregate ? kAggregate : std::min<size_t>(p.h.seg_count, kMaxSegments);
   }
-  client_detail::LossRecovery& route(const Packet& p) { return routes[index(p)]; }
+  client_detail::LossRecovery& route(const Packet& p) {
+    if (!p.aggregate) return routes[index(p)];
+    const uint64_t key = uint64_t{p.to.ip} << 16 | p.to.port;
+    auto it = aggregators.find(key);
+    if (it == aggregators.end()) it = aggregators.emplace(key, routes[kAggregate]).first;
+    return it->second;
+  }
 
  private:
   static std::array<client_detail::LossRecovery, kCount> make() {
