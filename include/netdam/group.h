@@ -78,6 +78,13 @@ struct GroupOptions {
   // aggregation on the ranks' own devices (two one-way trips instead of
   // p+1 hops; small regions after the chain slots); 0: never.
   uint64_t aggregate_auto_bytes = 256 << 10;
+  // Aggregation: contributions in flight per rank. Every rank's blocks meet
+  // at the aggregators, so p ranks' windows fill one device's link at once:
+  // the product must fit the links' queues (with the client's default of
+  // 64 packets of 8 KiB, p = 4 overflowed 5 ms tbf queues at 500 Mbit/s
+  // and reached 54% of the bound; 16 to 32 reached 89-95%,
+  // docs/CLUSTER.md). Until congestion control sets it, a fixed window.
+  size_t aggregate_window = 16;
   std::string shm;             // this rank's device memory if co-located (netdamd --shm)
   uint32_t admin_key = 0;      // registers the slots on this rank's device (0: already there)
   uint64_t capacity = 64ull << 20;  // largest collective buffer, bytes
@@ -236,6 +243,7 @@ class Group {
   Error setup_aggregation();
   bool start_aggregate(detail::WorkState& w);
   void stage_locally(detail::WorkState& w);
+  void issue_aggregates(detail::WorkState& w);
   bool step_aggregate(detail::WorkState& w);
   bool use_aggregation(size_t bytes) const;
   uint8_t chain_flags() const { return opts_.sparse ? kFlagSparseOk : 0; }

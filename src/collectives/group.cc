@@ -889,10 +889,11 @@ bool Group::start_aggregate(detail::WorkState& w) {
                                           opts_.skip_zero_blocks};
   w.requests = w.make_aggregate(ctx);
   stage_locally(w);
-  w.chains.clear();
-  w.chains.reserve(w.requests.size());
-  for (const auto& r : w.requests) w.chains.push_back(client_->aggregate_async(r));
+  w.chains.assign(w.requests.size(), Op());
   w.aggregates_left = w.chains.size();
+  w.aggregates_issued = 0;
+  w.aggregates_open = 0;
+  issue_aggregates(w);
   w.deadline = client_->now() + opts_.timeout;
   w.chains_sent = 0;  // the first contribution not known to be done
   w.phase = detail::WorkState::Phase::kAggregating;
@@ -933,12 +934,22 @@ void Group::stage_locally(detail::WorkState& w) {
   LocalMemory::publish();
 }
 
+// Contributions go out in block order, at most aggregate_window at a time.
+void Group::issue_aggregates(detail::WorkState& w) {
+  const size_t window = std::max<size_t>(opts_.aggregate_window, 1);
+  while (w.aggregates_issued < w.requests.size() && w.aggregates_open < window) {
+    w.chains[w.aggregates_issued] = client_->aggregate_async(w.requests[w.aggregates_issued]);
+    ++w.aggregates_issued;
+    ++w.aggregates_open;
+  }
+}
+
 bool Group::step_aggregate(detail::WorkState& w) {
   bool advanced = false;
   // Answers come about in order: look from the oldest open one, not much
   // beyond what can be in flight.
   size_t open = 0;
-  for (size_t i = w.chains_sent; i < w.chains.size() && open < 256; ++i) {
+  for (size_t i = w.chains_sent; i < w.aggregates_issued && open < 256; ++i) {
     Op& op = w.chains[i];
     if (!op.valid()) continue;
     if (!op.done()) {
@@ -952,6 +963,7 @@ bool Group::step_aggregate(detail::WorkState& w) {
       w.retry.emplace_back(client_->now() + 1ms, i);  // its rank has not registered the region yet
       continue;
     }
+    --w.aggregates_open;
     if (!e && !w.mapped_results[i].second.empty()) {
       const auto& [from, to] = w.mapped_results[i];
       std::memcpy(to.data(), local_.data() + from, to.size());
@@ -980,7 +992,8 @@ bool Group::step_aggregate(detail::WorkState& w) {
     w.retry.pop_back();
     advanced = true;
   }
-  while (w.chains_sent < w.chains.size() && !w.chains[w.chains_sent].valid() &&
+  issue_aggregates(w);
+  while (w.chains_sent < w.aggregates_issued && !w.chains[w.chains_sent].valid() &&
          std::none_of(w.retry.begin(), w.retry.end(), [&](auto& r) { return r.second == w.chains_sent; }))
     ++w.chains_sent;
   if (w.aggregates_left > 0) return advanced;

@@ -36,6 +36,8 @@ struct WorkState {
   std::span<std::byte> own_to, average_out;
   DType average_type = DType::kBytes;
   size_t aggregates_left = 0;
+  size_t aggregates_issued = 0;  // requests[0, issued) have been sent
+  size_t aggregates_open = 0;    // sent and not answered (a BAD_KEY retry still counts)
   std::vector<AggregateRequest> requests;  // one per block, as sent
   // Blocks of the co-located aggregator: their result is read through the
   // mapping (offset in device memory -> where it goes), by request index.
