@@ -64,8 +64,9 @@
 set -uo pipefail
 
 readonly EX_USAGE=64 EX_EXISTS=65 EX_NOTUP=66 EX_SETUP=70 EX_NOPERM=77 EX_NOTOOL=78 EX_NOKERNEL=79
-readonly SCRIPT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
-readonly REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SCRIPT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+readonly SCRIPT REPO
 readonly STATE_ROOT="${CLUSTER_STATE_ROOT:-/run/netdam-cluster}"
 
 hosts=4 devices=0 rate=500mbit mtu=9000 burst="" queue=5ms prefix=ndc subnet=""
@@ -272,10 +273,10 @@ quiet_ipv6() {  # quiet_ipv6 [NS]
 tbf() {  # tbf WHAT DEV [netns]
   local what=$1 dev=$2 ns=${3:-}
   ((rate_bps > 0)) || return 0
-  local pre=()
-  [[ -n "$ns" ]] && pre=(-n "$ns")
+  local in_ns=()
+  [[ -n "$ns" ]] && in_ns=(-n "$ns")
   step "$what: tc qdisc add dev $dev root tbf rate $rate" \
-    "$TC" "${pre[@]}" qdisc add dev "$dev" root tbf rate "$rate" burst "$burst_bytes" limit "$queue_bytes"
+    "$TC" "${in_ns[@]}" qdisc add dev "$dev" root tbf rate "$rate" burst "$burst_bytes" limit "$queue_bytes"
 }
 
 add_node() {  # add_node NS IP
@@ -443,8 +444,8 @@ case "$sub" in
       "down sent B" "dn drop" ""
     for ns in $CLUSTER_HOST_NS $CLUSTER_DEVICE_NS; do
       addr=$("$IP" -n "$ns" -4 -o addr show dev eth0 2>/dev/null | awk '{print $4}' | cut -d/ -f1)
-      up=$("$TC" -n "$ns" -s qdisc show dev eth0 2>/dev/null | awk '/Sent/ {print $2, $7; exit}' | tr -d ,)
-      dn=$("$TC" -s qdisc show dev "$ns" 2>/dev/null | awk '/Sent/ {print $2, $7; exit}' | tr -d ,)
+      upl=$("$TC" -n "$ns" -s qdisc show dev eth0 2>/dev/null | awk '/Sent/ {print $2, $7; exit}' | tr -d ,)
+      dnl=$("$TC" -s qdisc show dev "$ns" 2>/dev/null | awk '/Sent/ {print $2, $7; exit}' | tr -d ,)
       short=${ns#"$CLUSTER_PREFIX"-}
       d="-"
       if [[ -f "$CLUSTER_STATE_DIR/$short.pid" ]]; then
@@ -452,7 +453,7 @@ case "$sub" in
         if kill -0 "$pid" 2>/dev/null; then d="$pid"; else d="dead"; fi
       fi
       printf '%-12s %-14s %-6s %14s %8s %14s %8s\n' "$ns" "${addr:-?}" "$d" \
-        ${up:-"- -"} ${dn:-"- -"}
+        ${upl:-"- -"} ${dnl:-"- -"}
     done
     ;;
   exec)
@@ -484,7 +485,7 @@ case "$sub" in
     trap 'forward TERM' TERM
     trap 'forward HUP' HUP
     defaults=()
-    env --default-signal=INT true 2>/dev/null && defaults=(env --default-signal=INT,QUIT)
+    env --default-signal=INT true 2>/dev/null && defaults=(env "--default-signal=INT,QUIT")
     "${defaults[@]}" "${cmd[@]}" <&0 &
     child=$!
     while :; do

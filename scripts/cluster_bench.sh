@@ -239,7 +239,7 @@ gloo_run() {
   store=$(mktemp -d "$out/gloo-store.XXXXXX")
   rank_cmd() {
     c=("$peers/build/gloo_bench" --rank "$1" --ranks "$P" --store "$store" --host "${host_ip[$1]}"
-       --mode async,sync --timeout 300 "${common[@]}")
+       --mode "async,sync" --timeout 300 "${common[@]}")
     (($1 == 0)) && c+=(--csv "$out/gloo.csv")
   }
   run_ranks gloo

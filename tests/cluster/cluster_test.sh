@@ -49,7 +49,7 @@ if ! CLUSTER_QUIET=1 "$cluster" --prefix "$pre" --hosts 2 --devices 1 --rate 100
 fi
 # shellcheck disable=SC1090
 source <("$cluster" --prefix "$pre" env)
-read -r h0 h1 <<<"$CLUSTER_HOST_IPS"
+read -r _ h1 <<<"$CLUSTER_HOST_IPS"
 d0=$CLUSTER_DEVICE_IPS
 [[ "$CLUSTER_HOST_NS $CLUSTER_DEVICE_NS" == "$pre-h0 $pre-h1 $pre-d0" ]] &&
   ok "env names the nodes" || fail "env: '$CLUSTER_HOST_NS' '$CLUSTER_DEVICE_NS'"
@@ -69,8 +69,8 @@ addr=$("$cluster" --prefix "$pre" exec h1 -- ip -4 -o addr show dev eth0 | awk '
 [[ "$addr" == "$h1/24" ]] && ok "exec h1 sees $addr" || fail "exec h1: address '$addr', want $h1/24"
 
 # Jumbo frames, unfragmented, host to host and host to device.
-if "$cluster" --prefix "$pre" exec h0 -- ping -c 2 -i 0.2 -W 2 -M do -s 8972 "$h1" >/dev/null &&
-   "$cluster" --prefix "$pre" exec h0 -- ping -c 2 -i 0.2 -W 2 -M do -s 8972 "$d0" >/dev/null; then
+if "$cluster" --prefix "$pre" exec h0 -- ping -c 2 -i 0.2 -W 2 -M "do" -s 8972 "$h1" >/dev/null &&
+   "$cluster" --prefix "$pre" exec h0 -- ping -c 2 -i 0.2 -W 2 -M "do" -s 8972 "$d0" >/dev/null; then
   ok "ping h0 -> h1, h0 -> d0 with 9000-byte frames"
 else
   fail "ping across the cluster"
@@ -78,9 +78,9 @@ fi
 
 # ------------------------------------------------------------ the rate ---
 sent() {  # sent NETNS|"" DEV: bytes the qdisc sent
-  local pre=()
-  [[ -n "$1" ]] && pre=(-n "$1")
-  tc "${pre[@]}" -s qdisc show dev "$2" | awk '/Sent/ {print $2; exit}'
+  local in_ns=()
+  [[ -n "$1" ]] && in_ns=(-n "$1")
+  tc "${in_ns[@]}" -s qdisc show dev "$2" | awk '/Sent/ {print $2; exit}'
 }
 up0=$(sent "$pre-h0" eth0); down1=$(sent "" "$pre-h1")
 "$cluster" --prefix "$pre" exec h1 -- "$py" "$rate_py" recv "$h1" 5001 "$work/ready" >"$work/one" &
@@ -100,9 +100,9 @@ dup=$(( $(sent "$pre-h0" eth0) - up0 )); ddown=$(( $(sent "" "$pre-h1") - down1 
 # Two senders (h0, d0) into h1: 200 Mbit/s offered, h1's download tbf lets 100 through.
 rm -f "$work/ready"*
 "$cluster" --prefix "$pre" exec h1 -- "$py" "$rate_py" recv "$h1" 5002 "$work/ready2" >"$work/a" &
-ra=$!
+
 "$cluster" --prefix "$pre" exec h1 -- "$py" "$rate_py" recv "$h1" 5003 "$work/ready3" >"$work/b" &
-rb=$!
+
 for _ in $(seq 100); do [[ -s "$work/ready2" && -s "$work/ready3" ]] && break; sleep 0.02; done
 "$cluster" --prefix "$pre" exec h0 -- "$py" "$rate_py" send "$h1" 5002 1.0 &
 "$cluster" --prefix "$pre" exec d0 -- "$py" "$rate_py" send "$h1" 5003 1.0
