@@ -100,9 +100,7 @@ dup=$(( $(sent "$pre-h0" eth0) - up0 )); ddown=$(( $(sent "" "$pre-h1") - down1 
 # Two senders (h0, d0) into h1: 200 Mbit/s offered, h1's download tbf lets 100 through.
 rm -f "$work/ready"*
 "$cluster" --prefix "$pre" exec h1 -- "$py" "$rate_py" recv "$h1" 5002 "$work/ready2" >"$work/a" &
-
 "$cluster" --prefix "$pre" exec h1 -- "$py" "$rate_py" recv "$h1" 5003 "$work/ready3" >"$work/b" &
-
 for _ in $(seq 100); do [[ -s "$work/ready2" && -s "$work/ready3" ]] && break; sleep 0.02; done
 "$cluster" --prefix "$pre" exec h0 -- "$py" "$rate_py" send "$h1" 5002 1.0 &
 "$cluster" --prefix "$pre" exec d0 -- "$py" "$rate_py" send "$h1" 5003 1.0
