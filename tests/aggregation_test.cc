@@ -72,7 +72,7 @@ class AggregateTest : public ::testing::Test {
     uint32_t generation = 1, block = 0, stride = kStride, flags = 0, reserved = 0;
     DType dtype = DType::kF32;
     RedOp redop = RedOp::kSum;
-    Bytes data;
+    Bytes data = {};
     uint32_t length = 0;  // 0: data.size()
     uint32_t key = kKey;
     uint8_t seg_flags = 0;

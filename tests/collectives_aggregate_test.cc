@@ -61,26 +61,8 @@ struct AggCluster {
   }
   static transport::Endpoint agg_addr(int a) { return {0x0A100000u + static_cast<uint32_t>(a), 7000}; }
 
-  void run(std::vector<Work>& works) {
-    const auto limit = fabric.now() + 120s;
-    for (;;) {
-      bool all_done = true, advanced = false;
-      for (auto& g : groups) advanced |= g->progress();
-      for (auto& w : works) all_done &= w.done();
-      if (all_done) return;
-      if (fabric.now() > limit) {
-        ADD_FAILURE() << "collective did not finish in 120 s of virtual time";
-        return;
-      }
-      if (!advanced) wait(20us);
-    }
-  }
-  void wait(std::chrono::microseconds t) {
-    std::array<std::byte, 16> sink;
-    transport::InMsg msg;
-    msg.buf = sink;
-    idle->recv_batch({&msg, 1}, t);
-  }
+  void run(std::vector<Work>& works) { testing::drive(groups, works, fabric, *idle, 120s); }
+  void wait(std::chrono::microseconds t) { testing::idle_wait(*idle, t); }
   uint64_t stat(int a, std::string_view name) {
     for (const auto& [n, v] : devices[static_cast<size_t>(a)]->device.stats())
       if (n == name) return v;

@@ -11,22 +11,13 @@
 #include <cstring>
 
 #include "collectives/plan.h"
+#include "core/aggregation.h"
 
 namespace netdam::collectives {
 
 namespace {
 
-bool all_zero(std::span<const std::byte> b) {
-  size_t i = 0;
-  for (; i + 8 <= b.size(); i += 8) {
-    uint64_t w;
-    std::memcpy(&w, b.data() + i, 8);
-    if (w) return false;
-  }
-  for (; i < b.size(); ++i)
-    if (b[i] != std::byte{0}) return false;
-  return true;
-}
+using core::all_zero;
 
 // What this rank does with a shard: contributes `in` (or relays, if
 // empty), and receives the result into `out` (or only an acknowledgement,

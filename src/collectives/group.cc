@@ -129,6 +129,20 @@ uint64_t own_aggregation_capacity(const GroupOptions& o) {
   if (o.algorithm == Algorithm::kAuto && o.admin_key != 0) return std::min(o.capacity, o.aggregate_auto_bytes);
   return 0;
 }
+
+// "IPv4:PORT" strings as hops (ip and port only).
+Error parse_hops(const std::vector<std::string>& addresses, std::string_view what, std::vector<Hop>& out) {
+  for (const auto& a : addresses) {
+    std::string why;
+    auto ep = transport::parse_endpoint(a, &why);
+    if (!ep) return Error::invalid(fmt::format("{} '{}': {}", what, a, why));
+    Hop h;
+    h.ip = ep->ip;
+    h.port = ep->port;
+    out.push_back(h);
+  }
+  return {};
+}
 }  // namespace
 
 uint64_t Group::device_bytes(const GroupOptions& o, size_t max_payload) {
@@ -182,15 +196,7 @@ Error Group::setup() {
     multicast_.ip = group->ip;  // until probe_multicast() says otherwise
     multicast_.port = group->port;
   }
-  for (const auto& d : opts_.devices) {
-    std::string why;
-    auto ep = transport::parse_endpoint(d, &why);
-    if (!ep) return Error::invalid("device '" + d + "': " + why);
-    Hop h;
-    h.ip = ep->ip;
-    h.port = ep->port;
-    devices_.push_back(h);
-  }
+  if (Error e = parse_hops(opts_.devices, "device", devices_)) return e;
   // A chain packet carries 2p segments next to its payload; keep the whole
   // datagram within the device's payload limit, in whole 64-byte units.
   const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
@@ -265,19 +271,10 @@ Error Group::setup_aggregation() {
   if (p > core::kMaxContributors)
     return Error::invalid(fmt::format("aggregation serves at most {} ranks", core::kMaxContributors));
   std::vector<Hop> aggs;
-  if (opts_.aggregators.empty()) {
+  if (opts_.aggregators.empty())
     aggs = devices_;
-  } else {
-    for (const auto& a : opts_.aggregators) {
-      std::string why;
-      auto ep = transport::parse_endpoint(a, &why);
-      if (!ep) return Error::invalid("aggregator '" + a + "': " + why);
-      Hop h;
-      h.ip = ep->ip;
-      h.port = ep->port;
-      aggs.push_back(h);
-    }
-  }
+  else if (Error e = parse_hops(opts_.aggregators, "aggregator", aggs))
+    return e;
   const size_t max_payload = client_->options().max_payload;
   agg_stride_ = aggregate_stride(max_payload);
   if (agg_stride_ == 0)

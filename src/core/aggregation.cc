@@ -41,10 +41,7 @@ AggGeometry AggGeometry::of(uint64_t region_size, uint16_t contributors, uint32_
   return g;
 }
 
-namespace {
-
 bool all_zero(std::span<const std::byte> b) {
-  // Early exit: a dense block is rejected at its first non-zero word.
   size_t i = 0;
   for (; i + 8 <= b.size(); i += 8) {
     uint64_t w;
@@ -55,6 +52,8 @@ bool all_zero(std::span<const std::byte> b) {
     if (b[i] != std::byte{0}) return false;
   return true;
 }
+
+namespace {
 
 uint64_t full_set(uint16_t contributors) {
   return contributors >= 64 ? ~uint64_t{0} : (uint64_t{1} << contributors) - 1;

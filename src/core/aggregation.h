@@ -56,6 +56,9 @@ struct AggRecord {
   uint32_t reserved = 0;
 };
 void encode_agg_record(const AggRecord& r, std::byte* out);  // kAggRecordSize bytes
+// Every bit zero (a block that travels as a ZERO marker). Stops at the
+// first non-zero word, so a dense block costs little.
+bool all_zero(std::span<const std::byte> b);
 AggRecord decode_agg_record(const std::byte* in);
 
 struct AggAnswerRecord {
