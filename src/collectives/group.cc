@@ -913,14 +913,10 @@ void Group::stage_locally(detail::WorkState& w) {
   for (size_t i = 0; i < w.requests.size(); ++i) {
     AggregateRequest& r = w.requests[i];
     if (r.device.ip != home.ip || r.device.port != home.port) continue;
-    if (!r.relay) {
-      std::byte* stage = local_.data() + base + g.stage(static_cast<uint16_t>(opts_.rank), r.block);
-      if (r.zero)
-        std::memset(stage, 0, r.length);
-      else
-        std::memcpy(stage, r.data.data(), r.length);
+    if (!r.relay && !r.zero) {  // a zero block stays a marker: nothing to copy
+      std::memcpy(local_.data() + base + g.stage(static_cast<uint16_t>(opts_.rank), r.block), r.data.data(),
+                  r.length);
       r.staged = true;
-      r.zero = false;
       r.data = {};
     }
     if (!r.result.empty()) {

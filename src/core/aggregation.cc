@@ -148,7 +148,7 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
     }
     b.generation[s] = c.generation;
     b.used[s] = true;
-    b.have[s] = b.skip[s] = 0;
+    b.have[s] = b.skip[s] = b.zeros[s] = 0;
     b.done[s] = b.abandoned[s] = b.zero[s] = false;
     b.length[s] = c.length;
     b.dtype[s] = c.dtype;
@@ -182,32 +182,38 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
     out.status = Status::kBadRedop;
     return out;
   }
-  if (!relay && !(r.flags & kAggStaged)) {  // staged: its host wrote STAGE_r through the mapping
-    std::byte* stage = base + g.stage(r.contributor, c.block);
-    if (r.flags & kAggZero)
-      std::memset(stage, 0, c.length);
-    else
-      std::memcpy(stage, c.data.data(), c.length);
-  }
+  // Staged: its host wrote STAGE_r through the mapping. Zero: written
+  // only if the reduction needs it (below).
+  if (!relay && !(r.flags & (kAggStaged | kAggZero)))
+    std::memcpy(base + g.stage(r.contributor, c.block), c.data.data(), c.length);
   b.have[s] |= me;
   if (relay) b.skip[s] |= me;
+  if (r.flags & kAggZero) b.zeros[s] |= me;
   waiting = c.reply;
   if (b.have[s] != full_set(r.contributors)) return out;  // held until the last one arrives
 
   // Complete: reduce the staged contributions in contributor order, so the
   // bits do not depend on the order they arrived in.
   std::byte* result = base + g.result(c.generation, c.block);
-  bool first = true;
-  for (uint16_t k = 0; k < r.contributors; ++k) {
-    if (b.skip[s] & (uint64_t{1} << k)) continue;
-    const std::byte* in = base + g.stage(k, c.block);
-    if (first)
-      std::memcpy(result, in, c.length);
-    else
-      reduce_inplace(c.dtype, c.redop, result, in, c.length / dtype_size(c.dtype));
-    first = false;
+  const uint64_t adding = b.have[s] & ~b.skip[s];
+  if ((adding & ~b.zeros[s]) == 0) {
+    // Only zero markers (or only relays): +0.0 OP +0.0 is +0.0 for every
+    // operator and type, so the dense result is all zero bits.
+    std::memset(result, 0, c.length);
+  } else {
+    bool first = true;
+    for (uint16_t k = 0; k < r.contributors; ++k) {
+      const uint64_t bit = uint64_t{1} << k;
+      if (!(adding & bit)) continue;
+      std::byte* in = base + g.stage(k, c.block);
+      if (b.zeros[s] & bit) std::memset(in, 0, c.length);  // dense semantics: -0.0 + 0.0 is +0.0
+      if (first)
+        std::memcpy(result, in, c.length);
+      else
+        reduce_inplace(c.dtype, c.redop, result, in, c.length / dtype_size(c.dtype));
+      first = false;
+    }
   }
-  if (first) std::memset(result, 0, c.length);  // only relays: nothing to give
   b.done[s] = true;
   b.zero[s] = all_zero(std::span<const std::byte>(result, c.length));
   out.completed = true;

@@ -139,6 +139,7 @@ class Aggregator {
     std::array<bool, 2> used{};            // a generation has been there (else any one may start)
     std::array<uint64_t, 2> have{};        // contributors received
     std::array<uint64_t, 2> skip{};        // of those, relays (kAggSkip)
+    std::array<uint64_t, 2> zeros{};       // of those, ZERO markers (their stage is not written)
     std::array<bool, 2> done{};
     std::array<bool, 2> abandoned{};
     std::array<bool, 2> zero{};             // the result is all zero bits

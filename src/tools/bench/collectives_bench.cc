@@ -114,6 +114,10 @@ int collectives_main(int argc, char** argv) {
   std::string torus_s;
   app.add_option("--torus", torus_s, "--algo torus: the shape XxY or XxYxZ (default: X x P/X, X the largest divisor <= sqrt(P))");
   app.add_flag("--sparse", c.sparse, "let devices send mostly-zero blocks as (index, value) pairs");
+  app.add_option("--zero-blocks", c.zero_share,
+                 "share of the input that is zero on every rank, in runs of 64 KiB (default 0)")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--agg-window", c.aggregate_window, "--algo aggregate: contributions in flight per rank (default 16)");
   app.add_option("--local", local, "start P devices and P ranks on this machine")->check(CLI::Range(1, 16));
   app.add_option("--local-devices", local_devices,
                  "--local with --algo aggregate: start only N devices, shared by the ranks (rank r maps device "

@@ -149,7 +149,7 @@ class Data {
     const uint64_t n = in.size() / esize_;
     const bool bcast = c_.op == CollOp::kBroadcast;
     for (uint64_t i = 0; i < n; ++i) {
-      const double v = bcast && c_.rank != c_.root ? poison() : static_cast<double>(value(c_.rank, i, it, tiny_));
+      const double v = bcast && c_.rank != c_.root ? poison() : static_cast<double>(val(c_.rank, i, it));
       encode(c_.type, v, in.data() + i * esize_);
     }
   }
@@ -169,14 +169,23 @@ class Data {
 
  private:
   double poison() const { return tiny_ ? 100.0 : 100000.0; }  // outside every input's range
+  // value(), but zero in the runs of 64 KiB that --zero-blocks makes zero.
+  int64_t val(int r, uint64_t i, int it) const {
+    if (c_.zero_share > 0) {
+      const uint64_t run = i * esize_ / (64 << 10);
+      const uint64_t h = (run + 1) * 0xD6E8FEB86659FD93ull ^ static_cast<uint64_t>(it) * 0x9E3779B97F4A7C15ull;
+      if (static_cast<double>((h ^ (h >> 32)) % 1000000) < c_.zero_share * 1e6) return 0;
+    }
+    return value(r, i, it, tiny_);
+  }
 
   double expected(uint64_t j, const Shape& s, int it) const {
     switch (c_.op) {
       case CollOp::kAllGather: {
         const uint64_t k = j / s.count;  // the rank whose block this is
-        return static_cast<double>(value(static_cast<int>(k), j % s.count, it, tiny_));
+        return static_cast<double>(val(static_cast<int>(k), j % s.count, it));
       }
-      case CollOp::kBroadcast: return static_cast<double>(value(c_.root, j, it, tiny_));
+      case CollOp::kBroadcast: return static_cast<double>(val(c_.root, j, it));
       case CollOp::kAllReduce: return reduced(j, it);
       case CollOp::kReduceScatter: return reduced(static_cast<uint64_t>(c_.rank) * s.count + j, it);
     }
@@ -184,9 +193,9 @@ class Data {
   }
 
   double reduced(uint64_t i, int it) const {
-    int64_t acc = value(0, i, it, tiny_);
+    int64_t acc = val(0, i, it);
     for (int r = 1; r < p_; ++r) {
-      const int64_t v = value(r, i, it, tiny_);
+      const int64_t v = val(r, i, it);
       switch (c_.redop) {
         case Reduction::kSum:
         case Reduction::kAvg: acc += v; break;
@@ -318,6 +327,7 @@ int run_rank(const BenchConfig& c) {
   o.algorithm = c.algorithm;
   o.torus_dims = c.torus_dims;
   o.sparse = c.sparse;
+  if (c.aggregate_window) o.aggregate_window = c.aggregate_window;
   if (c.window) o.client.window_packets = c.window;
   auto created = Group::create(o);
   if (!created) return fail("cannot create the group: " + created.error().to_string());
@@ -357,6 +367,9 @@ int run_rank(const BenchConfig& c) {
                c.check ? "every iteration verified (untimed, ranks synchronised by a barrier before each)"
                        : "no per-iteration check (back-to-back, last result verified)");
     if (!c.faults_note.empty()) fmt::print("#  faults injected by the devices: {}\n", c.faults_note);
+    if (c.zero_share > 0)
+      fmt::print("#  input: {:.0f}% zero on every rank, in runs of 64 KiB chosen anew each iteration\n",
+                 100 * c.zero_share);
     fmt::print("#  time = max over ranks of the mean time of one collective; "
                "algbw = size/time; busbw = algbw x {}\n",
                c.op == CollOp::kAllReduce ? "2(p-1)/p" : c.op == CollOp::kBroadcast ? "1" : "(p-1)/p");

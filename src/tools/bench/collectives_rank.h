@@ -29,6 +29,11 @@ struct BenchConfig {
   Algorithm algorithm = Algorithm::kAuto;
   std::vector<int> torus_dims;  // --algo torus: GroupOptions::torus_dims
   bool sparse = false;         // GroupOptions::sparse
+  // Share of the input that is zero in every rank, in whole runs of 64 KiB
+  // (layers whose gradient is zero, OmniReduce's case); the same runs on
+  // every rank, chosen anew each iteration.
+  double zero_share = 0;
+  size_t aggregate_window = 0;  // GroupOptions::aggregate_window (0: the group's)
 
   // The group.
   std::vector<std::string> devices;
