@@ -8,7 +8,8 @@ Each rank has a gloo group (the default group) and a netdam group
 size from 4 KiB to 64 MiB: float32 all_reduce (SUM), timed over many
 iterations on both backends in turn, time = the slowest rank's mean; busbw
 = 2(p-1)/p x bytes / time (nccl-tests' definition). Every size is also
-verified once per backend (small integers: exact). Then DDP: the MLP of
+verified once per backend (small integers: exact). Then all_to_all_single
+(equal splits) of 64 KiB, 1 MiB and 16 MiB per rank, verified. Then DDP: the MLP of
 examples/ddp_train.py (wider, --hidden), the same data, step time (forward,
 backward with its gradient all-reduces, optimizer) on both backends, and
 the losses compared. Rank 0 prints the tables; ratio = gloo's time / netdam's.
@@ -86,6 +87,41 @@ def worker(args, rank, size):
             a, b = results[("netdam", nbytes)], results[("gloo", nbytes)]
             print(f"| {fmt_size(nbytes)} | {a * 1e6:.0f} us | {factor * nbytes / a / 1e9:.3f} GB/s "
                   f"| {b * 1e6:.0f} us | {factor * nbytes / b / 1e9:.3f} GB/s | {b / a:.2f} |", flush=True)
+
+    # all_to_all_single with equal splits: each rank's input of `nbytes`
+    # holds p pieces, one for every rank.
+    a2a = {}
+    a2a_sizes = [s for s in (64 << 10, 1 << 20, 16 << 20) if s <= args.max_bytes]
+    for nbytes in a2a_sizes:
+        n = nbytes // 4 // size * size
+        iters = max(args.min_iters, min(args.max_iters, (32 << 20) // nbytes))
+        for name, g in groups.items():
+            x = torch.arange(n, dtype=torch.float32) + rank * n
+            y = torch.empty(n)
+            dist.all_to_all_single(y, x, group=g)  # warm-up and verification
+            piece = n // size
+            want = torch.cat([torch.arange(rank * piece, (rank + 1) * piece, dtype=torch.float32) + k * n
+                              for k in range(size)])
+            if not torch.equal(y, want):
+                raise SystemExit(f"{name}: wrong all_to_all result at {fmt_size(nbytes)}")
+
+            def run(iters=iters, g=g, x=x, y=y):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(iters):
+                    dist.all_to_all_single(y, x, group=g)
+                return slowest((time.perf_counter() - start) / iters)
+            a2a[(name, nbytes)] = min(run() for _ in range(args.repeats))
+    if lead:
+        print(f"\n# all_to_all_single float32, equal splits, {size} ranks, bytes = each rank's input, time = slowest "
+              f"rank's mean (best of {args.repeats} runs), algbw = bytes x (p-1)/p / time; all results verified")
+        print("| bytes per rank | netdam time | netdam algbw | gloo time | gloo algbw | gloo/netdam time |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for nbytes in a2a_sizes:
+            a, b = a2a[("netdam", nbytes)], a2a[("gloo", nbytes)]
+            moved = nbytes * (size - 1) / size
+            print(f"| {fmt_size(nbytes)} | {a * 1e6:.0f} us | {moved / a / 1e9:.3f} GB/s | {b * 1e6:.0f} us "
+                  f"| {moved / b / 1e9:.3f} GB/s | {b / a:.2f} |", flush=True)
 
     # DDP: per-step time after warm-up, both backends, same model and data.
     steps = {}

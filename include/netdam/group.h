@@ -223,6 +223,23 @@ class Group {
   // Drives the group until `w` is done; returns its error.
   Error wait(Work& w);
 
+  // --- AllToAll and bounded waits (src/collectives/alltoall.cc, wait_for.cc)
+  // AllToAll by direct writes: `in` and `out` hold pieces of `stride`
+  // bytes (size() * stride <= capacity, the same stride on every rank).
+  // Rank r's piece j, its first send[j] bytes, lands in rank j's piece r;
+  // send[j] on rank r must equal recv[r] on rank j. `in` starts at the
+  // first piece with send[j] > 0 and `out` at the first with recv[k] > 0
+  // (so a gather or scatter passes just its one piece); bytes of `out`
+  // between the received lengths and the stride may be overwritten. Every
+  // rank calls it, also with nothing to send or receive.
+  Work alltoall_async(std::span<const std::byte> in, std::span<std::byte> out, uint64_t stride,
+                      std::span<const uint64_t> send, std::span<const uint64_t> recv);
+  Error alltoall(std::span<const std::byte> in, std::span<std::byte> out, uint64_t stride,
+                 std::span<const uint64_t> send, std::span<const uint64_t> recv);
+  // wait() for at most `max` (of the transport's clock): true if `w` is
+  // done, false if the time ran out first.
+  bool wait_for(Work& w, std::chrono::microseconds max);
+
   Client& client() { return *client_; }
 
  public:

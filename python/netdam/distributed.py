@@ -5,39 +5,62 @@ Importing this module registers the backend::
     import netdam.distributed
     torch.distributed.init_process_group("netdam", init_method="env://")
 
-Each rank needs a device (a ``netdamd``). Either say which (the devices must
-have been started with ``--admin-key``; the process group registers its
-slots there)::
+Each rank (process) needs a device (a ``netdamd``). Either say which (the
+devices must have been started with ``--admin-key``; process groups
+register their regions there)::
 
     NETDAM_DEVICES=10.0.0.1:7000,10.0.0.2:7000,...   every rank's device, in rank order
     NETDAM_DEVICE=10.0.0.1:7000                      or just this rank's device
     NETDAM_SHM=name                                  its /dev/shm memory, if on this host
 
-or set neither, and every rank starts its own device on loopback, sized for
-the group, stopped with the process group (or when the process exits). The
-ranks then exchange device addresses through the torch Store of the
+or set neither, and every process starts its own device on loopback, sized
+for the default group, its subgroups and an offloaded optimizer, kept
+until the process exits (a later process group in the same process uses it
+again). The ranks exchange device addresses through the torch Store of the
 rendezvous, so every ``init_method`` (env://, tcp://, file://) and
 ``torchrun`` work.
 
-Tuning (every rank must use the same values; checked at creation):
+Every netdam process group of a process uses that one device: the default
+group from address 0 (or, when the default group is another backend's, the
+first netdam group of all ranks), every other group (``new_group``) in a
+place of its own after it (``NETDAM_SUBGROUPS`` places of ``NETDAM_SUBGROUP_CAPACITY``),
+numbered through the default group's store, so ``new_group`` costs a
+rendezvous and a few region registrations, not new devices.
+
+Before a group is created every rank checks its device (it answers, it has
+the memory, it takes the admin key) and every other rank's, and tells the
+others through the store: a rank that cannot take part makes every rank
+fail within seconds, with its reason. Two ranks on one device are refused
+with an error that says so.
+
+Settings (every rank must use the same values; checked at creation):
 
     NETDAM_CAPACITY   largest collective in bytes (default 64MiB; larger
                       tensors are cut into chunks of this size)
     NETDAM_SLOTS      collectives in flight at once (default 2)
     NETDAM_ADMIN_KEY  the devices' admin key (default 0xAD)
-    NETDAM_TIMEOUT    seconds before a collective fails (default: the
-                      process group's timeout)
+    NETDAM_TIMEOUT    seconds a collective waits for a late rank (default:
+                      the process group's timeout)
+    NETDAM_LIVENESS   seconds after which a rank that has stopped (its
+                      heartbeat, or its device) is declared gone, failing
+                      what waits for it (default 5; 0: never)
+    NETDAM_SUBGROUP_CAPACITY  capacity of every other group (default 8MiB,
+                      at most NETDAM_CAPACITY)
+    NETDAM_SUBGROUPS  how many other groups the devices have room for
+                      (default 16)
     NETDAM_DAEMON     the netdamd to start (default: the one of this build)
     NETDAM_MAX_PAYLOAD  payload of a started device's packets (default 63KiB)
-    NETDAM_OFFLOAD_MEMORY  extra memory of a started device for an optimizer
-                      offloaded to the devices (netdam.optim, see
-                      optimizer_group(); default 0)
+    NETDAM_OFFLOAD_MEMORY  device memory for an optimizer offloaded to the
+                      devices (netdam.optim, see optimizer_group(); default 0)
 
 See docs/TORCH.md.
 """
 
+import atexit
+import json
 import os
 import re
+import uuid
 import weakref
 
 import torch.distributed as dist
@@ -48,6 +71,11 @@ __all__ = ["BACKEND", "ProcessGroupNetdam", "create_process_group", "optimizer_g
 
 BACKEND = "netdam"
 ProcessGroupNetdam = _torch_backend.ProcessGroupNetdam
+
+KEY_BASE = 0x4E440100       # the default group's region keys
+SUBGROUP_KEYS = 0x4E450000  # group k's: SUBGROUP_KEYS + k * 0x100
+MAILBOX = 1 << 20           # point-to-point mailbox per sender, default group
+SUBGROUP_MAILBOX = 256 << 10
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "mb": 1000 ** 2, "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30}
@@ -84,45 +112,209 @@ def _configured_device(rank):
     return os.environ.get("NETDAM_DEVICE", "").strip() or None
 
 
+class _Settings:
+    """What every rank must agree on, from the environment."""
+
+    def __init__(self, world_size, timeout):
+        self.capacity = parse_size(os.environ.get("NETDAM_CAPACITY", "64MiB"))
+        self.slots = int(os.environ.get("NETDAM_SLOTS", "2"))
+        self.admin_key = int(os.environ.get("NETDAM_ADMIN_KEY", "0xAD"), 0)
+        self.timeout = float(os.environ.get("NETDAM_TIMEOUT", timeout.total_seconds()))
+        self.liveness = float(os.environ.get("NETDAM_LIVENESS", "5"))
+        self.sub_capacity = min(parse_size(os.environ.get("NETDAM_SUBGROUP_CAPACITY", "8MiB")), self.capacity)
+        self.subgroups = int(os.environ.get("NETDAM_SUBGROUPS", "16"))
+        self.offload = parse_size(os.environ.get("NETDAM_OFFLOAD_MEMORY", "0"))
+        self.max_payload_text = os.environ.get("NETDAM_MAX_PAYLOAD", "63KiB")
+        self.world_size = world_size
+        for name, cap in (("NETDAM_CAPACITY", self.capacity), ("NETDAM_SUBGROUP_CAPACITY", self.sub_capacity)):
+            if cap < 64 * world_size or cap % 8:
+                raise ValueError(f"netdam: {name} {cap} must be a multiple of 8 and at least 64 x ranks")
+
+    def layout(self, max_payload):
+        """(bytes of the default group, where group k >= 1 starts, bytes of one, device memory)."""
+        world = _torch_backend.device_memory_bytes(self.capacity, self.slots, self.world_size, max_payload, MAILBOX)
+        sub = _torch_backend.device_memory_bytes(self.sub_capacity, self.slots, self.world_size, max_payload,
+                                                 SUBGROUP_MAILBOX)
+        arena = -(-(world + self.offload) // (1 << 20)) * (1 << 20)
+        return world, arena, sub, arena + self.subgroups * sub
+
+    def key(self, max_payload):
+        return (f"{self.capacity},{self.slots},{self.admin_key:#x},{self.sub_capacity},{self.subgroups},"
+                f"{self.offload},{self.world_size},{max_payload}")
+
+
+# This process's device when it started one: kept for the process's later
+# groups, stopped at exit.
+_device = None
+_groups = weakref.WeakSet()  # live netdam process groups of this process
+_world_token = None          # names the current default group's places in the store
+_place0 = None               # weakref to the group at address 0 when the default group is not netdam
+
+
+def _local_device(settings):
+    """This process's started device, (re)started if too small."""
+    global _device
+    max_payload = parse_size(settings.max_payload_text)
+    world, _, _, memory = settings.layout(max_payload)
+    if _device is not None and (_device.memory < memory or _device.pid < 0):
+        if _device.users == 0:
+            _device.stop()
+            _device = None
+        else:
+            raise RuntimeError("netdam: this process's device is too small for the new group's settings "
+                               "while other groups use it")
+    if _device is None:
+        _device = _torch_backend.start_device(_daemon_path(), memory, settings.admin_key, settings.max_payload_text,
+                                              prefault=world)
+    return _device
+
+
+def _check_device(address, settings, shm):
+    """Checks this rank's device; returns its facts or raises with the reason."""
+    from . import Client, Error, Nak
+    wait = max(min(settings.liveness or 5.0, 5.0), 0.5)
+    try:
+        c = Client(address, timeout=wait)
+    except Error as e:
+        raise RuntimeError(f"its device {address} does not answer (timeout after {wait:.1f} s): {e}") from None
+    with c:
+        info = c.device_info
+        try:
+            c.region_list(settings.admin_key)
+        except Nak as e:
+            raise RuntimeError(f"its device {address} refuses the admin key {settings.admin_key:#x} ({e.status}): "
+                               "set NETDAM_ADMIN_KEY to the device's --admin-key") from None
+        _, _, _, need = settings.layout(info["max_payload"])
+        if info["memory_bytes"] < need:
+            raise RuntimeError(
+                f"its device {address} has {info['memory_bytes'] >> 20} MiB of memory; the process groups need "
+                f"{-(-need // (1 << 20))} MiB (NETDAM_CAPACITY, NETDAM_SLOTS, NETDAM_OFFLOAD_MEMORY, "
+                "NETDAM_SUBGROUPS x NETDAM_SUBGROUP_CAPACITY)")
+        return {"address": address, "boot": info["boot_id"], "max_payload": info["max_payload"], "shm": shm}
+
+
+def _exchange(store, prefix, rank, size, mine):
+    """Publishes `mine` (a dict, or an error string) and returns every rank's."""
+    store.set(f"netdam/{prefix}/{rank}", json.dumps(mine))
+    return [json.loads(store.get(f"netdam/{prefix}/{r}").decode()) for r in range(size)]
+
+
+def _fail_if_any(facts, what):
+    bad = [(r, f["error"]) for r, f in enumerate(facts) if "error" in f]
+    if bad:
+        raise RuntimeError("netdam: cannot create the process group: " +
+                           "; ".join(f"rank {r}: {why}" for r, why in bad) + what)
+
+
 def create_process_group(store, rank, size, timeout):
     """The backend's creator: ``(store, rank, world_size, timeout)`` (torch 1.13)."""
-    capacity = parse_size(os.environ.get("NETDAM_CAPACITY", "64MiB"))
-    slots = int(os.environ.get("NETDAM_SLOTS", "2"))
-    admin_key = int(os.environ.get("NETDAM_ADMIN_KEY", "0xAD"), 0)
-    seconds = float(os.environ.get("NETDAM_TIMEOUT", timeout.total_seconds()))
-    if capacity < 64 * size or capacity % 8:
-        raise ValueError(f"netdam: NETDAM_CAPACITY {capacity} must be a multiple of 8 and at least 64 x ranks")
+    global _world_token, _place0
+    from . import Client, Error
+    default = dist.distributed_c10d.GroupMember.WORLD
+    is_default = default is None  # this is the default group being created
+    settings = _Settings(size if is_default else dist.get_world_size(), timeout)
+    global_rank = rank if is_default else dist.get_rank()
 
-    address = _configured_device(rank)
+    # 1. This rank's device, checked; every rank learns every rank's outcome.
     device = None
-    shm = ""
-    max_payload = os.environ.get("NETDAM_MAX_PAYLOAD", "63KiB")
-    slots_memory = _torch_backend.device_memory_bytes(capacity, slots, size, parse_size(max_payload))
-    if address is None:
-        memory = slots_memory + parse_size(os.environ.get("NETDAM_OFFLOAD_MEMORY", "0"))
-        device = _torch_backend.start_device(_daemon_path(), memory, admin_key, max_payload)
-        address, shm = device.endpoint, device.shm
-    else:
-        # Slots sit at the same addresses and keys on a device, so one
-        # process group at a time may use configured devices.
-        if _torch_backend.configured_groups() > 0:
-            raise RuntimeError("netdam: configured devices (NETDAM_DEVICE/S) serve one process group at a "
-                               "time; unset them to give each group devices of its own")
-        shm = os.environ.get("NETDAM_SHM", "")
+    try:
+        address = _configured_device(global_rank)
+        if address is None:
+            device = _local_device(settings)
+            address, shm = device.endpoint, device.shm
+        else:
+            shm = os.environ.get("NETDAM_SHM", "")
+        mine = _check_device(address, settings, shm)
+        mine["config"] = settings.key(mine["max_payload"])
+    except (RuntimeError, ValueError, OSError) as e:
+        mine = {"error": str(e)}
+    facts = _exchange(store, "device", rank, size, mine)
+    _fail_if_any(facts, "")
+    for r, f in enumerate(facts):
+        if f["config"] != mine["config"]:
+            raise RuntimeError(
+                f"netdam: rank {r} has settings {f['config']}, rank {rank} {mine['config']} (capacity, slots, "
+                "admin key, subgroup capacity, subgroups, offload memory, world size, device payload): set the "
+                "NETDAM_* variables alike on every rank")
+    for r, f in enumerate(facts):
+        for q in range(r):
+            g = facts[q]
+            if g["address"] == f["address"] or g["boot"] == f["boot"]:
+                raise RuntimeError(
+                    f"netdam: ranks {q} and {r} share the device {f['address']}"
+                    + (f" (boot id {f['boot']:#x})" if g["address"] != f["address"] else "")
+                    + ": every rank needs a device of its own. NETDAM_DEVICE names this rank's device, so it "
+                    "must differ per rank; or set NETDAM_DEVICES=dev0,dev1,... (one per rank, in rank order), "
+                    "or neither to let every rank start its own")
+    devices = [f["address"] for f in facts]
 
-    config = f"{capacity},{slots},{admin_key}"
-    store.set(f"netdam/device/{rank}", address)
-    store.set(f"netdam/config/{rank}", config)
-    devices = []
-    for r in range(size):
-        devices.append(store.get(f"netdam/device/{r}").decode())
-        theirs = store.get(f"netdam/config/{r}").decode()
-        if theirs != config:
-            raise RuntimeError(f"netdam: rank {r} has capacity,slots,admin_key = {theirs}, rank {rank} {config}: "
-                               "set NETDAM_CAPACITY/SLOTS/ADMIN_KEY alike on every rank")
-    pg = ProcessGroupNetdam(rank, devices, shm=shm, admin_key=admin_key, capacity=capacity,
-                            slots=slots, timeout=seconds, device=device)
+    # 2. Every rank reaches every device (a partition, a firewall).
+    wait = max(min(settings.liveness or 5.0, 5.0), 0.5)
+    unreachable = []
+    for r, d in enumerate(devices):
+        if r == rank:
+            continue
+        try:
+            Client(d, timeout=wait).close()
+        except Error:
+            unreachable.append(f"rank {r}'s device {d} (no answer within {wait:.1f} s)")
+    reach = _exchange(store, "reach", rank, size, {"error": "cannot reach " + ", ".join(unreachable)}
+                      if unreachable else {})
+    _fail_if_any(reach, "")
+
+    # 3. Where the group lives on the devices.
+    max_payload = mine["max_payload"]
+    _, arena, sub_bytes, _ = settings.layout(max_payload)
+    if is_default:
+        if rank == 0:
+            store.set("netdam/token", uuid.uuid4().hex)
+        _world_token = store.get("netdam/token").decode()
+        base, key_base, capacity, mailbox = 0, KEY_BASE, settings.capacity, MAILBOX
+        place0 = False
+    elif (size == settings.world_size and not isinstance(default, ProcessGroupNetdam)
+          and (_place0 is None or _place0() is None)):
+        # The default group is another backend's: the first netdam group of
+        # every rank takes the default group's place (and capacity). Every
+        # rank creates the same groups in the same order, so all agree.
+        base, key_base, capacity, mailbox = 0, KEY_BASE, settings.capacity, MAILBOX
+        place0 = True
+    else:
+        if rank == 0:
+            token = _world_token if isinstance(default, ProcessGroupNetdam) and _world_token else "no-netdam-world"
+            index = dist.distributed_c10d._get_default_store().add(f"netdam/{token}/groups", 1)
+            store.set("netdam/index", str(index))
+        index = int(store.get("netdam/index").decode())
+        if index > settings.subgroups:
+            raise RuntimeError(f"netdam: no room on the devices for another process group: NETDAM_SUBGROUPS="
+                               f"{settings.subgroups} groups besides the default one fit (raise it: each takes "
+                               f"{sub_bytes >> 20} MiB of device memory)")
+        base = arena + (index - 1) * sub_bytes
+        key_base = SUBGROUP_KEYS + index * 0x100
+        capacity, mailbox = settings.sub_capacity, SUBGROUP_MAILBOX
+        place0 = False
+    pg = ProcessGroupNetdam(rank, devices, shm=shm, admin_key=settings.admin_key, capacity=capacity,
+                            slots=settings.slots, timeout=settings.timeout, device=device, base=base,
+                            key_base=key_base, liveness=settings.liveness, mailbox=mailbox)
+    _groups.add(pg)
+    if place0:
+        _place0 = weakref.ref(pg)
     return pg
+
+
+@atexit.register
+def _at_exit():
+    # Before the interpreter goes: the groups' threads may need the GIL to
+    # finish (Python callbacks, the last reference to a tensor), which they
+    # cannot take once finalization has begun.
+    global _device
+    for pg in list(_groups):
+        try:
+            pg._shutdown()
+        except Exception:  # noqa: BLE001  exiting: nothing to report to
+            pass
+    if _device is not None:
+        _device.stop()
+        _device = None
 
 
 _optimizer_groups = {}  # id(process group) -> (its weakref, netdam.Group, (capacity, key_base))
@@ -147,6 +339,9 @@ def optimizer_group(process_group=None, capacity=8 << 20, key_base=0x4E440200):
     if not isinstance(pg, ProcessGroupNetdam):
         raise RuntimeError("netdam: optimizer_group() needs a process group of the netdam backend "
                            f"(torch.distributed.init_process_group('netdam', ...)), not {type(pg).__name__}")
+    if pg is not dist.distributed_c10d._get_default_group():
+        raise RuntimeError("netdam: optimizer_group() needs the default process group (its memory on the devices "
+                           "lies after the default group's)")
     cached = _optimizer_groups.get(id(pg))
     if cached is not None and cached[0]() is pg and not cached[1].closed:
         if cached[2] != (capacity, key_base):

@@ -286,7 +286,7 @@ Error Group::setup_aggregation() {
   if (opts_.aggregators.empty()) slots_end_ += static_cast<uint64_t>(opts_.slots) * agg_region_bytes_;
   const uint64_t region_end = agg_base_ + static_cast<uint64_t>(opts_.slots) * agg_region_bytes_;
   for (int s = 0; s < opts_.slots; ++s) {
-    const uint32_t key = opts_.key_base + 0x40 + static_cast<uint32_t>(s);
+    const uint32_t key = opts_.key_base + 0xC0 + static_cast<uint32_t>(s);  // (slots: +s, offload: +0x80, torch control: +0x40)
     auto& slot = *slots_[static_cast<size_t>(s)];
     slot.aggregators = aggs;
     for (auto& h : slot.aggregators) h.rkey = key;

@@ -178,6 +178,159 @@ def worker(rank, size, port):
                 want = torch.stack([inputs(r, n, dtype, salt=rank + 1) for r in range(size)]).max(0).values
                 expect_equal(out2, want, f"reduce_scatter_tensor {dtype} n={n}")
 
+    def small_types():
+        # Reduced through int32 and narrowed back as torch narrows.
+        for dtype in (torch.int8, torch.uint8, torch.int16):
+            for n in (1, 1001):
+                vals = [inputs(r, n, torch.int64).abs() * 13 for r in range(size)]  # sums overflow int8/uint8
+                for op, want in ((R.SUM, sum(vals)), (R.MIN, torch.stack(vals).min(0).values),
+                                 (R.MAX, torch.stack(vals).max(0).values)):
+                    t = vals[rank].to(dtype)
+                    dist.all_reduce(t, op=op)
+                    # torch's own narrowing of the exact result (wraps)
+                    expect_equal(t, want.to(torch.int32).to(dtype) if op == R.SUM else want.to(dtype),
+                                 f"all_reduce {dtype} {op}")
+        flags = [torch.tensor([r == 0, r >= 0, r == size - 1, False]) for r in range(size)]
+        for op, want in ((R.SUM, torch.tensor([True, True, True, False])),
+                         (R.MAX, torch.tensor([True, True, True, False])),
+                         (R.MIN, torch.tensor([False, True, False, False])),
+                         (R.PRODUCT, torch.tensor([False, True, False, False]))):
+            t = flags[rank].clone()
+            dist.all_reduce(t, op=op)
+            expect_equal(t, want, f"bool {op}")
+
+    def product_and_bitwise():
+        for dtype in (torch.float32, torch.float64, torch.int64, torch.int32, torch.int8):
+            n = 257
+            vals = [inputs(r, n, torch.int64).clamp(-3, 3).to(dtype) for r in range(size)]
+            want = vals[0].clone()
+            for v in vals[1:]:
+                want *= v
+            t = vals[rank].clone()
+            dist.all_reduce(t, op=R.PRODUCT)
+            expect_equal(t, want, f"PRODUCT {dtype}")
+            t = vals[rank].clone()
+            dist.reduce(t, dst=1, op=R.PRODUCT)
+            expect_equal(t, want if rank == 1 else vals[rank], f"reduce PRODUCT {dtype}")
+        ints = [inputs(r, 300, torch.int64) * 37 + r for r in range(size)]
+        for op, fn in ((R.BAND, torch.bitwise_and), (R.BOR, torch.bitwise_or), (R.BXOR, torch.bitwise_xor)):
+            want = ints[0].clone()
+            for v in ints[1:]:
+                want = fn(want, v)
+            t = ints[rank].clone()
+            dist.all_reduce(t, op=op)
+            expect_equal(t, want, f"{op}")
+        out = torch.empty(5, dtype=torch.int64)
+        dist.reduce_scatter(out, [torch.full((5,), rank + k + 1, dtype=torch.int64) for k in range(size)],
+                            op=R.PRODUCT)
+        want = torch.ones(5, dtype=torch.int64)
+        for r in range(size):
+            want *= r + rank + 1
+        expect_equal(out, want, "reduce_scatter PRODUCT")
+
+    def gather_scatter():
+        for dtype in (torch.float32, torch.uint8, torch.bool):
+            for n in (1, 999, CAPACITY // 4 + 3):  # the last: p x n above the capacity
+                for root in (0, size - 1):
+                    x = inputs(rank, n, torch.int64, salt=root).to(dtype)
+                    out = [torch.empty(n, dtype=dtype) for _ in range(size)] if rank == root else None
+                    dist.gather(x, out, dst=root)
+                    if rank == root:
+                        for r in range(size):
+                            expect_equal(out[r], inputs(r, n, torch.int64, salt=root).to(dtype),
+                                         f"gather {dtype} n={n} from {r}")
+                    pieces = [inputs(root, n, torch.int64, salt=k + 7).to(dtype) for k in range(size)]
+                    y = torch.empty(n, dtype=dtype)
+                    dist.scatter(y, pieces if rank == root else None, src=root)
+                    expect_equal(y, pieces[rank], f"scatter {dtype} n={n} root={root}")
+
+    def alltoall():
+        # Equal splits (in place, and above the capacity: rounds), uneven
+        # splits (an agreement round first), lists of tensors.
+        for dtype in (torch.float32, torch.int16):
+            for rows in (1, 37, CAPACITY // 4 // size + 11):
+                x = torch.stack([inputs(rank, rows * 3, torch.int64, salt=j).to(dtype) for j in range(size)])
+                x = x.reshape(size * rows, 3)
+                y = torch.empty_like(x)
+                dist.all_to_all_single(y, x)
+                want = torch.cat([inputs(k, rows * 3, torch.int64, salt=rank).to(dtype).reshape(rows, 3)
+                                  for k in range(size)])
+                expect_equal(y, want, f"all_to_all_single {dtype} rows={rows}")
+        split = lambda k, j: (k * 7 + j * 3) % 5 + (CAPACITY // 64 if (k + j) % 3 == 0 else 0)  # noqa: E731
+        x = torch.cat([torch.full((split(rank, j), 2), float(100 * rank + j)) for j in range(size)])
+        y = torch.empty(sum(split(k, rank) for k in range(size)), 2)
+        dist.all_to_all_single(y, x, output_split_sizes=[split(k, rank) for k in range(size)],
+                               input_split_sizes=[split(rank, j) for j in range(size)])
+        want = torch.cat([torch.full((split(k, rank), 2), float(100 * k + rank)) for k in range(size)])
+        expect_equal(y, want, "all_to_all_single uneven")
+        ins = [torch.full((k + rank + 1,), rank * 10 + k, dtype=torch.int64) for k in range(size)]
+        outs = [torch.empty(rank + k + 1, dtype=torch.int64) for k in range(size)]
+        dist.all_to_all(outs, ins)
+        for k in range(size):
+            expect_equal(outs[k], torch.full((rank + k + 1,), k * 10 + rank, dtype=torch.int64), f"all_to_all {k}")
+
+    def send_recv():
+        # A ring both ways (isend before irecv), tags, and a message longer
+        # than a mailbox (1 MiB): it travels in pieces.
+        right, left = (rank + 1) % size, (rank - 1) % size
+        for n in (0, 1, 1000, (5 << 20) // 8 + 3):
+            out = torch.empty(n, dtype=torch.float64)
+            works = [dist.isend(torch.arange(n, dtype=torch.float64) + rank, right, tag=n % 7),
+                     dist.irecv(out, left, tag=n % 7)]
+            for w in works:
+                w.wait()
+            expect_equal(out, torch.arange(n, dtype=torch.float64) + left, f"ring n={n}")
+        if rank == 0:
+            for k in range(1, size):
+                dist.send(torch.full((10,), float(k)), k)
+                x = torch.empty(10)
+                dist.recv(x, k)
+                expect_equal(x, torch.full((10,), float(-k)), f"pingpong {k}")
+        else:
+            x = torch.empty(10)
+            dist.recv(x, 0)
+            dist.send(-x, 0)
+        # From any source: rank 0 takes one message from every other rank,
+        # in whatever order they come, and learns who sent each.
+        if rank == 0:
+            senders = []
+            for _ in range(1, size):
+                x = torch.empty(3)
+                w = dist.irecv(x)
+                w.wait()
+                senders.append(w._source_rank())
+                expect_equal(x, torch.full((3,), float(senders[-1])), "recv from any source")
+            assert sorted(senders) == list(range(1, size)), senders
+        else:
+            dist.send(torch.full((3,), float(rank)), 0)
+
+    def gather_coalesced():
+        a = torch.full((3,), float(rank))
+        b = torch.arange(5.0).reshape(5, 1) * rank  # torch: one dtype for all
+        outs = [[torch.empty(3), torch.empty(5, 1)] for _ in range(size)]
+        dist.all_gather_coalesced(outs, [a, b])
+        for r in range(size):
+            expect_equal(outs[r][0], torch.full((3,), float(r)), f"coalesced a from {r}")
+            expect_equal(outs[r][1], torch.arange(5.0).reshape(5, 1) * r, f"coalesced b from {r}")
+
+    def subgroups():
+        # On the default group's devices, each in a place of its own.
+        halves = [dist.new_group([0, 1]), dist.new_group(list(range(2, size)))]
+        odd = dist.new_group([r for r in range(size) if r % 2])
+        mine = halves[0] if rank < 2 else halves[1]
+        members = [0, 1] if rank < 2 else list(range(2, size))
+        x = torch.full((5000,), float(rank))
+        dist.all_reduce(x, group=mine)
+        expect_equal(x, torch.full((5000,), float(sum(members))), "subgroup all_reduce")
+        if rank % 2:
+            y = torch.full((10,), float(rank))
+            dist.broadcast(y, src=size - 1, group=odd)
+            expect_equal(y, torch.full((10,), float(size - 1)), "subgroup broadcast")
+            assert odd.devices[odd.rank()] == dist.group.WORLD.devices[rank], "subgroup on another device"
+        dist.barrier()
+        for g in halves + [odd]:
+            dist.destroy_process_group(g)
+
     def coalesced():
         a = torch.full((10,), float(rank))
         b = torch.full((3, 7), float(2 * rank))
@@ -235,10 +388,9 @@ def worker(rank, size, port):
                     raise AssertionError(f"error {e!r} does not say {text!r}")
                 return
             raise AssertionError(f"no error (expected one saying {text!r})")
-        raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool)), "cannot reduce")
-        raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint8)), "cannot reduce")
-        raises(lambda: dist.all_reduce(torch.ones(3), op=R.PRODUCT), "unsupported reduce op")
+        raises(lambda: dist.all_reduce(torch.ones(3), op=R.BAND), "bitwise ops need")
         raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=R.AVG), "AVG needs")
+        raises(lambda: dist.recv(torch.ones(3), src=rank), "no peer rank")
         # The group still works after refused calls.
         t = torch.ones(5)
         dist.all_reduce(t)
@@ -284,6 +436,9 @@ def worker(rank, size, port):
     for name, fn in [("all_reduce", allreduce_all), ("all_reduce non-contiguous", allreduce_noncontiguous),
                      ("broadcast", broadcast_all), ("reduce", reduce_all), ("all_gather", allgather_all),
                      ("reduce_scatter", reduce_scatter_all), ("all_reduce_coalesced", coalesced),
+                     ("int8, uint8, int16, bool", small_types), ("PRODUCT, BAND, BOR, BXOR", product_and_bitwise),
+                     ("gather, scatter", gather_scatter), ("all_to_all", alltoall), ("send, recv", send_recv),
+                     ("all_gather_coalesced", gather_coalesced), ("subgroups", subgroups),
                      ("async work and futures", async_and_futures), ("barrier", barrier),
                      ("all_gather_object, broadcast_object_list", objects), ("errors", errors), ("timeout", timeout),
                      ("ddp netdam vs gloo", ddp), ("ddp with the optimizer offloaded", ddp_offloaded)]:

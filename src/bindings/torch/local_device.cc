@@ -19,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "common/mapping.h"
 #include "common/process.h"
 
 namespace netdam::torch_backend {
@@ -54,13 +55,14 @@ Result<std::unique_ptr<LocalDevice>> LocalDevice::start(const LocalDeviceOptions
   if (access(opts.netdamd.c_str(), X_OK) != 0)
     return Error::invalid(fmt::format("cannot run netdamd at '{}' (set NETDAM_DAEMON)", opts.netdamd));
   std::unique_ptr<LocalDevice> d(new LocalDevice());
+  d->memory_ = opts.memory;
   d->dir_ = make_temp_dir();
   if (d->dir_.empty()) return Error::transport(std::string("mkdtemp: ") + std::strerror(errno));
   d->shm_ = fmt::format("netdam-torch-{}-{}", getpid(), g_counter++);
   const std::string port_file = d->dir_ + "/port", log = d->dir_ + "/netdamd.log";
   std::vector<std::string> argv = {opts.netdamd, "--listen", "127.0.0.1:0", "--port-file", port_file,
                                    "--memory", std::to_string(opts.memory), "--shm", d->shm_,
-                                   "--admin-key", fmt::format("{:#x}", opts.admin_key), "--prefault",
+                                   "--admin-key", fmt::format("{:#x}", opts.admin_key),
                                    "--max-payload", opts.max_payload, "--log-level", opts.log_level};
   std::vector<char*> args;
   for (auto& a : argv) args.push_back(a.data());
@@ -100,6 +102,20 @@ Result<std::unique_ptr<LocalDevice>> LocalDevice::start(const LocalDeviceOptions
       std::error_code ec;
       std::filesystem::remove_all(d->dir_, ec);
       d->dir_.clear();
+      // The first `prefault` bytes made resident through this process's own
+      // mapping (zeros: the memory is zero already), so the first
+      // collectives do not wait for the kernel to allocate pages. The rest
+      // (room for more groups) costs nothing until a group uses it.
+      if (opts.prefault > 0) {
+        std::string why;
+        auto m = Mapping::open_shared(d->shm_, &why);
+        if (!m) {
+          d->stop();
+          return Error::transport("mapping the device's memory: " + why);
+        }
+        auto b = m->bytes();
+        std::memset(b.data(), 0, std::min<uint64_t>(opts.prefault, b.size()));
+      }
       return d;
     }
     int status = 0;

@@ -29,49 +29,65 @@ PYBIND11_MODULE(_torch_backend, m) {
       .def_property_readonly("endpoint", &LocalDevice::endpoint)
       .def_property_readonly("shm", &LocalDevice::shm)
       .def_property_readonly("pid", &LocalDevice::pid)
+      .def_property_readonly("memory", &LocalDevice::memory, "bytes")
+      .def_property_readonly("users", &LocalDevice::users, "live process groups on it")
       .def("stop", &LocalDevice::stop, py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "start_device",
-      [](const std::string& netdamd, uint64_t memory, uint32_t admin_key, const std::string& max_payload) {
+      [](const std::string& netdamd, uint64_t memory, uint32_t admin_key, const std::string& max_payload,
+         uint64_t prefault) {
         LocalDeviceOptions o;
         o.netdamd = netdamd;
         o.memory = memory;
         o.admin_key = admin_key;
         o.max_payload = max_payload;
+        o.prefault = prefault;
         auto d = LocalDevice::start(o);
         if (!d) throw std::runtime_error("netdam: cannot start a device: " + d.error().to_string());
         return std::shared_ptr<LocalDevice>(std::move(d.value()));
       },
       py::arg("netdamd"), py::arg("memory"), py::arg("admin_key") = 0xAD, py::arg("max_payload") = "63KiB",
-      py::call_guard<py::gil_scoped_release>(),
-      "Starts netdamd on 127.0.0.1 (port chosen by the kernel, memory in /dev/shm).");
+      py::arg("prefault") = 0, py::call_guard<py::gil_scoped_release>(),
+      "Starts netdamd on 127.0.0.1 (port chosen by the kernel, memory in /dev/shm); the first `prefault` bytes "
+      "are made resident.");
 
   m.def("device_memory_bytes", &netdam::torch_backend::device_memory_bytes, py::arg("capacity"), py::arg("slots"),
-        py::arg("ranks"), py::arg("max_payload"), "Device memory a group's slots take.");
+        py::arg("ranks"), py::arg("max_payload"), py::arg("mailbox") = 1 << 20,
+        "Device memory a process group takes (its control region and slots).");
 
   py::class_<ProcessGroupNetdam, c10::intrusive_ptr<ProcessGroupNetdam>>(m, "ProcessGroupNetdam",
                                                                          dist.attr("ProcessGroup"))
       .def(py::init([](int rank, const std::vector<std::string>& devices, const std::string& shm, uint32_t admin_key,
-                       uint64_t capacity, int slots, double timeout_s, std::shared_ptr<LocalDevice> device) {
+                       uint64_t capacity, int slots, double timeout_s, std::shared_ptr<LocalDevice> device,
+                       uint64_t base, uint32_t key_base, double liveness_s, uint64_t mailbox) {
              NetdamOptions o;
-             o.group.rank = rank;
-             o.group.devices = devices;
-             o.group.shm = shm;
-             o.group.admin_key = admin_key;
-             o.group.capacity = capacity;
-             o.group.slots = slots;
-             o.group.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+             netdam::GroupOptions& g = o.runner.group;
+             g.rank = rank;
+             g.devices = devices;
+             g.shm = shm;
+             g.admin_key = admin_key;
+             g.capacity = capacity;
+             g.slots = slots;
+             g.base = base;
+             g.key_base = key_base;
+             g.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
              // Ranks may arrive far apart (one checkpoints, the others wait
              // in a collective): a chain is answered NOT_READY and resent
              // meanwhile, which must not count against a shorter per-packet
-             // deadline. Only the process group's timeout applies.
-             o.group.client.timeout = o.group.timeout;
+             // deadline. The process group's timeout is the patience; the
+             // liveness checks notice a rank that is gone (liveness.h).
+             g.client.timeout = g.timeout;
+             o.runner.liveness = std::chrono::milliseconds(static_cast<int64_t>(liveness_s * 1000));
+             o.runner.mailbox = mailbox;
              return c10::make_intrusive<ProcessGroupNetdam>(o, std::move(device));
            }),
            py::arg("rank"), py::arg("devices"), py::arg("shm") = "", py::arg("admin_key") = 0xAD,
            py::arg("capacity") = 64ull << 20, py::arg("slots") = 2, py::arg("timeout") = 1800.0,
-           py::arg("device") = nullptr, py::call_guard<py::gil_scoped_release>())
+           py::arg("device") = nullptr, py::arg("base") = 0, py::arg("key_base") = 0x4E440100,
+           py::arg("liveness") = 5.0, py::arg("mailbox") = 1 << 20, py::call_guard<py::gil_scoped_release>())
+      .def("_shutdown", &ProcessGroupNetdam::shutdown, py::call_guard<py::gil_scoped_release>(),
+           "Finishes what was queued and stops the group's thread (also done when the group is deleted).")
       .def_property_readonly("capacity", &ProcessGroupNetdam::capacity)
       .def_property_readonly("devices", [](const ProcessGroupNetdam& pg) { return pg.group_options().devices; },
                              "every rank's device, in rank order")
@@ -83,6 +99,4 @@ PYBIND11_MODULE(_torch_backend, m) {
                              "seconds")
       .def_property_readonly("slots_end", &ProcessGroupNetdam::slots_end,
                              "device address after the group's slots: free for other use (netdam.optim)");
-  m.def("configured_groups", &ProcessGroupNetdam::configured_groups,
-        "Live process groups on configured devices (not started by this process).");
 }

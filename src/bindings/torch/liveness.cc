@@ -1,0 +1,146 @@
+#include "bindings/torch/liveness.h"
+
+#include <array>
+#include <cstring>
+
+#include <fmt/format.h>
+
+namespace netdam::torch_backend {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+namespace {
+
+template <typename D>
+D clamp(D v, D lo, D hi) {
+  return std::max(lo, std::min(v, hi));
+}
+
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+}  // namespace
+
+// ---------------------------------------------------------------- heartbeat
+
+std::unique_ptr<Heartbeat> Heartbeat::start(std::unique_ptr<Client> client, const ControlLayout& control,
+                                            std::chrono::milliseconds interval) {
+  std::unique_ptr<Heartbeat> h(new Heartbeat());
+  h->client_ = std::move(client);
+  h->control_ = control;
+  h->interval_ = interval;
+  h->thread_ = std::thread([p = h.get()] { p->run(); });
+  return h;
+}
+
+Heartbeat::~Heartbeat() {
+  {
+    std::lock_guard lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_one();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Heartbeat::run() {
+  // Starts from the clock, so a restarted rank never repeats an old value.
+  uint64_t beat = static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+  std::unique_lock lk(mu_);
+  while (!stop_) {
+    lk.unlock();
+    ++beat;
+    std::array<std::byte, 8> word;
+    std::memcpy(word.data(), &beat, 8);
+    // A failure is the Watch's business on the other ranks (and the
+    // Runner's own collectives fail on a dead device of their own).
+    (void)client_->write(control_.heartbeat(), word, control_.key);
+    lk.lock();
+    cv_.wait_for(lk, interval_, [&] { return stop_; });
+  }
+}
+
+// ---------------------------------------------------------------- watch
+
+struct Watch::Peer {
+  std::unique_ptr<Client> client;
+  Error failed;  // connecting failed
+  Op probe;
+  std::array<std::byte, 8> word{};
+  uint64_t value = 0;
+  bool have_value = false;
+  Clock::time_point changed{}, next_probe{};
+};
+
+Watch::Watch(std::vector<std::string> devices, int rank, const ControlLayout& control,
+             std::chrono::milliseconds liveness)
+    : devices_(std::move(devices)), rank_(rank), control_(control), liveness_(liveness) {
+  ClientOptions o;
+  o.rkey = control.key;
+  o.timeout = liveness;
+  for (size_t r = 0; r < devices_.size(); ++r) {
+    if (static_cast<int>(r) == rank_) {
+      peers_.push_back(nullptr);
+      continue;
+    }
+    auto p = std::make_unique<Peer>();
+    auto c = Client::connect(devices_[r], o);
+    if (c)
+      p->client = std::move(c.value());
+    else
+      p->failed = c.error();
+    peers_.push_back(std::move(p));
+  }
+}
+
+Watch::~Watch() = default;
+
+void Watch::waiting(bool on) {
+  if (on && !waiting_) {
+    const auto now = Clock::now();
+    for (auto& p : peers_) {
+      if (!p) continue;
+      p->changed = now;
+      p->next_probe = now;
+    }
+  }
+  waiting_ = on;
+}
+
+Error Watch::check() {
+  if (!waiting_) return {};
+  const auto now = Clock::now();
+  const auto every = clamp<std::chrono::milliseconds>(liveness_ / 4, 50ms, 1000ms);
+  for (size_t r = 0; r < peers_.size(); ++r) {
+    Peer* p = peers_[r].get();
+    if (!p) continue;
+    const std::string& dev = devices_[r];
+    if (p->failed)
+      return Error::timeout(fmt::format("rank {} is gone: its device {} does not answer ({})", r, dev,
+                                        p->failed.to_string()));
+    p->client->poll();
+    if (p->probe.valid() && p->probe.done()) {
+      if (const Error& e = p->probe.error())
+        return Error::timeout(fmt::format("rank {} is gone: its device {} has not answered for {:.1f} s ({})", r, dev,
+                                          seconds(liveness_), e.to_string()));
+      uint64_t v;
+      std::memcpy(&v, p->word.data(), 8);
+      if (!p->have_value || v != p->value) {
+        p->value = v;
+        p->have_value = true;
+        p->changed = now;
+      }
+      p->probe = Op();
+    }
+    if (now - p->changed > liveness_)
+      return Error::timeout(fmt::format("rank {} is gone: its heartbeat on device {} has not moved for {:.1f} s "
+                                        "(its process ended or is frozen)",
+                                        r, dev, seconds(now - p->changed)));
+    if (!p->probe.valid() && now >= p->next_probe) {
+      p->probe = p->client->read_async(control_.heartbeat(), p->word);
+      p->next_probe = now + every;
+    }
+  }
+  return {};
+}
+
+}  // namespace netdam::torch_backend

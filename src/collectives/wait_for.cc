@@ -1,0 +1,38 @@
+// Group::wait with a time limit: the torch backend's Runner waits for a
+// collective in slices, to look after its other duties in between
+// (point-to-point messages, liveness probes, requests that may start).
+#include <thread>
+
+#include "collectives/work_state.h"
+#include "netdam/group.h"
+
+namespace netdam {
+
+bool Group::wait_for(Work& w, std::chrono::microseconds max) {
+  using namespace std::chrono_literals;
+  if (!w.valid()) return true;
+  const auto until = client_->now() + max;
+  auto idle = 1us;
+  while (!w.done()) {
+    if (progress()) {
+      idle = 1us;
+      continue;
+    }
+    const auto now = client_->now();
+    if (now >= until) return false;
+    // As wait(): block in the socket while answers are due, back off while
+    // only other ranks' stamps are awaited.
+    bool waiting_on_network = false;
+    for (auto& a : active_)
+      waiting_on_network |= a->phase != detail::WorkState::Phase::kStamps || a->pending.valid();
+    if (waiting_on_network) {
+      client_->wait_any();
+    } else {
+      std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(idle, until - now));
+      idle = std::min(idle * 2, std::chrono::microseconds(200));
+    }
+  }
+  return true;
+}
+
+}  // namespace netdam
