@@ -317,6 +317,9 @@ wait_netdamd() {  # wait_netdamd NAME
 
 join_by() { local IFS=$1; shift; echo "$*"; }
 
+# NAME='VALUE' (no value here holds a quote).
+kv() { printf "%s='%s'\n" "$1" "$2"; }
+
 write_env() {
   local hn=() hi=() dn=() di=() da=() ca=() i
   for ((i = 0; i < hosts; i++)); do hn+=("$(host_ns $i)"); hi+=("$(host_ip $i)"); done
@@ -324,26 +327,26 @@ write_env() {
   if ((netdamd)); then for ((i = 0; i < devices; i++)); do da+=("$(dev_ip $i):$port"); done; fi
   if ((colocated)); then for ((i = 0; i < hosts; i++)); do ca+=("$(host_ip $i):$port"); done; fi
   {
-    printf 'CLUSTER_PREFIX=%q\n' "$prefix"
-    printf 'CLUSTER_SUBNET=%q\n' "$subnet"
+    kv CLUSTER_PREFIX "$prefix"
+    kv CLUSTER_SUBNET "$subnet"
     printf 'CLUSTER_IFACE=eth0\n'
-    printf 'CLUSTER_BRIDGE=%q\n' "$bridge"
-    printf 'CLUSTER_MTU=%q\n' "$mtu"
-    printf 'CLUSTER_RATE=%q\n' "$rate"
-    printf 'CLUSTER_RATE_BPS=%q\n' "$rate_bps"
-    printf 'CLUSTER_BURST=%q\n' "$burst_bytes"
-    printf 'CLUSTER_QUEUE=%q\n' "$queue_bytes"
-    printf 'CLUSTER_HOSTS=%q\n' "$hosts"
-    printf 'CLUSTER_DEVICES=%q\n' "$devices"
-    printf 'CLUSTER_HOST_NS=%q\n' "${hn[*]-}"
-    printf 'CLUSTER_HOST_IPS=%q\n' "${hi[*]-}"
-    printf 'CLUSTER_DEVICE_NS=%q\n' "${dn[*]-}"
-    printf 'CLUSTER_DEVICE_IPS=%q\n' "${di[*]-}"
-    printf 'CLUSTER_DEVICE_ADDRS=%q\n' "$(join_by , "${da[@]-}")"
-    printf 'CLUSTER_COLOCATED_ADDRS=%q\n' "$(join_by , "${ca[@]-}")"
-    printf 'CLUSTER_MAX_PAYLOAD=%q\n' "$max_payload"
-    printf 'CLUSTER_STATE_DIR=%q\n' "$state"
-    printf 'CLUSTER_SCRIPT=%q\n' "$SCRIPT"
+    kv CLUSTER_BRIDGE "$bridge"
+    kv CLUSTER_MTU "$mtu"
+    kv CLUSTER_RATE "$rate"
+    kv CLUSTER_RATE_BPS "$rate_bps"
+    kv CLUSTER_BURST "$burst_bytes"
+    kv CLUSTER_QUEUE "$queue_bytes"
+    kv CLUSTER_HOSTS "$hosts"
+    kv CLUSTER_DEVICES "$devices"
+    kv CLUSTER_HOST_NS "${hn[*]-}"
+    kv CLUSTER_HOST_IPS "${hi[*]-}"
+    kv CLUSTER_DEVICE_NS "${dn[*]-}"
+    kv CLUSTER_DEVICE_IPS "${di[*]-}"
+    kv CLUSTER_DEVICE_ADDRS "$(join_by , "${da[@]-}")"
+    kv CLUSTER_COLOCATED_ADDRS "$(join_by , "${ca[@]-}")"
+    kv CLUSTER_MAX_PAYLOAD "$max_payload"
+    kv CLUSTER_STATE_DIR "$state"
+    kv CLUSTER_SCRIPT "$SCRIPT"
   } >"$state/env"
 }
 
