@@ -97,7 +97,7 @@ run_aggregate=0 run_chains=0
 if want netdam || ((colocated)); then
   if [[ ! -x "$bench" || ! -x "$netdamd_bin" ]]; then
     echo "== netdam: skipped: no $bench or $netdamd_bin (BUILD_DIR=build bash scripts/build.sh -DNETDAM_BENCH=ON)"
-  elif ! "$bench" allreduce --help 2>/dev/null | grep -q -- "--aggregators"; then
+  elif [[ "$("$bench" allreduce --help 2>/dev/null)" != *--aggregators* ]]; then
     echo "== netdam: skipped: '$bench allreduce --help' has no --aggregators (in-network aggregation not built yet)"
   elif ((M == 0)) && want netdam; then
     echo "== netdam: skipped: --devices 0 (no device namespaces to aggregate in)"
@@ -119,18 +119,45 @@ if ((run_chains)) || { ((run_aggregate)) && want netdam; }; then need_devices=1;
 
 # ------------------------------------------------------------- the cluster ---
 
+# CPU accounting. Each system runs in a cgroup of its own and the devices in
+# another (cgroup v2: cpu.stat usage_usec counts every process that ever ran
+# in it, including daemonized orteds and exited ranks). Without a writable
+# cgroup2 hierarchy: this shell's children's times (misses processes that
+# daemonize) and the devices' /proc/PID/stat.
+cg_base=""
+cg_root=$(awk '$3 == "cgroup2" {print $2; exit}' /proc/mounts)
+if [[ -n "$cg_root" ]] && mkdir -p "$cg_root/netdam-bench-$prefix/devices" 2>/dev/null; then
+  cg_base="$cg_root/netdam-bench-$prefix"
+fi
+cg_seconds() {  # cg_seconds CGROUP: CPU seconds used in it so far
+  awk '/^usage_usec/ { printf "%.3f", $2 / 1e6; f = 1 } END { if (!f) printf "0" }' "$1/cpu.stat" 2>/dev/null ||
+    echo 0
+}
+cg_cleanup() {
+  [[ -n "$cg_base" ]] || return 0
+  local d
+  for d in "$cg_base"/*/; do rmdir "$d" 2>/dev/null; done
+  rmdir "$cg_base" 2>/dev/null
+}
+
+
 cl=("$cluster" --prefix "$prefix")
 up_args=(--hosts "$P" --devices "$M" --rate "$rate" --mtu "$mtu" --build "$build")
 ((need_devices)) && up_args+=(--netdamd)
 ((run_aggregate && colocated)) && up_args+=(--colocated)
-teardown() { "${cl[@]}" down >/dev/null 2>&1; }
+teardown() { "${cl[@]}" down >/dev/null 2>&1; cg_cleanup; }
 trap teardown EXIT
 trap 'echo "cluster_bench: interrupted" >&2; exit 130' INT
 trap 'exit 143' TERM
-CLUSTER_QUIET=1 "${cl[@]}" "${up_args[@]}" up >/dev/null
+# The devices (netdamd, started by `up`) go into the devices cgroup.
+(
+  [[ -n "$cg_base" ]] && echo "$BASHPID" >"$cg_base/devices/cgroup.procs"
+  CLUSTER_QUIET=1 exec "${cl[@]}" "${up_args[@]}" up >/dev/null
+)
 rc=$?
 if ((rc != 0)); then
   trap - EXIT
+  cg_cleanup
   echo "cluster_bench: the cluster did not come up (exit $rc)" >&2
   exit "$rc"
 fi
@@ -198,18 +225,14 @@ run_ranks() {  # run_ranks NAME
   rc=$worst
 }
 
-# CPU seconds (user sys) of this shell's waited-for children so far: every
-# rank, daemon launcher and mpirun of a system ends as one of them.
 # (Call it in this shell, not in $(...): a subshell's `times` is its own.)
-child_cpu() {  # child_cpu VAR
+child_cpu() {  # child_cpu VAR: user+sys seconds of this shell's waited-for children
   times >"$out/.times"
   printf -v "$1" '%s' "$(tail -1 "$out/.times" | sed 's/m/ /g; s/s//g' |
-                         awk '{ printf "%.2f %.2f", $1 * 60 + $2, $3 * 60 + $4 }')"
+                         awk '{ printf "%.2f", $1 * 60 + $2 + $3 * 60 + $4 }')"
 }
-
-# CPU seconds (user + sys) of the cluster's netdamd processes so far (they
-# are cluster.sh's children, not ours).
-device_cpu() {
+device_cpu() {  # CPU seconds of the cluster's netdamd processes so far
+  if [[ -n "$cg_base" ]]; then cg_seconds "$cg_base/devices"; return; fi
   local f pid ticks=0 t
   for f in "$CLUSTER_STATE_DIR"/*.pid; do
     [[ -f "$f" ]] || continue
@@ -220,15 +243,32 @@ device_cpu() {
   awk -v t="$ticks" -v hz="$(getconf CLK_TCK)" 'BEGIN { printf "%.2f", t / hz }'
 }
 
-# measure NAME FUNC: runs FUNC, records wall, CPU and link bytes in runs.txt.
+# measure NAME FUNC: runs FUNC (which sets rc), records wall, CPU and link
+# bytes in runs.txt.
 measure() {
-  local name=$1 fn=$2 c0 c1 l0 l1 t0 t1 k0 k1 d0 d1 load
+  local name=$1 fn=$2 c0 c1 l0 l1 t0 t1 k0 k1 d0 d1 load own
   load=$(cut -d' ' -f1 /proc/loadavg)
-  c0=$(cpu_snap); l0=$(link_bytes); child_cpu k0; d0=$(device_cpu); t0=$(date +%s.%N)
-  "$fn"
-  t1=$(date +%s.%N); c1=$(cpu_snap); l1=$(link_bytes); child_cpu k1; d1=$(device_cpu)
-  echo "$name|$rc|$t0|$t1|$c0|$c1|$l0|$l1|$load|$k0|$k1|$d0|$d1" >>"$out/runs.txt"
-  awk -v n="$name" -v a="$t0" -v b="$t1" -v r="$rc" 'BEGIN { printf "   %s: %.0f s, exit %s\n", n, b - a, r }' 
+  c0=$(cpu_snap); l0=$(link_bytes); d0=$(device_cpu); t0=$(date +%s.%N)
+  if [[ -n "$cg_base" ]] && mkdir -p "$cg_base/$name" 2>/dev/null; then
+    (
+      echo "$BASHPID" >"$cg_base/$name/cgroup.procs"
+      "$fn"
+      exit "$rc"
+    )
+    rc=$?
+    t1=$(date +%s.%N)
+    own=$(cg_seconds "$cg_base/$name")
+  else
+    child_cpu k0
+    "$fn"
+    t1=$(date +%s.%N)
+    child_cpu k1
+    own=$(awk -v a="$k0" -v b="$k1" 'BEGIN { printf "%.2f", b - a }')
+  fi
+  c1=$(cpu_snap); l1=$(link_bytes); d1=$(device_cpu)
+  echo "$name|$rc|$t0|$t1|$c0|$c1|$l0|$l1|$load|$own|$(awk -v a="$d0" -v b="$d1" 'BEGIN { printf "%.2f", b - a }')" \
+    >>"$out/runs.txt"
+  awk -v n="$name" -v a="$t0" -v b="$t1" -v r="$rc" 'BEGIN { printf "   %s: %.0f s, exit %s\n", n, b - a, r }'
 }
 
 common=(-b "$min" -e "$max" -f "$factor" -n "$iters" -w 2 --min-iters 2 --budget "$budget"
@@ -482,9 +522,8 @@ if "gloo" in per_algo:
 runs = []
 with open(os.path.join(out, "runs.txt")) as fh:
     for line in fh:
-        name, rc, t0, t1, c0, c1, l0, l1, load, k0, k1, d0, d1 = line.rstrip("\n").split("|")
-        own = sum(b - a for a, b in zip(map(float, k0.split()), map(float, k1.split())))
-        dev = float(d1) - float(d0)
+        name, rc, t0, t1, c0, c1, l0, l1, load, own, dev = line.rstrip("\n").split("|")
+        own, dev = float(own), float(dev)
         c0 = list(map(int, c0.split()))[:8]
         c1 = list(map(int, c1.split()))[:8]
         d = [b - a for a, b in zip(c0, c1)]
