@@ -100,7 +100,7 @@ class AggregateTest : public ::testing::Test {
                    d.data() + kHeaderSize + kSrPreambleSize);
     AggRecord r{static_cast<uint16_t>(c.rank), static_cast<uint16_t>(c.ranks), c.stride, c.flags, c.reserved};
     encode_agg_record(r, d.data() + payload_offset(1));
-    std::memcpy(d.data() + payload_offset(1) + kAggRecordSize, c.data.data(), c.data.size());
+    if (!c.data.empty()) std::memcpy(d.data() + payload_offset(1) + kAggRecordSize, c.data.data(), c.data.size());
     return d;
   }
 

@@ -914,7 +914,8 @@ void Group::stage_locally(detail::WorkState& w) {
     AggregateRequest& r = w.requests[i];
     if (r.device.ip != home.ip || r.device.port != home.port) continue;
     if (!r.relay && !r.zero) {  // a zero block stays a marker: nothing to copy
-      std::memcpy(local_.data() + base + g.stage(static_cast<uint16_t>(opts_.rank), r.block), r.data.data(),
+      if (r.length > 0)
+        std::memcpy(local_.data() + base + g.stage(static_cast<uint16_t>(opts_.rank), r.block), r.data.data(),
                   r.length);
       r.staged = true;
       r.data = {};

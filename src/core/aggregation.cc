@@ -184,7 +184,7 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
   }
   // Staged: its host wrote STAGE_r through the mapping. Zero: written
   // only if the reduction needs it (below).
-  if (!relay && !(r.flags & (kAggStaged | kAggZero)))
+  if (!relay && !(r.flags & (kAggStaged | kAggZero)) && c.length > 0)
     std::memcpy(base + g.stage(r.contributor, c.block), c.data.data(), c.length);
   b.have[s] |= me;
   if (relay) b.skip[s] |= me;
