@@ -20,6 +20,8 @@
 //     flag, version 1, no segments, our boot id, length == data size <= max
 //     payload, and no data unless the status is OK;
 //   - a forwarded datagram parses and is not a response;
+//   - an AGGREGATE answer (the Action or the fan-out of a completed block)
+//     is a header and its 8-byte record, length = record + data;
 //   - memory outside every region that was ever writable keeps its canary.
 #include <cstddef>
 #include <cstdint>
@@ -111,7 +113,10 @@ struct World {
     Header h = decode_header(a.head.data());
     FUZZ_CHECK(load_be<uint32_t>(a.head.data()) == kMagic);
     FUZZ_CHECK(h.version == kVersion);
-    if (a.kind == Action::Kind::kReply) {
+    if (a.kind == Action::Kind::kReply && a.head.size() == kHeaderSize + kAggAnswerRecordSize) {
+      CheckAggregateAnswer(h, a.head, a.data);
+      FUZZ_CHECK(a.head.data() == out.data());
+    } else if (a.kind == Action::Kind::kReply) {
       FUZZ_CHECK(a.head.size() == kHeaderSize);
       FUZZ_CHECK(a.head.data() == out.data());
       FUZZ_CHECK(h.flags == kFlagResponse);
@@ -134,6 +139,18 @@ struct World {
     }
   }
 
+  void CheckAggregateAnswer(const Header& h, std::span<const std::byte> head, std::span<const std::byte> data) {
+    FUZZ_CHECK(h.opcode == Opcode::kChain);
+    FUZZ_CHECK(h.flags == kFlagResponse && h.status == Status::kOk && h.seg_count == 0 && h.boot == kBoot);
+    FUZZ_CHECK(h.length == kAggAnswerRecordSize + data.size());
+    FUZZ_CHECK(h.length <= dev->config().max_payload);
+    FUZZ_CHECK(data.empty() || Inside(data, mem));
+    const AggAnswerRecord r = decode_agg_answer(head.data() + kHeaderSize);
+    FUZZ_CHECK((r.flags & ~(kAggResultZero | kAggResultNone | kAggHeld)) == 0);
+    FUZZ_CHECK(!(r.flags & kAggHeld) || (r.flags == kAggHeld && data.empty()));
+    FUZZ_CHECK(data.empty() || r.flags == 0);
+  }
+
   // Handles one datagram and then the chain hops it causes; then, as the
   // daemon's loop does, runs the chains parked until an ARM, if one came.
   void Deliver(Address from, std::span<const uint8_t> bytes) {
@@ -146,6 +163,9 @@ struct World {
     for (int hop = 0; hop <= static_cast<int>(kMaxSegments); ++hop) {
       Action a = eng->handle(from, d, out);
       CheckAction(a, d);
+      for (const Fanout& f : eng->fanout()) {
+        CheckAggregateAnswer(decode_header(f.head.data()), f.head, f.data);
+      }
       NoteWritable();
       if (a.kind != Action::Kind::kForward) return;
       std::vector<std::byte> next(a.head.begin(), a.head.end());

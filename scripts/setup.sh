@@ -12,6 +12,7 @@ packages=(
   libsqlite3-dev                      # netdam-mmu's state file
   redis-server                        # the baseline of `netdam-bench pool` (tests do not need it)
   iproute2 procps python3              # python3: the demo's plain UDP pool client
+  iputils-ping                         # tests/cluster: ping across the emulated cluster
   python3-dev pybind11-dev python3-numpy  # the netdam Python module (for /usr/bin/python3)
   python3-torch libtorch-dev           # the torch.distributed backend and optimizer offload
 )

@@ -20,6 +20,9 @@ BUILD_DIR=build-asan BUILD_TYPE=Debug bash scripts/build.sh -DNETDAM_SANITIZE=ON
 # executable in this build: the cases are filtered with GTEST_FILTER.)
 skip=Torus.TenPercentLossDuplicationAndReorder
 for n in 1001 1840 1841; do skip+=":Fabric/RanksAndSizes.AllReduceF32SumIsExact/p16_n${n}_loss5"; done
+for c in p16_m16_faults10 p16_m8_faults10 p8_m8_faults10; do
+  skip+=":LossDuplicationReorder/Aggregate.AllReduceIsExactForEveryTypeAndOp/$c"
+done
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 GTEST_FILTER="-$skip" \
    ctest --output-on-failure -j "$jobs" --timeout 900)
 

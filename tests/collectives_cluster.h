@@ -29,6 +29,34 @@ inline size_t block_bytes(int p) {
   return (kDefaultMaxPayload - route) / 64 * 64;
 }
 
+// Lets the network move for `t` of virtual time.
+inline void idle_wait(transport::Transport& idle, std::chrono::microseconds t) {
+  std::array<std::byte, 16> sink;
+  transport::InMsg m;
+  m.buf = sink;
+  idle.recv_batch({&m, 1}, t);
+}
+
+// Drives every group until all `works` are done, or fails the test after
+// `limit` of virtual time; while nothing advances, the network moves
+// (`idle` waits on the fabric's clock).
+inline void drive(std::vector<std::unique_ptr<Group>>& groups, std::vector<Work>& works,
+                  transport::Fabric& fabric, transport::Transport& idle, std::chrono::seconds limit) {
+  using namespace std::chrono_literals;
+  const auto until = fabric.now() + limit;
+  for (;;) {
+    bool all_done = true, advanced = false;
+    for (auto& g : groups) advanced |= g->progress();
+    for (auto& w : works) all_done &= w.done();
+    if (all_done) return;
+    if (fabric.now() > until) {
+      ADD_FAILURE() << "collective did not finish in " << limit.count() << " s of virtual time";
+      return;
+    }
+    if (!advanced) idle_wait(idle, 20us);
+  }
+}
+
 // What differs between the clusters of the collectives tests.
 struct ClusterSpec {
   int p = 0;
@@ -66,9 +94,13 @@ struct CollectivesCluster {
     o.admin_key = spec.admin_key;
     for (int r = 0; r < p; ++r) o.devices.push_back(device_addr(r).to_string());
     const uint64_t slot = collectives::SlotLayout::bytes(spec.capacity, block_bytes(p), p, spec.partials);
+    // The group's own layout from `base` 0: the chain slots (which this
+    // cluster registers itself), then whatever the group adds (aggregation
+    // regions, which it registers with the admin key).
+    const uint64_t group_bytes = Group::device_bytes(o, kDefaultMaxPayload);
     for (int r = 0; r < p; ++r) {
       devices.push_back(std::make_unique<FabricDevice>(
-          fabric, device_addr(r), 100 + r, slot * spec.slots + spec.extra_memory,
+          fabric, device_addr(r), 100 + r, group_bytes + spec.extra_memory,
           spec.admin_key ? std::optional<uint32_t>(spec.admin_key) : std::nullopt));
       for (int s = 0; s < spec.slots; ++s)
         devices.back()->device.regions().add(
@@ -87,28 +119,9 @@ struct CollectivesCluster {
   static transport::Endpoint device_addr(int r) { return {0x0A000000u + static_cast<uint32_t>(r), 7000}; }
 
   // Drives every rank until all `works` are done (or virtual time runs out).
-  void run(std::vector<Work>& works) {
-    using namespace std::chrono_literals;
-    const auto limit = fabric.now() + 60s;
-    for (;;) {
-      bool all_done = true, advanced = false;
-      for (auto& g : groups) advanced |= g->progress();
-      for (auto& w : works) all_done &= w.done();
-      if (all_done) return;
-      if (fabric.now() > limit) {
-        ADD_FAILURE() << "collective did not finish in 60 s of virtual time";
-        return;
-      }
-      if (!advanced) wait(20us);
-    }
-  }
+  void run(std::vector<Work>& works) { drive(groups, works, fabric, *idle, std::chrono::seconds(60)); }
   // Lets the network move for `t` of virtual time.
-  void wait(std::chrono::microseconds t) {
-    std::array<std::byte, 16> sink;
-    transport::InMsg m;
-    m.buf = sink;
-    idle->recv_batch({&m, 1}, t);
-  }
+  void wait(std::chrono::microseconds t) { idle_wait(*idle, t); }
 
   transport::Fabric fabric;
   std::vector<std::unique_ptr<FabricDevice>> devices;

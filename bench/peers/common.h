@@ -109,6 +109,10 @@ inline void usage(const char* prog, bool gloo) {
                "  -q               print only the best-per-size summary tables\n",
                prog,
                gloo ? "  --ranks P        processes to fork on 127.0.0.1 (default 4)\n"
+                      "  --rank R         run only rank R of --ranks P here (no fork); with\n"
+                      "  --store DIR      the rendezvous directory every rank sees (fresh), and\n"
+                      "  --host ADDR      the address this rank's TCP device binds to\n"
+                      "                   (default 127.0.0.1)\n"
                       "  --timeout SEC    gloo operation timeout (default 300)\n"
                       "  --mode LIST      receive modes of the TCP pairs to run each classic\n"
                       "                   algorithm in: async (gloo default, as in PyTorch),\n"

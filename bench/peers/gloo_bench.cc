@@ -3,7 +3,10 @@
 //
 // Forks --ranks P processes on 127.0.0.1; they rendezvous through a gloo
 // FileStore in a fresh temp dir and connect a full mesh over gloo's TCP
-// transport. For float32 it runs every gloo algorithm of the requested ops
+// transport. With --rank R it runs only rank R in this process instead
+// (one per host, e.g. one per network namespace of scripts/cluster.sh):
+// the ranks then rendezvous in --store DIR (a fresh directory all of them
+// see) and each binds its TCP device to --host ADDR (its own address). For float32 it runs every gloo algorithm of the requested ops
 // over a size sweep (8 B .. 64 MiB by default), verifies the result exactly
 // and prints nccl-tests style rows per algorithm, then a "best" table (min
 // time per size across algorithms).
@@ -50,6 +53,7 @@ using Ctx = std::shared_ptr<gloo::Context>;
 
 std::vector<std::string> g_modes{"async"};  // --mode async,sync,busypoll
 uint64_t g_sync_max = 64 << 10;             // --sync-max: largest size in sync modes
+std::string g_host = "127.0.0.1";           // --host: address the TCP device binds to
 
 // One algorithm instance set up for one message size on one rank.
 struct Bench {
@@ -303,7 +307,7 @@ void sum_all(const Ctx& ctx, std::vector<double>& v) {
 int rank_main(const Options& o, const std::string& store_dir, int rank) {
   const int n = o.ranks;
   gloo::transport::tcp::attr attr;
-  attr.hostname = "127.0.0.1";
+  attr.hostname = g_host;
   attr.ai_family = AF_INET;
   auto dev = gloo::transport::tcp::CreateDevice(attr);
   gloo::rendezvous::FileStore store(store_dir);
@@ -360,7 +364,7 @@ int rank_main(const Options& o, const std::string& store_dir, int rank) {
         if (root && !o.quiet)
           peers::print_header(
               "gloo", op + "_" + label, op, n,
-              ("transport=tcp 127.0.0.1  mode=" + mode +
+              ("transport=tcp " + g_host + "  mode=" + mode +
                (mode == "async" ? std::string()
                                 : "  (sizes <= " + std::to_string(g_sync_max) + " B)") +
                (op == "allgather" ? "  out-of-place" : "  in-place"))
@@ -398,6 +402,8 @@ int rank_main(const Options& o, const std::string& store_dir, int rank) {
 
 int main(int argc, char** argv) {
   Options o;
+  int one_rank = -1;      // --rank: run only this rank, no fork
+  std::string store_dir;  // --store: the rendezvous directory (with --rank)
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "-h" || a == "--help") {
@@ -410,6 +416,18 @@ int main(int argc, char** argv) {
     }
     if (a == "--sync-max" && i + 1 < argc) {
       g_sync_max = peers::parse_size(argv[++i]);
+      continue;
+    }
+    if (a == "--rank" && i + 1 < argc) {
+      one_rank = std::atoi(argv[++i]);
+      continue;
+    }
+    if (a == "--store" && i + 1 < argc) {
+      store_dir = argv[++i];
+      continue;
+    }
+    if (a == "--host" && i + 1 < argc) {
+      g_host = argv[++i];
       continue;
     }
     if (a == "--mode" && i + 1 < argc) {
@@ -432,6 +450,31 @@ int main(int argc, char** argv) {
     return 2;
   }
   peers::parse_ops(o);  // validate before forking
+  if (one_rank >= 0 || !store_dir.empty()) {
+    if (one_rank < 0 || one_rank >= o.ranks || store_dir.empty()) {
+      std::fprintf(stderr, "--rank R (0..ranks-1) and --store DIR go together\n");
+      return 2;
+    }
+    if (one_rank == 0) {
+      std::printf(
+          "# gloo_bench: nranks %d (this process: rank 0 of one process per host), host %s, "
+          "mode %s, timing %s, %d cores online, sizes %llu..%llu B x%llu, iters %d (min %d, "
+          "budget %llu B), warmup %d, check %d, loadavg %s\n",
+          o.ranks, g_host.c_str(), peers::join(g_modes).c_str(), o.each ? "each" : "batch",
+          static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)),
+          static_cast<unsigned long long>(o.min_bytes),
+          static_cast<unsigned long long>(o.max_bytes), static_cast<unsigned long long>(o.factor),
+          o.iters, o.min_iters, static_cast<unsigned long long>(o.budget), o.warmup,
+          o.check ? 1 : 0, peers::loadavg().c_str());
+      std::fflush(stdout);
+    }
+    try {
+      return rank_main(o, store_dir, one_rank);
+    } catch (const std::exception& ex) {
+      std::fprintf(stderr, "gloo_bench rank %d: %s\n", one_rank, ex.what());
+      return 1;
+    }
+  }
 
   char tmpl[] = "/tmp/gloo_bench.XXXXXX";
   if (!mkdtemp(tmpl)) {

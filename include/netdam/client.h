@@ -86,6 +86,26 @@ struct Hop {
   uint64_t addr = 0;
 };
 
+// One contribution to an in-network aggregation (PROTOCOL.md 6.13,
+// COLLECTIVES.md section 11): block `block` of the aggregation region
+// `device.rkey` on `device`, for collective `generation`. The device
+// answers once every contributor's block is in, with the reduced block.
+struct AggregateRequest {
+  Hop device;              // ip, port and rkey of the aggregating device's region
+  uint32_t generation = 0;
+  uint32_t block = 0;      // index of the block in the region
+  uint16_t contributor = 0, contributors = 0;
+  uint32_t stride = 0;     // bytes between blocks (the group's block size)
+  DType dtype = DType::kBytes;
+  RedOp redop = RedOp::kNone;
+  uint32_t length = 0;     // the block's bytes
+  std::span<const std::byte> data;  // `length` bytes; empty with zero or relay
+  bool zero = false;       // the block is all zero bits: send a marker, not the block
+  bool relay = false;      // add nothing, only receive the result (AllGather, Broadcast)
+  bool staged = false;     // the block is in the device's STAGE already (written through its mapping)
+  std::span<std::byte> result;      // `length` bytes for the result, or empty: acknowledgement only
+};
+
 namespace detail {
 struct OpState;
 }
@@ -157,9 +177,12 @@ class Client {
   Error opt_config(const OptimizerConfig& config, uint32_t rkey = 0);
   Error opt_step(uint64_t addr, std::span<const std::byte> grad_f32, uint32_t rkey = 0);
 
-  // Region administration; needs the device's admin key.
+  // Region administration; needs the device's admin key. With `at`, on
+  // that device instead of this client's.
   Error region_add(uint32_t admin_key, const RegionInfo& region);
   Error region_del(uint32_t admin_key, uint32_t key);
+  Error region_add(uint32_t admin_key, const RegionInfo& region, const Hop& at);
+  Error region_del(uint32_t admin_key, uint32_t key, const Hop& at);
   Result<std::vector<RegionInfo>> region_list(uint32_t admin_key);
 
   // --- asynchronous calls ------------------------------------------------
@@ -182,6 +205,12 @@ class Client {
   Op chain_async(std::span<const Hop> hops, uint32_t generation, DType t, RedOp op,
                  uint32_t length, std::span<const std::byte> payload,
                  std::span<std::byte> answer_to = {}, uint8_t header_flags = 0);
+  // Contributes one block to an aggregation on any device (a one-segment
+  // chain); done when the device has reduced the block from every
+  // contributor and answered, with the result in r.result. Retransmitted
+  // like any chain until the client's timeout; the device adds each
+  // contributor's block once.
+  Op aggregate_async(const AggregateRequest& r);
   // Sets the armed generation of a region of this client's device; returns
   // the previous one.
   Result<uint32_t> arm(uint32_t generation, uint32_t rkey = 0);
@@ -226,6 +255,9 @@ class Client {
                      uint64_t addr, uint32_t length);
   Op start(std::shared_ptr<detail::OpState> op);
   Op atomic_async(Opcode code, uint64_t addr, uint64_t a, uint64_t b, uint32_t rkey);
+  void aim(Packet& p, const Hop* at);
+  Error region_add(uint32_t admin_key, const RegionInfo& region, const Hop* at);
+  Error region_del(uint32_t admin_key, uint32_t key, const Hop* at);
   Result<std::vector<std::byte>> paged(Opcode code, uint32_t rkey);
   void pump(bool block);
   void send_queued();

@@ -50,6 +50,10 @@ enum class Algorithm : uint8_t {
   kRing,    // ring by chains: one chain per block reduces and distributes it
   kDirect,  // every rank reduces the whole buffer itself: fewest hops, small buffers
   kTorus,   // AllReduce dimension by dimension on GroupOptions::torus_dims (only when asked)
+  // In-network aggregation: every rank sends each block to the device that
+  // aggregates it, which reduces it once all are in and answers every rank
+  // with the result: each rank sends S and receives S (COLLECTIVES.md 11).
+  kAggregate,
 };
 // kAuto picks kDirect for AllReduce (and Reduce) buffers up to this size.
 inline constexpr size_t kDirectMaxBytes = 16 * 1024;
@@ -57,7 +61,31 @@ std::string_view to_string(Algorithm a);
 
 struct GroupOptions {
   int rank = 0;
-  std::vector<std::string> devices;  // every rank's device, "IPv4:PORT", in rank order
+  // Every rank's device, "IPv4:PORT", in rank order. Empty: the hosts have
+  // no devices of their own, and every collective runs by aggregation on
+  // `aggregators` (then `ranks` says how many ranks there are).
+  std::vector<std::string> devices;
+  int ranks = 0;  // the group's size when `devices` is empty (else devices.size())
+  // Devices in the network that aggregate (Algorithm::kAggregate), M of
+  // them, "IPv4:PORT"; block i goes to aggregator i % M. Empty: the ranks'
+  // own devices aggregate. Slot regions are registered on aggregator a by
+  // rank a % p (with admin_key), at `base`, or after the chain slots when
+  // the aggregators are the ranks' own devices.
+  std::vector<std::string> aggregators;
+  // Aggregation: a rank whose block is all zero bits sends a marker instead
+  // (OmniReduce); results stay bit-identical to dense.
+  bool skip_zero_blocks = true;
+  // kAuto with an admin_key: collectives up to this many bytes run by
+  // aggregation on the ranks' own devices (two one-way trips instead of
+  // p+1 hops; small regions after the chain slots); 0: never.
+  uint64_t aggregate_auto_bytes = 256 << 10;
+  // Aggregation: contributions in flight per rank. Every rank's blocks meet
+  // at the aggregators, so p ranks' windows fill one device's link at once:
+  // the product must fit the links' queues (with the client's default of
+  // 64 packets of 8 KiB, p = 4 overflowed 5 ms tbf queues at 500 Mbit/s
+  // and reached 54% of the bound; 16 to 32 reached 89-95%,
+  // docs/CLUSTER.md). Until congestion control sets it, a fixed window.
+  size_t aggregate_window = 16;
   std::string shm;             // this rank's device memory if co-located (netdamd --shm)
   uint32_t admin_key = 0;      // registers the slots on this rank's device (0: already there)
   uint64_t capacity = 64ull << 20;  // largest collective buffer, bytes
@@ -118,12 +146,21 @@ class Group {
   static Result<std::unique_ptr<Group>> create(const GroupOptions& opts,
                                                std::unique_ptr<transport::Transport> t,
                                                std::span<std::byte> local_memory);
+  // Device memory a group with these options takes on each rank's own
+  // device (chain slots and aggregation regions, from opts.base), for a
+  // device whose payload limit is `max_payload`.
+  static uint64_t device_bytes(const GroupOptions& opts, size_t max_payload);
   ~Group();
 
   int rank() const { return opts_.rank; }
-  int size() const { return static_cast<int>(devices_.size()); }
+  int size() const { return ranks_; }
   // Device address after this group's slots (the same on every device).
-  uint64_t slots_end() const { return opts_.base + static_cast<uint64_t>(opts_.slots) * slot_bytes_; }
+  uint64_t slots_end() const { return slots_end_; }
+  // Aggregation is set up (kAggregate asked for, aggregators given, or no
+  // devices of the ranks' own).
+  bool aggregates() const { return !aggregators_.empty(); }
+  // Bytes per aggregated block.
+  size_t aggregate_block_bytes() const { return agg_stride_; }
   // Largest payload of one chain packet for this group.
   size_t block_bytes() const { return block_; }
   // AllGather and Broadcast go through GroupOptions::multicast (its probe
@@ -221,11 +258,25 @@ class Group {
   void start_verify(detail::WorkState& w);
   bool verify(detail::WorkState& w);
   void probe_multicast();
+  Error setup_aggregation();
+  bool start_aggregate(detail::WorkState& w);
+  void stage_locally(detail::WorkState& w);
+  void issue_aggregates(detail::WorkState& w);
+  bool step_aggregate(detail::WorkState& w);
+  bool use_aggregation(size_t bytes) const;
   uint8_t chain_flags() const { return opts_.sparse ? kFlagSparseOk : 0; }
   void finish(detail::WorkState& w, Error e);
 
   GroupOptions opts_;
   std::vector<Hop> devices_;  // ip/port of every rank's device
+  int ranks_ = 0;
+  uint64_t slots_end_ = 0;
+  std::vector<Hop> aggregators_;  // ip/port of every aggregating device (empty: none set up)
+  uint32_t agg_stride_ = 0;
+  uint64_t agg_region_bytes_ = 0;
+  uint64_t agg_base_ = 0;
+  uint64_t agg_capacity_ = 0;  // largest buffer aggregated
+  int home_aggregator_ = -1;  // index of the aggregator whose memory is mapped (local_)
   std::unique_ptr<Client> client_;
   std::unique_ptr<class LocalMemory> mapping_;
   std::span<std::byte> local_;  // this rank's device memory, if co-located

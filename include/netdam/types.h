@@ -48,6 +48,7 @@ enum class Opcode : uint8_t {
   kReducePayload = 0x31,  // payload = payload OP memory, returned (read-only)
   kOptConfig = 0x33,      // set a region's optimizer (SGD, Adam, AdamW), see optimizer.h
   kOptStep = 0x34,        // apply one optimizer step with the payload's gradient (not idempotent)
+  kAggregate = 0x35,      // chain segment: contribute a block; the device reduces it once all have
   kChain = 0x40,          // execute the segment list
   kRegionAdd = 0x50,
   kRegionDel = 0x51,

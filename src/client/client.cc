@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <unordered_map>
 #include <utility>
 
 #include "client/loss_recovery.h"
+#include "core/aggregation.h"
 #include "core/endian.h"
 #include "core/engine.h"
 #include "core/optimizer.h"
@@ -50,7 +52,12 @@ struct Client::Packet {
   core::Header h;
   std::array<std::byte, kHeaderSize> wire{};
   std::vector<std::byte> chain_head;  // CHAIN: header + routing preamble + segments
-  transport::Endpoint to{};           // CHAIN: the first hop (others: the device)
+  transport::Endpoint to{};           // CHAIN: the first hop (others: the device, unless elsewhere)
+  bool elsewhere = false;             // a plain request to another device than the client's
+  bool aggregate = false;             // an AGGREGATE contribution: the answer starts with its record
+  bool held = false;                  // AGGREGATE: the device has it and answers when all are in
+  TimePoint held_since{};
+  int held_resends = 0;
   std::span<const std::byte> payload;
   std::vector<std::byte> owned;     // payloads the client builds itself
   std::byte* answer_to = nullptr;   // READ / REDUCE_PAYLOAD: where the answer goes
@@ -61,6 +68,7 @@ struct Client::Packet {
   int not_ready = 0;  // NOT_READY answers so far (they are not losses)
 
   bool is_chain() const { return !chain_head.empty(); }
+  bool routed() const { return is_chain() || elsewhere; }
   // Bytes this request puts on the network, for the window: a READ or a
   // chain carries `length` bytes back (a chain's first hop loads its block),
   // however small the request itself is.
@@ -90,20 +98,37 @@ constexpr auto kNotReadyDelay = 100us;
 }  // namespace
 
 struct Client::Recovery {
-  // Index: the route's segment count (0: a plain request to the device).
-  std::array<client_detail::LossRecovery, kMaxSegments + 1> routes;
+  // Index: the route's segment count (0: a plain request to the device);
+  // the last one is AGGREGATE, whose answers wait for the slowest
+  // contributor and so must not teach the other routes their RTT.
+  static constexpr size_t kCount = kMaxSegments + 2;
+  static constexpr size_t kAggregate = kMaxSegments + 1;
+  std::array<client_detail::LossRecovery, kCount> routes;
+  // AGGREGATE: one estimator per aggregating device. Each device answers
+  // (held) in the order it receives, but devices sit behind queues of
+  // their own: an answer from one is no evidence about another.
+  std::unordered_map<uint64_t, client_detail::LossRecovery> aggregators;
   TimePoint next_check{};  // the earliest time check_timers has work
   Recovery() : routes(make()) {}
-  client_detail::LossRecovery& route(size_t segments) { return routes[std::min(segments, kMaxSegments)]; }
+  static size_t index(const Packet& p) {
+    return p.aggregate ? kAggregate : std::min<size_t>(p.h.seg_count, kMaxSegments);
+  }
+  client_detail::LossRecovery& route(const Packet& p) {
+    if (!p.aggregate) return routes[index(p)];
+    const uint64_t key = uint64_t{p.to.ip} << 16 | p.to.port;
+    auto it = aggregators.find(key);
+    if (it == aggregators.end()) it = aggregators.emplace(key, routes[kAggregate]).first;
+    return it->second;
+  }
 
  private:
-  static std::array<client_detail::LossRecovery, kMaxSegments + 1> make() {
+  static std::array<client_detail::LossRecovery, kCount> make() {
     // A chain crosses 2p links and is retried end to end, so under loss it
     // needs many tries: back off less.
     return [&]<size_t... I>(std::index_sequence<I...>) {
-      return std::array<client_detail::LossRecovery, kMaxSegments + 1>{
+      return std::array<client_detail::LossRecovery, kCount>{
           client_detail::LossRecovery({kMinRto, kMaxRto, kInitialRto, I == 0 ? 6 : 2})...};
-    }(std::make_index_sequence<kMaxSegments + 1>{});
+    }(std::make_index_sequence<kCount>{});
   }
 };
 
@@ -366,6 +391,41 @@ Op Client::chain_async(std::span<const Hop> hops, uint32_t generation, DType t, 
   return start(std::move(op));
 }
 
+Op Client::aggregate_async(const AggregateRequest& r) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kChain;
+  const bool no_data = r.zero || r.relay || r.staged;
+  if (r.data.size() != (no_data ? 0 : r.length) || (!r.result.empty() && r.result.size() != r.length)) {
+    op->error = Error::invalid(fmt::format("aggregate: {} data and {} result bytes for a block of {}",
+                                           r.data.size(), r.result.size(), r.length));
+    return start(std::move(op));
+  }
+  Packet& p = new_packet(op, Opcode::kChain, 0, 0, r.length);
+  p.aggregate = true;
+  p.h.dtype = r.dtype;
+  p.h.redop = r.redop;
+  p.h.seg_count = 1;
+  // header | preamble | segment | record: the record travels in the head,
+  // so the block itself is sent from the caller's buffer.
+  p.chain_head.resize(core::payload_offset(1) + core::kAggRecordSize);
+  core::SrPreamble sr;
+  sr.generation = r.generation;
+  core::encode_preamble(sr, p.chain_head.data() + kHeaderSize);
+  core::encode_segment(core::Segment{r.device.ip, r.device.port, Opcode::kAggregate, 0, r.device.rkey, r.block, 0},
+                       p.chain_head.data() + kHeaderSize + kSrPreambleSize);
+  core::AggRecord rec;
+  rec.contributor = r.contributor;
+  rec.contributors = r.contributors;
+  rec.stride = r.stride;
+  rec.flags = (r.zero ? core::kAggZero : 0) | (r.relay ? core::kAggSkip : 0) | (r.staged ? core::kAggStaged : 0) |
+              (r.result.empty() ? core::kAggNoResult : 0);
+  core::encode_agg_record(rec, p.chain_head.data() + core::payload_offset(1));
+  p.to = transport::Endpoint{r.device.ip, r.device.port};
+  p.payload = r.data;
+  p.answer_to = r.result.empty() ? nullptr : r.result.data();
+  return start(std::move(op));
+}
+
 Op Client::arm_async(uint32_t generation, uint32_t rkey) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kArm;
@@ -548,10 +608,26 @@ Error Client::reduce_fetch(uint64_t addr, DType t, RedOp rop, std::span<std::byt
   return wait(op);
 }
 
-Error Client::region_add(uint32_t admin_key, const RegionInfo& r) {
+Error Client::region_add(uint32_t admin_key, const RegionInfo& r) { return region_add(admin_key, r, nullptr); }
+Error Client::region_add(uint32_t admin_key, const RegionInfo& r, const Hop& at) {
+  return region_add(admin_key, r, &at);
+}
+Error Client::region_del(uint32_t admin_key, uint32_t region_key) { return region_del(admin_key, region_key, nullptr); }
+Error Client::region_del(uint32_t admin_key, uint32_t region_key, const Hop& at) {
+  return region_del(admin_key, region_key, &at);
+}
+
+void Client::aim(Packet& p, const Hop* at) {
+  if (at == nullptr) return;
+  p.to = transport::Endpoint{at->ip, at->port};
+  p.elsewhere = true;
+}
+
+Error Client::region_add(uint32_t admin_key, const RegionInfo& r, const Hop* at) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kRegionAdd;
   Packet& p = new_packet(op, Opcode::kRegionAdd, admin_key, 0, core::kRegionRecordSize);
+  aim(p, at);
   p.owned.resize(core::kRegionRecordSize);
   store_be<uint64_t>(p.owned.data(), r.base);
   store_be<uint64_t>(p.owned.data() + 8, r.size);
@@ -562,10 +638,11 @@ Error Client::region_add(uint32_t admin_key, const RegionInfo& r) {
   return wait(h);
 }
 
-Error Client::region_del(uint32_t admin_key, uint32_t region_key) {
+Error Client::region_del(uint32_t admin_key, uint32_t region_key, const Hop* at) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kRegionDel;
   Packet& p = new_packet(op, Opcode::kRegionDel, admin_key, 0, 4);
+  aim(p, at);
   p.owned.resize(4);
   store_be<uint32_t>(p.owned.data(), region_key);
   p.payload = p.owned;
@@ -641,7 +718,7 @@ void Client::send_queued() {
     core::encode_header(p->h, p->is_chain() ? p->chain_head.data() : p->wire.data());
     p->first_sent = p->last_sent = transport_->now();
     p->sends = 1;
-    batch[n++] = transport::OutMsg{p->is_chain() ? p->to : *device_, {p->head(), p->payload}};
+    batch[n++] = transport::OutMsg{p->routed() ? p->to : *device_, {p->head(), p->payload}};
     ++counters_.packets_sent;
     if (p->expect_answer) {
       inflight_bytes_ += p->window_cost();
@@ -659,23 +736,43 @@ void Client::check_timers() {
   const TimePoint now = transport_->now();
   TimePoint next = now + std::chrono::nanoseconds(kMinRto) / 2;
   std::vector<uint64_t> expired;
-  std::array<bool, kMaxSegments + 1> probed{};
+  std::array<bool, Recovery::kCount> probed{};
   for (auto& [txn, p] : inflight_) {
     if (now - p->first_sent >= opts_.timeout) {
       expired.push_back(txn);
       continue;
     }
-    client_detail::LossRecovery& lr = recovery_->route(p->h.seg_count);
+    client_detail::LossRecovery& lr = recovery_->route(*p);
+    const size_t route = Recovery::index(*p);
     bool resend = false, due = false;
-    if (p->due != TimePoint{}) {  // NOT_READY: asked to come back later, not a loss
+    if (p->aggregate) {
+      // Held: the block waits for other contributors; ask again (the
+      // answer is the result, or held again) only after a long while, so
+      // a late rank is not flooded. Not held: lost by the evidence of
+      // later contributions' answers, or by its own timer (each
+      // contribution its own, as SwitchML's slots: a tail of losses after
+      // a queue overflowed is repaired in one timeout, not one per probe).
+      const auto rto = lr.rto();
+      const TimePoint at = p->held ? p->held_since + std::max<transport::Duration>(8 * rto, 20ms) * (1 << std::min(p->held_resends, 6))
+                                   : std::min(lr.lost_at(p->last_sent), p->last_sent + rto);
+      if (now >= at) {
+        resend = true;
+        if (p->held) {
+          ++p->held_resends;
+          p->held_since = now;
+        }
+      } else {
+        next = std::min(next, at);
+      }
+    } else if (p->due != TimePoint{}) {  // NOT_READY: asked to come back later, not a loss
       due = now >= p->due;
       resend = due;
       if (!due) next = std::min(next, p->due);
     } else if (const TimePoint lost = lr.lost_at(p->last_sent); now >= lost) {
       resend = true;
-    } else if (!probed[p->h.seg_count] && lr.probe_due(p->last_sent, now)) {
+    } else if (!probed[route] && lr.probe_due(p->last_sent, now)) {
       resend = true;
-      probed[p->h.seg_count] = true;
+      probed[route] = true;
       lr.on_probe(now);
       ++counters_.probes;
     } else {
@@ -683,7 +780,7 @@ void Client::check_timers() {
     }
     if (!resend) continue;
     p->due = {};
-    transport::OutMsg m{p->is_chain() ? p->to : *device_, {p->head(), p->payload}};
+    transport::OutMsg m{p->routed() ? p->to : *device_, {p->head(), p->payload}};
     transport_->send_batch({&m, 1});
     p->last_sent = now;
     if (due) {
@@ -698,6 +795,14 @@ void Client::check_timers() {
     auto it = inflight_.find(txn);
     if (it == inflight_.end()) continue;  // gone with an earlier failure of its op
     Packet& p = *it->second;
+    if (p.aggregate && p.held) {
+      auto seg = core::decode_segment(p.chain_head.data() + kHeaderSize + kSrPreambleSize);
+      finish(p, Error::timeout(fmt::format("AGGREGATE block {} on {}: timeout: the device holds this block, but not "
+                                           "every contributor's block arrived within {} ms (a rank is late or gone)",
+                                           seg.aux, transport::Endpoint{seg.ip, seg.port}.to_string(),
+                                           opts_.timeout.count())));
+      continue;
+    }
     if (p.is_chain()) {
       std::string route;
       for (size_t i = 0; i < p.h.seg_count; ++i) {
@@ -724,14 +829,14 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
   auto it = inflight_.find(h.txn);
   // A chain's answer comes from its last hop, any other answer from the device.
   if (!h.is_response() || it == inflight_.end() || it->second->h.opcode != h.opcode ||
-      (!it->second->is_chain() && !(from == *device_))) {
+      (!it->second->is_chain() && !(from == (it->second->elsewhere ? it->second->to : *device_)))) {
     ++counters_.ignored;  // a late duplicate, or not for us
     return;
   }
   ++counters_.answers;
   Packet& p = *it->second;
-  if (h.status != Status::kNotReady)
-    recovery_->route(p.h.seg_count).on_answer(p.first_sent, p.last_sent, p.sends, transport_->now());
+  if (h.status != Status::kNotReady && !p.held)
+    recovery_->route(p).on_answer(p.first_sent, p.last_sent, p.sends, transport_->now());
   auto what = [&] { return fmt::format("{} at {:#x} on {}", to_string(h.opcode), p.h.addr, device_address()); };
   if (p.is_chain() && h.status == Status::kNotReady) {
     // Back off from 100 us to 3.2 ms; the deadline still runs from first_sent.
@@ -739,7 +844,7 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
     return;
   }
   if (h.status == Status::kBootMismatch ||
-      (opts_.detect_restart && !p.is_chain() && info_.boot_id != 0 && h.boot != info_.boot_id))
+      (opts_.detect_restart && !p.routed() && info_.boot_id != 0 && h.boot != info_.boot_id))
     return finish(p, Error::restarted(fmt::format("{}: device restarted (boot id {:#x} -> {:#x}); its memory is gone",
                                                   what(), info_.boot_id, h.boot)));
   if (h.status != Status::kOk) {
@@ -752,6 +857,27 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
   if (h.length != payload.size())
     return finish(p, Error::protocol(what() + ": answer length disagrees with its datagram"));
   detail::OpState& op = *p.op;
+  if (p.aggregate) {
+    if (payload.size() < core::kAggAnswerRecordSize)
+      return finish(p, Error::protocol(what() + ": AGGREGATE answer without its record"));
+    const core::AggAnswerRecord rec = core::decode_agg_answer(payload.data());
+    const auto data = payload.subspan(core::kAggAnswerRecordSize);
+    if (rec.flags & core::kAggHeld) {  // arrived; the result comes when every contributor's block is in
+      if (!p.held) p.held_since = transport_->now();
+      p.held = true;
+      return;
+    }
+    if (p.answer_to != nullptr && !(rec.flags & core::kAggResultNone)) {
+      if (rec.flags & core::kAggResultZero)
+        std::memset(p.answer_to, 0, p.h.length);  // the device found the result all zero bits
+      else if (data.size() == p.h.length)
+        std::memcpy(p.answer_to, data.data(), data.size());
+      else
+        return finish(p, Error::protocol(fmt::format("{}: {} result bytes answered, {} asked", what(),
+                                                     data.size(), p.h.length)));
+    }
+    return finish(p, {});
+  }
   switch (h.opcode) {
     case Opcode::kChain:
       if (p.answer_to == nullptr) break;

@@ -13,6 +13,7 @@
 
 #include "collectives/plan.h"
 #include "collectives/work_state.h"
+#include "core/aggregation.h"
 #include "core/reduce.h"
 #include "netdam/local_memory.h"
 #include "transport/transport.h"
@@ -38,6 +39,7 @@ std::string_view to_string(Algorithm a) {
     case Algorithm::kRing: return "ring";
     case Algorithm::kDirect: return "direct";
     case Algorithm::kTorus: return "torus";
+    case Algorithm::kAggregate: return "aggregate";
   }
   return "unknown";
 }
@@ -56,8 +58,24 @@ Group::Group(const GroupOptions& opts, std::unique_ptr<Client> client, std::span
 
 Group::~Group() = default;
 
+namespace {
+// The device this rank's client talks to: its own, or (hosts without
+// devices) one of the aggregators.
+Result<std::string> home_device(const GroupOptions& o) {
+  const auto& list = o.devices.empty() ? o.aggregators : o.devices;
+  if (list.empty()) return Error::invalid("a group needs devices or aggregators");
+  if (o.rank < 0 || (!o.devices.empty() && static_cast<size_t>(o.rank) >= list.size()) ||
+      (o.devices.empty() && o.rank >= o.ranks))
+    return Error::invalid(fmt::format("rank {} of a group of {}", o.rank,
+                                      o.devices.empty() ? o.ranks : static_cast<int>(list.size())));
+  return list[static_cast<size_t>(o.rank) % list.size()];
+}
+}  // namespace
+
 Result<std::unique_ptr<Group>> Group::create(const GroupOptions& opts) {
-  auto client = Client::connect(opts.devices.at(static_cast<size_t>(opts.rank)), opts.client);
+  auto home = home_device(opts);
+  if (!home) return home.error();
+  auto client = Client::connect(home.value(), opts.client);
   if (!client) return client.error();
   std::unique_ptr<LocalMemory> mapping;
   std::span<std::byte> local;
@@ -76,8 +94,10 @@ Result<std::unique_ptr<Group>> Group::create(const GroupOptions& opts) {
 Result<std::unique_ptr<Group>> Group::create(const GroupOptions& opts,
                                              std::unique_ptr<transport::Transport> t,
                                              std::span<std::byte> local_memory) {
+  auto home = home_device(opts);
+  if (!home) return home.error();
   std::string why;
-  auto ep = transport::parse_endpoint(opts.devices.at(static_cast<size_t>(opts.rank)), &why);
+  auto ep = transport::parse_endpoint(home.value(), &why);
   if (!ep) return Error::invalid(why);
   auto client = Client::connect(std::move(t), *ep, opts.client);
   if (!client) return client.error();
@@ -86,10 +106,73 @@ Result<std::unique_ptr<Group>> Group::create(const GroupOptions& opts,
   return g;
 }
 
+namespace {
+// Sizes both setup() and device_bytes() use.
+size_t chain_block(size_t max_payload, size_t p) {
+  const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
+  return max_payload >= route + 64 ? (max_payload - route) / 64 * 64 : 0;
+}
+uint32_t aggregate_stride(size_t max_payload) {
+  // Request: 40 + 16 + 24 + 16 + block; keep it within the payload limit
+  // plus a header, as chains do, in whole 64-byte units.
+  const size_t overhead = kSrPreambleSize + kSegmentSize + core::kAggRecordSize;
+  return max_payload >= overhead + core::kAggMinStride ? static_cast<uint32_t>((max_payload - overhead) / 64 * 64) : 0;
+}
+uint64_t aggregate_region_bytes(uint64_t capacity, size_t p, size_t aggregators, uint32_t stride) {
+  const uint64_t blocks = collectives::aggregate_blocks_per_device(capacity, stride, static_cast<int>(p), aggregators);
+  return ((p + 2) * blocks * stride + 4095) / 4096 * 4096;
+}
+// Whether a group aggregates on the ranks' own devices, and up to what size.
+uint64_t own_aggregation_capacity(const GroupOptions& o) {
+  if (o.devices.empty() || !o.aggregators.empty()) return 0;
+  if (o.algorithm == Algorithm::kAggregate) return o.capacity;
+  if (o.algorithm == Algorithm::kAuto && o.admin_key != 0) return std::min(o.capacity, o.aggregate_auto_bytes);
+  return 0;
+}
+
+// "IPv4:PORT" strings as hops (ip and port only).
+Error parse_hops(const std::vector<std::string>& addresses, std::string_view what, std::vector<Hop>& out) {
+  for (const auto& a : addresses) {
+    std::string why;
+    auto ep = transport::parse_endpoint(a, &why);
+    if (!ep) return Error::invalid(fmt::format("{} '{}': {}", what, a, why));
+    Hop h;
+    h.ip = ep->ip;
+    h.port = ep->port;
+    out.push_back(h);
+  }
+  return {};
+}
+}  // namespace
+
+uint64_t Group::device_bytes(const GroupOptions& o, size_t max_payload) {
+  const size_t p = o.devices.size();
+  const int partials = o.algorithm == Algorithm::kTorus ? static_cast<int>(o.torus_dims.size()) - 1 : 0;
+  uint64_t bytes = o.base;
+  if (p == 0) return bytes;
+  const size_t block = chain_block(max_payload, p);
+  if (block > 0) bytes += static_cast<uint64_t>(o.slots) * collectives::SlotLayout::bytes(o.capacity, block, p, partials);
+  const uint64_t agg = own_aggregation_capacity(o);
+  const uint32_t stride = aggregate_stride(max_payload);
+  if (agg > 0 && stride > 0) bytes += static_cast<uint64_t>(o.slots) * aggregate_region_bytes(agg, p, p, stride);
+  return bytes;
+}
+
 Error Group::setup() {
-  const size_t p = opts_.devices.size();
+  const bool own = !opts_.devices.empty();
+  const size_t p = own ? opts_.devices.size() : static_cast<size_t>(std::max(opts_.ranks, 0));
+  if (own && opts_.ranks != 0 && static_cast<size_t>(opts_.ranks) != p)
+    return Error::invalid(fmt::format("ranks = {} but {} devices", opts_.ranks, p));
   if (p == 0 || opts_.rank < 0 || static_cast<size_t>(opts_.rank) >= p)
     return Error::invalid(fmt::format("rank {} of a group of {}", opts_.rank, p));
+  ranks_ = static_cast<int>(p);
+  if (opts_.slots < 1 || opts_.slots > 64) return Error::invalid("a group has 1 to 64 slots");
+  slots_end_ = opts_.base;
+  if (!own) {
+    if (opts_.aggregators.empty()) return Error::invalid("a group without devices needs aggregators");
+    for (int s = 0; s < opts_.slots; ++s) slots_.push_back(std::make_unique<Slot>());
+    return setup_aggregation();
+  }
   if (2 * p > kMaxSegments)
     return Error::invalid(fmt::format("ring chains take 2p segments: at most {} ranks", kMaxSegments / 2));
   if (opts_.slots < 1) return Error::invalid("a group needs at least one slot");
@@ -113,21 +196,13 @@ Error Group::setup() {
     multicast_.ip = group->ip;  // until probe_multicast() says otherwise
     multicast_.port = group->port;
   }
-  for (const auto& d : opts_.devices) {
-    std::string why;
-    auto ep = transport::parse_endpoint(d, &why);
-    if (!ep) return Error::invalid("device '" + d + "': " + why);
-    Hop h;
-    h.ip = ep->ip;
-    h.port = ep->port;
-    devices_.push_back(h);
-  }
+  if (Error e = parse_hops(opts_.devices, "device", devices_)) return e;
   // A chain packet carries 2p segments next to its payload; keep the whole
   // datagram within the device's payload limit, in whole 64-byte units.
   const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
   const size_t max_payload = client_->options().max_payload;
-  if (max_payload < route + 64) return Error::invalid("device max payload too small for chains");
-  block_ = (max_payload - route) / 64 * 64;
+  block_ = chain_block(max_payload, p);
+  if (block_ == 0) return Error::invalid("device max payload too small for chains");
   // Optimizer chains take one segment more (collectives::ring_optimizer_step).
   if (2 * p + 1 <= kMaxSegments && max_payload >= route + kSegmentSize + 64)
     opt_block_ = (max_payload - route - kSegmentSize) / 64 * 64;
@@ -180,8 +255,76 @@ Error Group::setup() {
       }
     }
   }
+  slots_end_ = opts_.base + static_cast<uint64_t>(opts_.slots) * slot_bytes_;
+  if (!opts_.aggregators.empty() || own_aggregation_capacity(opts_) > 0)
+    if (Error e = setup_aggregation()) return e;
   if (multicast_.ip != 0) probe_multicast();
   return {};
+}
+
+// Aggregation regions, one per slot on every aggregator (COLLECTIVES.md
+// 11): RESULT0 | RESULT1 | STAGE_0 .. STAGE_{p-1} of the blocks that
+// aggregator owns. Rank a % p registers them on aggregator a.
+Error Group::setup_aggregation() {
+  const size_t p = static_cast<size_t>(ranks_);
+  const bool own = !devices_.empty();
+  if (p > core::kMaxContributors)
+    return Error::invalid(fmt::format("aggregation serves at most {} ranks", core::kMaxContributors));
+  std::vector<Hop> aggs;
+  if (opts_.aggregators.empty())
+    aggs = devices_;
+  else if (Error e = parse_hops(opts_.aggregators, "aggregator", aggs))
+    return e;
+  const size_t max_payload = client_->options().max_payload;
+  agg_stride_ = aggregate_stride(max_payload);
+  if (agg_stride_ == 0)
+    return Error::invalid(fmt::format("device max payload {} too small for aggregation", max_payload));
+  agg_capacity_ = own_aggregation_capacity(opts_);
+  if (agg_capacity_ == 0) agg_capacity_ = opts_.capacity;  // aggregators given, or no devices of their own
+  agg_region_bytes_ = aggregate_region_bytes(agg_capacity_, p, aggs.size(), agg_stride_);
+  agg_base_ = opts_.aggregators.empty() ? slots_end_ : opts_.base;
+  if (opts_.aggregators.empty()) slots_end_ += static_cast<uint64_t>(opts_.slots) * agg_region_bytes_;
+  const uint64_t region_end = agg_base_ + static_cast<uint64_t>(opts_.slots) * agg_region_bytes_;
+  for (int s = 0; s < opts_.slots; ++s) {
+    const uint32_t key = opts_.key_base + 0xC0 + static_cast<uint32_t>(s);  // (slots: +s, offload: +0x80, torch control: +0x40)
+    auto& slot = *slots_[static_cast<size_t>(s)];
+    slot.aggregators = aggs;
+    for (auto& h : slot.aggregators) h.rkey = key;
+    if (opts_.admin_key == 0) continue;
+    for (size_t a = static_cast<size_t>(opts_.rank); a < aggs.size(); a += p) {
+      // A fresh region: its blocks start at generation 0 (an earlier
+      // group's late packets must use other keys, see section 11).
+      client_->region_del(opts_.admin_key, key, aggs[a]);
+      RegionInfo r{agg_base_ + static_cast<uint64_t>(s) * agg_region_bytes_, agg_region_bytes_, key, 3};
+      if (Error e = client_->region_add(opts_.admin_key, r, aggs[a])) {
+        const auto& names = opts_.aggregators.empty() ? opts_.devices : opts_.aggregators;
+        if (e.code() == Error::Code::kNak)
+          e = Error::nak(e.status(), fmt::format("aggregator {}: {}", names[a], e.message()));
+        return detail::lacks_memory(e, region_end);
+      }
+    }
+  }
+  // No waiting for the other aggregators' regions: a contribution that
+  // reaches one before its rank registered it is refused BAD_KEY and sent
+  // again until the group's timeout (step_aggregate), as a chain that
+  // reaches an unarmed slot waits.
+  // The aggregator whose memory this rank maps, if any.
+  const Hop mine = own ? devices_[static_cast<size_t>(opts_.rank)] : aggs[static_cast<size_t>(opts_.rank) % aggs.size()];
+  if (!local_.empty())
+    for (size_t a = 0; a < aggs.size(); ++a)
+      if (aggs[a].ip == mine.ip && aggs[a].port == mine.port) home_aggregator_ = static_cast<int>(a);
+  if (home_aggregator_ >= 0 && local_.size() < region_end)
+    return Error::invalid(fmt::format("the mapped device memory ({} B) is smaller than its aggregation regions ({} B)",
+                                      local_.size(), region_end));
+  aggregators_ = std::move(aggs);
+  return {};
+}
+
+bool Group::use_aggregation(size_t bytes) const {
+  if (!aggregates()) return false;
+  if (opts_.algorithm == Algorithm::kAggregate || devices_.empty()) return true;
+  // kAuto: the small ones (aggregators given: every size).
+  return opts_.algorithm == Algorithm::kAuto && bytes <= agg_capacity_;
 }
 
 // Has this rank's device send a token to the multicast group and checks
@@ -321,6 +464,14 @@ Work Group::allreduce_async(std::span<const std::byte> in, std::span<std::byte> 
     return Work(failed(Error::invalid("avg needs a floating-point type")));
   auto w = std::make_shared<detail::WorkState>();
   w->average = op == Reduction::kAvg;
+  if (use_aggregation(in.size())) {
+    w->average_out = out;
+    w->average_type = t;
+    w->make_aggregate = [=](const collectives::AggregateContext& c) {
+      return collectives::aggregate_allreduce(c, in, out, t, device_op(op));
+    };
+    return submit(std::move(w));
+  }
   const bool direct = opts_.algorithm == Algorithm::kDirect ||
                       (opts_.algorithm == Algorithm::kAuto && in.size() <= kDirectMaxBytes);
   const bool torus = opts_.algorithm == Algorithm::kTorus;
@@ -334,7 +485,7 @@ Work Group::allreduce_async(std::span<const std::byte> in, std::span<std::byte> 
 
 Work Group::reduce_scatter_async(std::span<const std::byte> in, std::span<std::byte> out,
                                  DType t, Reduction op) {
-  const size_t p = devices_.size();
+  const size_t p = static_cast<size_t>(size());
   if (t == DType::kBytes || out.size() % dtype_size(t) || in.size() != out.size() * p)
     return Work(failed(Error::invalid(fmt::format(
         "reduce_scatter: input must be {} x output ({} bytes of whole elements), got {}", p,
@@ -345,6 +496,14 @@ Work Group::reduce_scatter_async(std::span<const std::byte> in, std::span<std::b
     return Work(failed(Error::invalid("avg needs a floating-point type")));
   auto w = std::make_shared<detail::WorkState>();
   w->average = op == Reduction::kAvg;
+  if (use_aggregation(in.size())) {
+    w->average_out = out;
+    w->average_type = t;
+    w->make_aggregate = [=](const collectives::AggregateContext& c) {
+      return collectives::aggregate_reduce_scatter(c, in, out, t, device_op(op));
+    };
+    return submit(std::move(w));
+  }
   w->make_plan = [=](const collectives::Context& c) {
     return collectives::ring_reduce_scatter(c, in, out, t, device_op(op));
   };
@@ -352,12 +511,19 @@ Work Group::reduce_scatter_async(std::span<const std::byte> in, std::span<std::b
 }
 
 Work Group::allgather_async(std::span<const std::byte> in, std::span<std::byte> out) {
-  if (out.size() != in.size() * devices_.size())
-    return Work(failed(Error::invalid(fmt::format("allgather: output must be {} x input bytes",
-                                                  devices_.size()))));
+  if (out.size() != in.size() * static_cast<size_t>(size()))
+    return Work(failed(Error::invalid(fmt::format("allgather: output must be {} x input bytes", size()))));
   if (out.size() > opts_.capacity)
     return Work(failed(Error::invalid("allgather exceeds the group capacity")));
   auto w = std::make_shared<detail::WorkState>();
+  if (use_aggregation(out.size())) {
+    w->own = in;
+    w->own_to = out.subspan(static_cast<size_t>(rank()) * in.size(), in.size());
+    w->make_aggregate = [=](const collectives::AggregateContext& c) {
+      return collectives::aggregate_allgather(c, in, out);
+    };
+    return submit(std::move(w));
+  }
   w->make_plan = [=, group = multicast_](const collectives::Context& c) {
     if (group.ip != 0) return collectives::multicast_allgather(c, group, in, out);
     return collectives::ring_allgather(c, in, out);
@@ -370,6 +536,12 @@ Work Group::broadcast_async(std::span<std::byte> buf, int root) {
   if (buf.size() > opts_.capacity)
     return Work(failed(Error::invalid("broadcast exceeds the group capacity")));
   auto w = std::make_shared<detail::WorkState>();
+  if (use_aggregation(buf.size())) {
+    w->make_aggregate = [=](const collectives::AggregateContext& c) {
+      return collectives::aggregate_broadcast(c, buf, root);
+    };
+    return submit(std::move(w));
+  }
   w->make_plan = [=, group = multicast_](const collectives::Context& c) {
     if (group.ip != 0) return collectives::multicast_broadcast(c, group, buf, root);
     return collectives::ring_broadcast(c, buf, root);
@@ -388,6 +560,14 @@ Work Group::reduce_async(std::span<const std::byte> in, std::span<std::byte> out
   auto w = std::make_shared<detail::WorkState>();
   w->average = op == Reduction::kAvg && rank() == root;
   const bool mine = rank() == root;
+  if (use_aggregation(in.size())) {
+    w->average_out = out;
+    w->average_type = t;
+    w->make_aggregate = [=](const collectives::AggregateContext& c) {
+      return collectives::aggregate_reduce(c, in, mine ? out : std::span<std::byte>{}, t, device_op(op), root);
+    };
+    return submit(std::move(w));
+  }
   // The AllReduce chains; only the root takes the result out (see
   // ring_reduce_scatter for why a reduction half alone is not enough).
   w->make_plan = [=](const collectives::Context& c) {
@@ -402,6 +582,10 @@ Work Group::barrier_async() {
   // An AllGather of one stamp-sized block per rank: nobody passes until
   // every rank's chain has reached every device.
   auto w = std::make_shared<detail::WorkState>();
+  if (use_aggregation(0)) {
+    w->make_aggregate = [](const collectives::AggregateContext& c) { return collectives::aggregate_barrier(c); };
+    return submit(std::move(w));
+  }
   w->make_plan = [](const collectives::Context& c) {
     static const std::byte kToken[8] = {};
     return collectives::ring_allgather(c, std::span(kToken), {});
@@ -444,6 +628,7 @@ void Group::finish(detail::WorkState& w, Error e) {
 
 // Copies the input in and arms the slot (steps 1 and 2).
 bool Group::start(detail::WorkState& w) {
+  if (w.make_aggregate) return start_aggregate(w);
   if (w.slot->owner != nullptr) return false;  // an earlier collective holds the slot
   w.slot->owner = &w;
   w.generation = ++w.slot->generation;
@@ -651,6 +836,7 @@ bool Group::step(detail::WorkState& w) {
       return advanced;
     }
     case Phase::kVerify: return verify(w);
+    case Phase::kAggregating: return step_aggregate(w);
     case Phase::kStamps: {
       if (w.pending.valid() && w.pending.done() && w.pending.error()) {
         finish(w, w.pending.error());
@@ -687,6 +873,131 @@ bool Group::step(detail::WorkState& w) {
     case Phase::kDone: return false;
   }
   return false;
+}
+
+// Aggregation: every contribution at once (the client windows them; every
+// rank sends the blocks in the same order, so the oldest block is in every
+// rank's window and completes).
+bool Group::start_aggregate(detail::WorkState& w) {
+  if (w.slot->owner != nullptr) return false;
+  w.slot->owner = &w;
+  w.generation = ++w.slot->generation;
+  const collectives::AggregateContext ctx{w.slot->aggregators, opts_.rank, ranks_, w.generation, agg_stride_,
+                                          opts_.skip_zero_blocks};
+  w.requests = w.make_aggregate(ctx);
+  stage_locally(w);
+  w.chains.assign(w.requests.size(), Op());
+  w.aggregates_left = w.chains.size();
+  w.aggregates_issued = 0;
+  w.aggregates_open = 0;
+  issue_aggregates(w);
+  w.deadline = client_->now() + opts_.timeout;
+  w.chains_sent = 0;  // the first contribution not known to be done
+  w.phase = detail::WorkState::Phase::kAggregating;
+  return true;
+}
+
+// Blocks whose aggregator is this rank's co-located device (its memory is
+// mapped here) go through the mapping: the block is copied into STAGE_r
+// and the contribution only says so (STAGED); the result is read from
+// RESULT once the device answers (NO_RESULT). Only the control datagrams
+// cross the network stack.
+void Group::stage_locally(detail::WorkState& w) {
+  w.mapped_results.assign(w.requests.size(), {0, {}});
+  if (local_.empty() || home_aggregator_ < 0) return;
+  const Hop& home = aggregators_[static_cast<size_t>(home_aggregator_)];
+  size_t s = 0;
+  while (slots_[s].get() != w.slot) ++s;
+  const uint64_t base = agg_base_ + s * agg_region_bytes_;
+  const core::AggGeometry g = core::AggGeometry::of(agg_region_bytes_, static_cast<uint16_t>(ranks_), agg_stride_);
+  for (size_t i = 0; i < w.requests.size(); ++i) {
+    AggregateRequest& r = w.requests[i];
+    if (r.device.ip != home.ip || r.device.port != home.port) continue;
+    if (!r.relay && !r.zero) {  // a zero block stays a marker: nothing to copy
+      if (r.length > 0)
+        std::memcpy(local_.data() + base + g.stage(static_cast<uint16_t>(opts_.rank), r.block), r.data.data(),
+                  r.length);
+      r.staged = true;
+      r.data = {};
+    }
+    if (!r.result.empty()) {
+      w.mapped_results[i] = {base + g.result(w.generation, r.block), r.result};
+      r.result = {};
+    }
+  }
+  LocalMemory::publish();
+}
+
+// Contributions go out in block order, at most aggregate_window at a time.
+void Group::issue_aggregates(detail::WorkState& w) {
+  const size_t window = std::max<size_t>(opts_.aggregate_window, 1);
+  while (w.aggregates_issued < w.requests.size() && w.aggregates_open < window) {
+    w.chains[w.aggregates_issued] = client_->aggregate_async(w.requests[w.aggregates_issued]);
+    ++w.aggregates_issued;
+    ++w.aggregates_open;
+  }
+}
+
+bool Group::step_aggregate(detail::WorkState& w) {
+  bool advanced = false;
+  // Answers come about in order: look from the oldest open one, not much
+  // beyond what can be in flight.
+  size_t open = 0;
+  for (size_t i = w.chains_sent; i < w.aggregates_issued && open < 256; ++i) {
+    Op& op = w.chains[i];
+    if (!op.valid()) continue;
+    if (!op.done()) {
+      ++open;
+      continue;
+    }
+    advanced = true;
+    const Error e = op.error();
+    op = Op();
+    if (e.code() == Error::Code::kNak && e.status() == Status::kBadKey && client_->now() < w.deadline) {
+      w.retry.emplace_back(client_->now() + 1ms, i);  // its rank has not registered the region yet
+      continue;
+    }
+    --w.aggregates_open;
+    if (!e && !w.mapped_results[i].second.empty()) {
+      const auto& [from, to] = w.mapped_results[i];
+      std::memcpy(to.data(), local_.data() + from, to.size());
+    }
+    if (e) {
+      const Hop& at = w.requests[i].device;
+      finish(w, e.code() == Error::Code::kNak && e.status() == Status::kBadKey
+                    ? Error::nak(Status::kBadKey,
+                                 fmt::format("aggregator {} has no aggregation region {:#x} after {} ms: {}",
+                                             transport::Endpoint{at.ip, at.port}.to_string(), at.rkey,
+                                             opts_.timeout.count(), e.message()))
+                    : Error(e));
+      return true;
+    }
+    --w.aggregates_left;
+  }
+  for (size_t k = 0; k < w.retry.size();) {
+    if (client_->now() < w.retry[k].first) {
+      ++k;
+      continue;
+    }
+    const size_t i = w.retry[k].second;
+    w.chains[i] = client_->aggregate_async(w.requests[i]);
+    w.chains_sent = std::min(w.chains_sent, i);
+    w.retry[k] = w.retry.back();
+    w.retry.pop_back();
+    advanced = true;
+  }
+  issue_aggregates(w);
+  while (w.chains_sent < w.aggregates_issued && !w.chains[w.chains_sent].valid() &&
+         std::none_of(w.retry.begin(), w.retry.end(), [&](auto& r) { return r.second == w.chains_sent; }))
+    ++w.chains_sent;
+  if (w.aggregates_left > 0) return advanced;
+  w.chains.clear();
+  w.requests.clear();
+  w.mapped_results.clear();
+  if (!w.own_to.empty()) std::memcpy(w.own_to.data(), w.own.data(), w.own.size());
+  if (w.average) divide(w.average_out, w.average_type, size());
+  finish(w, {});
+  return true;
 }
 
 bool Group::progress() {

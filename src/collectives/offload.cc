@@ -19,6 +19,7 @@ uint64_t Group::offload_chunk() const { return offload_ ? offload_->chunk : 0; }
 
 Error Group::offload_init(const OffloadOptions& o, std::span<const float> initial) {
   if (opts_.admin_key == 0) return Error::invalid("offload_init needs the group's admin key");
+  if (devices_.empty()) return Error::invalid("offload_init needs the ranks' own devices (GroupOptions::devices)");
   if (opt_block_ == 0)
     return Error::invalid(fmt::format("optimizer chains take 2p+1 segments: at most {} ranks",
                                       (kMaxSegments - 1) / 2));

@@ -201,4 +201,52 @@ Plan ring_reduce_scatter(const Context& c, std::span<const std::byte> in,
 Plan ring_allgather(const Context& c, std::span<const std::byte> in, std::span<std::byte> out);
 Plan ring_broadcast(const Context& c, std::span<std::byte> buf, int root);
 
+// ---------------------------------------------------------------- aggregation
+
+// In-network aggregation (docs/COLLECTIVES.md section 11): every rank sends
+// each block of the buffer to the device that aggregates it; that device
+// reduces the block once all ranks' contributions are in and answers each
+// rank with the result. No chains between devices, no ARM, no stamps.
+struct AggregateContext {
+  const std::vector<Hop>& aggregators;  // ip/port, and rkey = this slot's aggregation region
+  int rank;
+  int ranks;
+  uint32_t generation;
+  uint32_t stride;         // bytes per block
+  bool skip_zero = true;   // send a marker instead of an all-zero block (OmniReduce)
+};
+
+// Global block i of a slot goes to aggregator i % M, where it is block i / M.
+inline const Hop& aggregator_of(const AggregateContext& c, uint64_t block) {
+  return c.aggregators[block % c.aggregators.size()];
+}
+
+// Blocks one aggregation region of a slot must hold: the slot's capacity
+// cut into blocks, plus one partial block per shard boundary.
+inline uint64_t aggregate_blocks_per_device(uint64_t capacity, uint32_t stride, int ranks,
+                                            size_t aggregators) {
+  const uint64_t blocks = (capacity + stride - 1) / stride + static_cast<uint64_t>(ranks);
+  return (blocks + aggregators - 1) / aggregators;
+}
+
+// aggregate.cc
+std::vector<AggregateRequest> aggregate_allreduce(const AggregateContext& c,
+                                                  std::span<const std::byte> in,
+                                                  std::span<std::byte> out, DType t, RedOp op);
+std::vector<AggregateRequest> aggregate_reduce_scatter(const AggregateContext& c,
+                                                       std::span<const std::byte> in,
+                                                       std::span<std::byte> out, DType t, RedOp op);
+std::vector<AggregateRequest> aggregate_allgather(const AggregateContext& c,
+                                                  std::span<const std::byte> in,
+                                                  std::span<std::byte> out);
+std::vector<AggregateRequest> aggregate_broadcast(const AggregateContext& c,
+                                                  std::span<std::byte> buf, int root);
+// The root gets the result; the others only contribute (`out` may be empty).
+std::vector<AggregateRequest> aggregate_reduce(const AggregateContext& c,
+                                               std::span<const std::byte> in,
+                                               std::span<std::byte> out, DType t, RedOp op,
+                                               int root);
+// Every rank contributes an empty block; done when all are in.
+std::vector<AggregateRequest> aggregate_barrier(const AggregateContext& c);
+
 }  // namespace netdam::collectives

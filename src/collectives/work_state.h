@@ -17,16 +17,32 @@ namespace netdam {
 
 struct Group::Slot {
   collectives::SlotLayout layout;
+  std::vector<Hop> aggregators;  // every aggregator, with this slot's aggregation key
   uint32_t generation = 0;
   detail::WorkState* owner = nullptr;  // the collective using the slot
 };
 
 namespace detail {
 struct WorkState {
-  enum class Phase : uint8_t { kQueued, kWriting, kConfiguring, kArming, kChains, kVerify, kStamps, kReading, kDone };
+  enum class Phase : uint8_t { kQueued, kWriting, kConfiguring, kArming, kChains, kVerify, kStamps, kReading,
+                              kAggregating, kDone };
   Phase phase = Phase::kQueued;
   Error error;
   std::function<collectives::Plan(const collectives::Context&)> make_plan;
+  // Aggregation instead of a plan of chains (collectives/aggregate.cc);
+  // `own` is copied to `own_to` at the end (AllGather: a rank's own shard).
+  std::function<std::vector<AggregateRequest>(const collectives::AggregateContext&)> make_aggregate;
+  std::span<const std::byte> own;
+  std::span<std::byte> own_to, average_out;
+  DType average_type = DType::kBytes;
+  size_t aggregates_left = 0;
+  size_t aggregates_issued = 0;  // requests[0, issued) have been sent
+  size_t aggregates_open = 0;    // sent and not answered (a BAD_KEY retry still counts)
+  std::vector<AggregateRequest> requests;  // one per block, as sent
+  // Blocks of the co-located aggregator: their result is read through the
+  // mapping (offset in device memory -> where it goes), by request index.
+  std::vector<std::pair<uint64_t, std::span<std::byte>>> mapped_results;
+  std::vector<std::pair<std::chrono::steady_clock::time_point, size_t>> retry;  // BAD_KEY: send again then
   bool average = false;
   // Optimizer steps: the config this rank's device needs before its
   // optimizer can be reached, i.e. before ARM.

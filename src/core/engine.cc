@@ -84,7 +84,8 @@ Device::Device(std::span<std::byte> memory, DeviceConfig config)
     : memory_(memory),
       config_(config),
       regions_(memory.size()),
-      replay_(config.replay_window, config.replay_requesters) {
+      replay_(config.replay_window, config.replay_requesters),
+      aggregator_(memory) {
   config_.max_payload = std::clamp(config_.max_payload, kMinPayload, kMaxPayloadLimit);
 }
 
@@ -196,6 +197,7 @@ Engine::Engine(Device& device) : device_(device) { device_.attach(&stats_); }
 Engine::~Engine() { device_.detach(&stats_); }
 
 Action Engine::handle(Address from, std::span<std::byte> d, std::span<std::byte> out) {
+  fanout_.clear();
   Stats::inc(stats_.rx_packets);
   Stats::inc(stats_.rx_bytes, d.size());
 
@@ -247,6 +249,9 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
   if (h.flags & ~kFlagsKnown) return answer(h, reply_to, Status::kBadFlags, {}, out);
   if (h.flags & kFlagSparse) Stats::inc(stats_.sparse);
   auto segment = [&](size_t i) { return decode_segment(p.segments.data() + i * kSegmentSize); };
+
+  if (segment(h.seg_index).opcode == Opcode::kAggregate)
+    return aggregate(h, p, reply_to, segment(h.seg_index), out);
 
   std::span<std::byte> payload = p.payload;
   bool payload_moved = false;  // payload no longer the request's bytes
@@ -584,12 +589,18 @@ Outcome Engine::run_mutation(const Request& q, std::span<std::byte> out) {
       if (!admin || q.rkey != *admin) return {Status::kNotPermitted};
       if (q.op == Opcode::kRegionDel) {
         if (q.payload.size() != 4) return {Status::kBadLength};
-        return {regions.remove(load_be<uint32_t>(q.payload.data()))};
+        const uint32_t key = load_be<uint32_t>(q.payload.data());
+        const Status s = regions.remove(key);
+        if (s == Status::kOk) device_.aggregator_.drop(key);  // its blocks go with it
+        return {s};
       }
       if (q.payload.size() != kRegionRecordSize) return {Status::kBadLength};
       const std::byte* r = q.payload.data();
-      return {regions.add(Region{load_be<uint64_t>(r), load_be<uint64_t>(r + 8),
-                                 load_be<uint32_t>(r + 16), load_be<uint32_t>(r + 20)})};
+      const Region region{load_be<uint64_t>(r), load_be<uint64_t>(r + 8), load_be<uint32_t>(r + 16),
+                          load_be<uint32_t>(r + 20)};
+      const Status s = regions.add(region);
+      if (s == Status::kOk) device_.aggregator_.drop(region.key);  // a fresh region starts empty
+      return {s};
     }
     default: return {Status::kBadOpcode};
   }

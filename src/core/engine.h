@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/aggregation.h"
 #include "core/regions.h"
 #include "core/replay_window.h"
 #include "core/stats.h"
@@ -55,6 +56,7 @@ class Device {
   std::span<std::byte> memory() const { return memory_; }
   RegionTable& regions() { return regions_; }
   ReplayWindow& replay() { return replay_; }
+  Aggregator& aggregator() { return aggregator_; }
   const DeviceConfig& config() const { return config_; }
 
   // Counters of every engine of this device, added up.
@@ -108,6 +110,7 @@ class Device {
   DeviceConfig config_;
   RegionTable regions_;
   ReplayWindow replay_;
+  Aggregator aggregator_;
   std::array<std::mutex, 64> stripes_;
   std::shared_mutex generation_mu_;  // ARM exclusive, generation-checked hops shared
   std::mutex park_mu_;
@@ -139,6 +142,16 @@ struct Action {
   size_t size() const { return head.size() + data.size(); }
 };
 
+// More answers of the datagram handle() just ran: a block that AGGREGATE
+// completed is answered to every contributor at once (docs/PROTOCOL.md
+// 6.13). The header (and answer record) live here, the data in device
+// memory.
+struct Fanout {
+  Address to;
+  std::array<std::byte, kHeaderSize + kAggAnswerRecordSize> head{};
+  std::span<const std::byte> data;
+};
+
 // One per device thread. Not thread-safe itself; many engines share a Device.
 class Engine {
  public:
@@ -160,6 +173,10 @@ class Engine {
   const Stats& stats() const { return stats_; }
   Device& device() { return device_; }
 
+  // The other answers of the last handle() (usually none): send them with
+  // its Action, then take the next datagram. handle() clears the list.
+  std::span<const Fanout> fanout() const { return fanout_; }
+
  private:
   struct Request;
   struct Result;
@@ -178,9 +195,12 @@ class Engine {
                         std::span<const std::byte>& dense);
   Action answer(const Header& req, Address to, Status status, std::span<const std::byte> data,
                 std::span<std::byte> out);
+  Action aggregate(const Header& h, const Packet& p, Address reply_to, const Segment& s,
+                   std::span<std::byte> out);
 
   Device& device_;
   Stats stats_;
+  std::vector<Fanout> fanout_;
 };
 
 }  // namespace netdam::core

@@ -31,6 +31,10 @@ StatList collect(const std::vector<const Stats*>& all) {
       {"sparse", sum(all, &Stats::sparse)},     {"skipped", sum(all, &Stats::skipped)},
       {"sparse_forwarded", sum(all, &Stats::sparse_forwarded)},
       {"parked", sum(all, &Stats::parked)},
+      {"agg.contributions", sum(all, &Stats::agg_contributions)},
+      {"agg.duplicates", sum(all, &Stats::agg_duplicates)},
+      {"agg.completed", sum(all, &Stats::agg_completed)},
+      {"agg.abandoned", sum(all, &Stats::agg_abandoned)},
   };
   uint64_t dropped_total = 0;
   for (size_t i = 1; i < kParseErrorCount; ++i) {

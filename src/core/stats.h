@@ -26,6 +26,10 @@ struct Stats {
   Counter skipped{0};       // chain hops skipped as stale (kSegSkipStale)
   Counter sparse_forwarded{0};  // chain payloads passed on in sparse form
   Counter parked{0};        // chains held until their region was armed
+  Counter agg_contributions{0};  // AGGREGATE contributions accepted (first copies)
+  Counter agg_duplicates{0};     // AGGREGATE copies of a contribution already held
+  Counter agg_completed{0};      // blocks reduced (every contributor in)
+  Counter agg_abandoned{0};      // blocks whose generation was given up by a failed collective
   std::array<Counter, 256> requests{};        // by opcode value
   std::array<Counter, kStatusCount> naks{};   // NAKs sent, by status
   std::array<Counter, kParseErrorCount> dropped{};  // silent drops, by ParseError

@@ -20,6 +20,7 @@ std::string_view to_string(Opcode op) {
     case Opcode::kReducePayload: return "REDUCE_PAYLOAD";
     case Opcode::kOptConfig: return "OPT_CONFIG";
     case Opcode::kOptStep: return "OPT_STEP";
+    case Opcode::kAggregate: return "AGGREGATE";
     case Opcode::kChain: return "CHAIN";
     case Opcode::kRegionAdd: return "REGION_ADD";
     case Opcode::kRegionDel: return "REGION_DEL";

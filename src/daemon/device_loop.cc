@@ -24,12 +24,17 @@ DeviceLoop::DeviceLoop(core::Device& device, transport::Transport& transport)
 size_t DeviceLoop::poll_once(transport::Duration timeout) {
   const size_t n = transport_.recv_batch(in_, timeout);
   send_.clear();
+  fanout_.clear();
   for (size_t i = 0; i < n; ++i) {
     auto& m = in_[i];
     auto out = std::span(out_).subspan(i * out_size_, out_size_);
     core::Action a = engine_.handle(to_core(m.from), m.data(), out);
     if (a.kind != core::Action::Kind::kNone)
       send_.push_back(transport::OutMsg{to_transport(a.to), {a.head, a.data}});
+    for (const core::Fanout& f : engine_.fanout()) {  // a completed aggregation's other answers
+      const core::Fanout& kept = fanout_.emplace_back(f);  // a deque: earlier ones stay put
+      send_.push_back(transport::OutMsg{to_transport(kept.to), {kept.head, kept.data}});
+    }
   }
   // Answers point into rx_, out_ and device memory: send before the next recv.
   for (size_t sent = 0; sent < send_.size();)
@@ -47,6 +52,10 @@ void DeviceLoop::serve_one(core::Engine& engine, transport::InMsg& msg, transpor
   core::Action a = engine.handle(to_core(msg.from), msg.data(), out);
   if (a.kind != core::Action::Kind::kNone) {
     transport::OutMsg m{to_transport(a.to), {a.head, a.data}};
+    self.send_batch({&m, 1});
+  }
+  for (const core::Fanout& f : engine.fanout()) {
+    transport::OutMsg m{to_transport(f.to), {f.head, f.data}};
     self.send_batch({&m, 1});
   }
   release_parked(engine, self, out);

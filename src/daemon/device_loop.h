@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <deque>
 #include <vector>
 
 #include "core/engine.h"
@@ -39,6 +40,7 @@ class DeviceLoop {
   size_t out_size_;
   std::vector<transport::InMsg> in_;
   std::vector<transport::OutMsg> send_;
+  std::deque<core::Fanout> fanout_;  // this batch's extra answers, until sent
   std::vector<std::byte> parked_out_;
 };
 

@@ -259,7 +259,9 @@ TEST_F(RunnerTest, SendRecvInPiecesAndTagMismatch) {
   for (auto& f : results) ASSERT_FALSE(f.get()) << "a message failed";
   for (int r = 0; r < kRanks; ++r)
     for (int j = 0; j < kRanks; ++j)
-      if (j != r) ASSERT_EQ(got[r][j], msg[j][r]) << r << " from " << j;
+      if (j != r) {
+        ASSERT_EQ(got[r][j], msg[j][r]) << r << " from " << j;
+      }
 
   std::vector<int32_t> one = {42}, into = {0};
   std::promise<Error> sent, received;

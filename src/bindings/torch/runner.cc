@@ -489,14 +489,15 @@ void Runner::run() {
 }
 
 uint64_t device_memory_bytes(uint64_t capacity, int slots, int ranks, size_t max_payload, uint64_t mailbox) {
-  const size_t p = static_cast<size_t>(ranks);
-  const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
-  const size_t block = max_payload > route + 64 ? (max_payload - route) / 64 * 64 : 64;
-  const uint64_t slot = collectives::SlotLayout::bytes(capacity, block, p);
   ControlLayout control;
   control.ranks = ranks;
   control.mailbox = mailbox;
-  const uint64_t bytes = control.bytes() + slot * static_cast<uint64_t>(slots) + (1u << 20);
+  GroupOptions o;  // as the process group creates its Group after the control region (kAuto, with an admin key)
+  o.devices.assign(static_cast<size_t>(ranks), "");
+  o.capacity = capacity;
+  o.slots = slots;
+  o.admin_key = 0xAD;
+  const uint64_t bytes = control.bytes() + Group::device_bytes(o, max_payload) + (1u << 20);
   return (bytes + (1u << 20) - 1) / (1u << 20) * (1u << 20);
 }
 

@@ -91,7 +91,7 @@ int collectives_main(int argc, char** argv) {
   std::string admin_s = "0xAD", netdamd, csv, shm;
   std::vector<std::string> devices;
   BenchConfig c;
-  int local = 0, check = 1;
+  int local = 0, local_devices = 0, check = 1;
   unsigned timeout_ms = 5000;
   double drop = 0, dup = 0, reorder = 0;
   std::string max_payload_s;
@@ -110,14 +110,27 @@ int collectives_main(int argc, char** argv) {
   app.add_option("--time-per-size", c.time_per_size, "seconds of timed iterations per size, about (default 2)")
       ->check(CLI::Range(0.001, 3600.0));
   app.add_option("-r,--root", c.root, "broadcast root (default 0)");
-  app.add_option("--algo", algo_s, "auto | ring | direct | torus (default auto; direct and torus apply to allreduce only)");
+  app.add_option("--algo", algo_s, "auto | ring | direct | torus | aggregate (default auto; direct and torus apply to allreduce only; aggregate: in-network aggregation, every collective)");
   std::string torus_s;
   app.add_option("--torus", torus_s, "--algo torus: the shape XxY or XxYxZ (default: X x P/X, X the largest divisor <= sqrt(P))");
   app.add_flag("--sparse", c.sparse, "let devices send mostly-zero blocks as (index, value) pairs");
+  app.add_option("--zero-blocks", c.zero_share,
+                 "share of the input that is zero on every rank, in runs of 64 KiB (default 0)")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--agg-window", c.aggregate_window, "--algo aggregate: contributions in flight per rank (default 16)");
   app.add_option("--local", local, "start P devices and P ranks on this machine")->check(CLI::Range(1, 16));
+  app.add_option("--local-devices", local_devices,
+                 "--local with --algo aggregate: start only N devices, shared by the ranks (rank r maps device "
+                 "r % N, as the GPUs of a server share its NIC)")
+      ->check(CLI::Range(1, 16));
   app.add_option("--devices", devices, "every rank's device HOST:PORT, in rank order (comma-separated)")
       ->delimiter(',');
-  app.add_option("--rank", c.rank, "this process's rank (with --devices)");
+  app.add_option("--rank", c.rank, "this process's rank (with --devices, or --ranks)");
+  app.add_option("--ranks", c.ranks, "the group's size when the hosts have no devices (with --aggregators)")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--aggregators", c.aggregators,
+                 "aggregating devices in the network, HOST:PORT (comma-separated); with --algo aggregate")
+      ->delimiter(',');
   app.add_option("--shm", shm, "this rank's device memory name, if co-located (with --devices)");
   app.add_option("--admin-key", admin_s, "devices' admin key, registers the slots (default 0xAD; 0: already there)");
   app.add_option("--slots", c.slots, "collectives slots (default 2)")->check(CLI::Range(1, 64));
@@ -158,6 +171,7 @@ int collectives_main(int argc, char** argv) {
   else if (algo_s == "ring") c.algorithm = Algorithm::kRing;
   else if (algo_s == "direct") c.algorithm = Algorithm::kDirect;
   else if (algo_s == "torus") c.algorithm = Algorithm::kTorus;
+  else if (algo_s == "aggregate") c.algorithm = Algorithm::kAggregate;
   else return usage_error("unknown --algo '" + algo_s + "'");
   for (size_t at = 0; !torus_s.empty() && at <= torus_s.size();) {
     const size_t x = std::min(torus_s.find('x', at), torus_s.size());
@@ -186,8 +200,19 @@ int collectives_main(int argc, char** argv) {
                                 fmt_prob(reorder), seed);
 
   // ---- one rank by hand
+  if (!c.aggregators.empty() && c.algorithm != Algorithm::kAggregate)
+    return usage_error("--aggregators go with --algo aggregate");
+  if (local == 0 && devices.empty() && !c.aggregators.empty()) {
+    // Hosts without devices: every collective by aggregation.
+    if (c.ranks < 1) return usage_error("--aggregators without --devices needs --ranks P");
+    if (faults) return usage_error("--drop/--dup/--reorder need --local");
+    if (c.rank < 0 || c.rank >= c.ranks)
+      return usage_error(fmt::format("--rank {} is not in 0..{}", c.rank, c.ranks - 1));
+    if (c.root < 0 || c.root >= c.ranks) return usage_error("--root out of range");
+    return run_rank(c);
+  }
   if (local == 0) {
-    if (devices.empty()) return usage_error("give --local P, or --devices and --rank");
+    if (devices.empty()) return usage_error("give --local P, or --devices and --rank, or --ranks and --aggregators");
     if (faults) return usage_error("--drop/--dup/--reorder need --local (start the devices with --inject-*)");
     if (c.rank < 0 || static_cast<size_t>(c.rank) >= devices.size())
       return usage_error(fmt::format("--rank {} is not in 0..{}", c.rank, devices.size() - 1));
@@ -201,6 +226,12 @@ int collectives_main(int argc, char** argv) {
   if (!devices.empty()) return usage_error("--local and --devices exclude each other");
   if (c.root < 0 || c.root >= local) return usage_error("--root out of range");
   if (c.admin_key == 0) return usage_error("--local needs a nonzero --admin-key");
+  if (local_devices == 0) local_devices = local;
+  if (local_devices > local) return usage_error("--local-devices is at most --local");
+  const bool shared = local_devices < local;
+  if (shared && c.algorithm != Algorithm::kAggregate)
+    return usage_error("--local-devices below --local needs --algo aggregate (ranks share devices)");
+  if (shared) c.ranks = local;
   if (netdamd.empty())
     netdamd = (std::filesystem::path(self_dir()) / ".." / ".." / "daemon" / "netdamd").lexically_normal().string();
   if (access(netdamd.c_str(), X_OK) != 0) return usage_error("cannot run " + netdamd + " (give --netdamd PATH)");
@@ -208,13 +239,15 @@ int collectives_main(int argc, char** argv) {
   install_stop_handler();
   const std::string dir = make_temp_dir();
   if (dir.empty()) return usage_error("cannot create a temporary directory");
-  const uint64_t memory = device_memory_needed(c, static_cast<size_t>(local));
-  std::vector<Daemon> daemons(static_cast<size_t>(local));
+  if (shared) c.aggregators = {""};  // (their addresses once started) sizes device_memory_needed
+  const uint64_t memory = device_memory_needed(c, static_cast<size_t>(local), static_cast<size_t>(local_devices));
+  c.aggregators.clear();
+  std::vector<Daemon> daemons(static_cast<size_t>(local_devices));
   auto cleanup = [&] {
     for (auto& d : daemons) stop_daemon(d);
     remove_tree(dir);
   };
-  for (int r = 0; r < local; ++r) {
+  for (int r = 0; r < local_devices; ++r) {
     Daemon& d = daemons[static_cast<size_t>(r)];
     d.shm = fmt::format("netdam-bench-{}-{}", getpid(), r);
     std::vector<std::string> args = {netdamd, "--listen", "127.0.0.1:0", "--memory", std::to_string(memory),
@@ -232,17 +265,18 @@ int collectives_main(int argc, char** argv) {
       cleanup();
       return usage_error("device " + std::to_string(r) + ": " + why);
     }
-    c.devices.push_back(d.address);
+    (shared ? c.aggregators : c.devices).push_back(d.address);
   }
-  fmt::print("# started {} netdamd ({} of /dev/shm memory each{}): {}\n", local, format_size(memory),
-             faults ? ", injecting faults" : "", fmt::join(c.devices, " "));
+  fmt::print("# started {} netdamd ({} of /dev/shm memory each{}): {}{}\n", local_devices, format_size(memory),
+             faults ? ", injecting faults" : "", fmt::join(shared ? c.aggregators : c.devices, " "),
+             shared ? fmt::format(" (shared by {} ranks)", local) : "");
   std::fflush(stdout);
 
   std::vector<pid_t> ranks;
   for (int r = 0; r < local && !stop_requested(); ++r) {
     BenchConfig rc = c;
     rc.rank = r;
-    rc.shm = daemons[static_cast<size_t>(r)].shm;
+    rc.shm = daemons[static_cast<size_t>(r % local_devices)].shm;
     const pid_t pid = fork_child([rc] { return run_rank(rc); });
     if (pid < 0) {
       std::fprintf(stderr, "netdam-bench: fork failed\n");

@@ -36,6 +36,7 @@ std::string_view nccl_type_name(DType t) {
 // alternative to ring by chains, kDirect, which kAuto takes up to
 // kDirectMaxBytes.
 Algorithm algorithm_for(CollOp op, Algorithm requested, uint64_t bytes) {
+  if (requested == Algorithm::kAggregate) return Algorithm::kAggregate;
   if (op != CollOp::kAllReduce) return Algorithm::kRing;
   if (requested == Algorithm::kTorus) return Algorithm::kTorus;
   if (requested == Algorithm::kDirect || (requested == Algorithm::kAuto && bytes <= kDirectMaxBytes))
@@ -148,7 +149,7 @@ class Data {
     const uint64_t n = in.size() / esize_;
     const bool bcast = c_.op == CollOp::kBroadcast;
     for (uint64_t i = 0; i < n; ++i) {
-      const double v = bcast && c_.rank != c_.root ? poison() : static_cast<double>(value(c_.rank, i, it, tiny_));
+      const double v = bcast && c_.rank != c_.root ? poison() : static_cast<double>(val(c_.rank, i, it));
       encode(c_.type, v, in.data() + i * esize_);
     }
   }
@@ -168,14 +169,23 @@ class Data {
 
  private:
   double poison() const { return tiny_ ? 100.0 : 100000.0; }  // outside every input's range
+  // value(), but zero in the runs of 64 KiB that --zero-blocks makes zero.
+  int64_t val(int r, uint64_t i, int it) const {
+    if (c_.zero_share > 0) {
+      const uint64_t run = i * esize_ / (64 << 10);
+      const uint64_t h = (run + 1) * 0xD6E8FEB86659FD93ull ^ static_cast<uint64_t>(it) * 0x9E3779B97F4A7C15ull;
+      if (static_cast<double>((h ^ (h >> 32)) % 1000000) < c_.zero_share * 1e6) return 0;
+    }
+    return value(r, i, it, tiny_);
+  }
 
   double expected(uint64_t j, const Shape& s, int it) const {
     switch (c_.op) {
       case CollOp::kAllGather: {
         const uint64_t k = j / s.count;  // the rank whose block this is
-        return static_cast<double>(value(static_cast<int>(k), j % s.count, it, tiny_));
+        return static_cast<double>(val(static_cast<int>(k), j % s.count, it));
       }
-      case CollOp::kBroadcast: return static_cast<double>(value(c_.root, j, it, tiny_));
+      case CollOp::kBroadcast: return static_cast<double>(val(c_.root, j, it));
       case CollOp::kAllReduce: return reduced(j, it);
       case CollOp::kReduceScatter: return reduced(static_cast<uint64_t>(c_.rank) * s.count + j, it);
     }
@@ -183,9 +193,9 @@ class Data {
   }
 
   double reduced(uint64_t i, int it) const {
-    int64_t acc = value(0, i, it, tiny_);
+    int64_t acc = val(0, i, it);
     for (int r = 1; r < p_; ++r) {
-      const int64_t v = value(r, i, it, tiny_);
+      const int64_t v = val(r, i, it);
       switch (c_.redop) {
         case Reduction::kSum:
         case Reduction::kAvg: acc += v; break;
@@ -255,10 +265,6 @@ Error run_one(Group& g, const BenchConfig& c, const Shape& s, std::span<std::byt
   return Error::invalid("unknown collective");
 }
 
-size_t block_for(size_t p) {
-  const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
-  return (kDefaultMaxPayload - route) / 64 * 64;
-}
 
 }  // namespace
 
@@ -279,15 +285,27 @@ uint64_t group_capacity(const BenchConfig& c) {
   return (cap + 63) / 64 * 64;
 }
 
-uint64_t device_memory_needed(const BenchConfig& c, size_t p) {
-  const int partials = c.algorithm == Algorithm::kTorus ? static_cast<int>(c.torus_dims.size()) - 1 : 0;
-  const uint64_t slot = collectives::SlotLayout::bytes(group_capacity(c), block_for(p), p, partials);
-  const uint64_t bytes = slot * static_cast<uint64_t>(c.slots) + (1u << 20);
+uint64_t device_memory_needed(const BenchConfig& c, size_t p, size_t devices) {
+  GroupOptions o;
+  o.devices.assign(p, "");
+  o.capacity = group_capacity(c);
+  o.slots = c.slots;
+  o.admin_key = c.admin_key;
+  o.algorithm = c.algorithm;
+  o.torus_dims = c.torus_dims;
+  uint64_t bytes = Group::device_bytes(o, kMaxPayloadLimit) + (1u << 20);
+  if (c.algorithm == Algorithm::kAggregate) {
+    // Each device aggregates 1/devices of the blocks: RESULT0, RESULT1 and
+    // p stages of them (Group::setup_aggregation), blocks up to 64 KiB.
+    const uint64_t share = group_capacity(c) / devices + (p / devices + 2) * 65536;
+    const uint64_t agg = static_cast<uint64_t>(c.slots) * (p + 2) * share;
+    if (!c.aggregators.empty()) bytes = agg + (1u << 20);  // shared devices hold no chain slots
+  }
   return (bytes + (1u << 20) - 1) / (1u << 20) * (1u << 20);
 }
 
 int run_rank(const BenchConfig& c) {
-  const int p = static_cast<int>(c.devices.size());
+  const int p = c.devices.empty() ? c.ranks : static_cast<int>(c.devices.size());
   const bool lead = c.rank == 0;
   auto fail = [&](const std::string& what) {
     std::fflush(stdout);
@@ -298,6 +316,8 @@ int run_rank(const BenchConfig& c) {
   GroupOptions o;
   o.rank = c.rank;
   o.devices = c.devices;
+  o.ranks = c.devices.empty() ? c.ranks : 0;
+  o.aggregators = c.aggregators;
   o.shm = c.shm;
   o.admin_key = c.admin_key;
   o.capacity = group_capacity(c);
@@ -307,6 +327,7 @@ int run_rank(const BenchConfig& c) {
   o.algorithm = c.algorithm;
   o.torus_dims = c.torus_dims;
   o.sparse = c.sparse;
+  if (c.aggregate_window) o.aggregate_window = c.aggregate_window;
   if (c.window) o.client.window_packets = c.window;
   auto created = Group::create(o);
   if (!created) return fail("cannot create the group: " + created.error().to_string());
@@ -331,15 +352,24 @@ int run_rank(const BenchConfig& c) {
     const std::string chosen =
         small == large ? std::string(to_string(small))
                        : fmt::format("{} up to {} B, {} above", to_string(small), kDirectMaxBytes, to_string(large));
-    fmt::print("#  algorithm: {} (requested {}); p={}; {} B per chain packet, {} slots, timeout {} ms, "
-               "client window {} packets{}\n", chosen, to_string(c.algorithm), p, g.block_bytes(), c.slots,
+    fmt::print("#  algorithm: {} (requested {}); p={}; {} B per {}, {} slots, timeout {} ms, "
+               "client window {} packets{}\n", chosen, to_string(c.algorithm), p,
+               g.aggregates() ? g.aggregate_block_bytes() : g.block_bytes(),
+               g.aggregates() ? "aggregated block" : "chain packet", c.slots,
                c.timeout.count(), g.client().options().window_packets, c.sparse ? ", sparse blocks allowed" : "");
-    fmt::print("#  devices: {}{}\n", fmt::join(c.devices, " "), c.shm.empty() ? "" : " (co-located, shm)");
+    if (!c.devices.empty())
+      fmt::print("#  devices: {}{}\n", fmt::join(c.devices, " "), c.shm.empty() ? "" : " (co-located, shm)");
+    if (!c.aggregators.empty())
+      fmt::print("#  aggregators (devices in the network, {} of them): {}\n", c.aggregators.size(),
+                 fmt::join(c.aggregators, " "));
     fmt::print("#  iterations: -n {} -w {}, fewer for large sizes (about {:.1f} s timed per size); {}\n",
                c.iters, c.warmup, c.time_per_size,
                c.check ? "every iteration verified (untimed, ranks synchronised by a barrier before each)"
                        : "no per-iteration check (back-to-back, last result verified)");
     if (!c.faults_note.empty()) fmt::print("#  faults injected by the devices: {}\n", c.faults_note);
+    if (c.zero_share > 0)
+      fmt::print("#  input: {:.0f}% zero on every rank, in runs of 64 KiB chosen anew each iteration\n",
+                 100 * c.zero_share);
     fmt::print("#  time = max over ranks of the mean time of one collective; "
                "algbw = size/time; busbw = algbw x {}\n",
                c.op == CollOp::kAllReduce ? "2(p-1)/p" : c.op == CollOp::kBroadcast ? "1" : "(p-1)/p");

@@ -29,9 +29,16 @@ struct BenchConfig {
   Algorithm algorithm = Algorithm::kAuto;
   std::vector<int> torus_dims;  // --algo torus: GroupOptions::torus_dims
   bool sparse = false;         // GroupOptions::sparse
+  // Share of the input that is zero in every rank, in whole runs of 64 KiB
+  // (layers whose gradient is zero, OmniReduce's case); the same runs on
+  // every rank, chosen anew each iteration.
+  double zero_share = 0;
+  size_t aggregate_window = 0;  // GroupOptions::aggregate_window (0: the group's)
 
   // The group.
   std::vector<std::string> devices;
+  int ranks = 0;                         // with no devices: the group's size
+  std::vector<std::string> aggregators;  // GroupOptions::aggregators
   int rank = 0;
   std::string shm;             // this rank's device memory, if co-located
   uint32_t admin_key = 0xAD;
@@ -48,7 +55,8 @@ struct BenchConfig {
 // Capacity the group needs for the sweep (the largest buffer).
 uint64_t group_capacity(const BenchConfig& c);
 // Device memory that holds `slots` slots of that capacity for p ranks.
-uint64_t device_memory_needed(const BenchConfig& c, size_t p);
+// (`devices` of them: fewer than p when ranks share devices).
+uint64_t device_memory_needed(const BenchConfig& c, size_t p, size_t devices);
 
 // Runs this rank; returns the process exit code (0 ok, 1 wrong data or error).
 int run_rank(const BenchConfig& c);

@@ -1,0 +1,572 @@
+#!/usr/bin/env bash
+# AllReduce in the emulated cluster (scripts/cluster.sh): Gloo (every
+# algorithm), Open MPI over TCP and netdam's in-network aggregation on the
+# same p hosts and the same rate-limited links, in one run. Prints, per size,
+# each system's busbw next to its line-rate bound, the nodes and links it
+# used, netdam / best peer, and per system the CPU use and the bytes that
+# crossed the links. See docs/CLUSTER.md.
+#
+#   scripts/cluster_bench.sh [OPTIONS]
+#
+#   --hosts P          host namespaces, one rank each (default 4)
+#   --devices M        device namespaces with a netdamd each (default P)
+#   --rate RATE        every link, each way (tc units, e.g. 500mbit; default
+#                      auto = 2 Gbit/s / P: 500mbit at P=4, 250mbit at P=8,
+#                      where the 2 cores are not the limit; docs/CLUSTER.md)
+#   --mtu BYTES        (default 9000)
+#   -b SIZE / -e SIZE / -f F   sizes (default 4K .. 64M, x4)
+#   --iters N          timed iterations at small sizes (default 10; large
+#                      sizes: --budget bytes per size, at least 2)
+#   --budget SIZE      (default 64M)
+#   --systems LIST     gloo,mpi,netdam (default) and/or netdam-chains
+#                      (netdam-bench --devices: the ring by chains, one
+#                      device per rank, M = P)
+#   --colocated        also run netdam's aggregation with netdamd in the host
+#                      namespaces (co-located devices, no extra nodes)
+#   --prefix NAME      cluster name prefix (default ndb)
+#   --out DIR          logs, CSVs, summary.csv (default a new /tmp dir)
+#   --timeout SEC      per system (default 1800)
+#
+# Environment: NETDAM_BENCH (netdam-bench path), NETDAM_ARGS (extra
+# netdam-bench arguments), BUILD_DIR (default build).
+#
+# Exit status: 0; 1 a system failed or netdam returned a wrong element
+# (peers' wrong elements are reported, not failures); 2 usage; the
+# cluster's refusal codes (77 not root, 78/79 missing tool or kernel support).
+set -uo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cluster="$repo/scripts/cluster.sh"
+peers="$repo/bench/peers"
+build="$repo/${BUILD_DIR:-build}"
+[[ "${BUILD_DIR:-}" == /* ]] && build="$BUILD_DIR"
+
+P=4 M="" rate=auto mtu=9000 min=4K max=64M factor=4 iters=10 budget=64M
+systems=gloo,mpi,netdam colocated=0 prefix=ndb out="" sys_timeout=1800
+
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+while (($#)); do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --hosts|-p) P=$2; shift 2 ;;
+    --devices) M=$2; shift 2 ;;
+    --rate) rate=$2; shift 2 ;;
+    --mtu) mtu=$2; shift 2 ;;
+    -b) min=$2; shift 2 ;;
+    -e) max=$2; shift 2 ;;
+    -f) factor=$2; shift 2 ;;
+    --iters|-n) iters=$2; shift 2 ;;
+    --budget) budget=$2; shift 2 ;;
+    --systems) systems=$2; shift 2 ;;
+    --colocated) colocated=1; shift ;;
+    --prefix) prefix=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --timeout) sys_timeout=$2; shift 2 ;;
+    *) echo "cluster_bench: unknown option '$1' (--help)" >&2; exit 2 ;;
+  esac
+done
+M=${M:-$P}
+# The default keeps the traffic through the emulated switch at 2 Gbit/s each
+# way whatever P is: what the links carry costs the cores per byte (veth,
+# bridge, tbf in softirq, the ranks' copies), and at that total Gloo tracks
+# the rate (>= 97%) with about a third of the 2 cores busy (docs/CLUSTER.md).
+[[ "$rate" == auto ]] && rate="$((2000 / P))mbit"
+[[ "$P" =~ ^[0-9]+$ ]] && ((P >= 2 && P <= 64)) || { echo "cluster_bench: --hosts 2..64" >&2; exit 2; }
+[[ "$M" =~ ^[0-9]+$ ]] && ((M <= 64)) || { echo "cluster_bench: --devices 0..64" >&2; exit 2; }
+want() { [[ ",$systems," == *",$1,"* ]]; }
+for s in ${systems//,/ }; do
+  [[ "$s" =~ ^(gloo|mpi|netdam|netdam-chains)$ ]] || { echo "cluster_bench: unknown system '$s'" >&2; exit 2; }
+done
+out="${out:-$(mktemp -d /tmp/netdam-cluster-bench.XXXXXX)}"
+mkdir -p "$out"
+: >"$out/runs.txt"
+
+echo "== cluster_bench: p=$P hosts, M=$M devices, rate $rate each way, MTU $mtu, allreduce f32 sum $min..$max x$factor"
+echo "== $(date '+%F %T'), $0 --hosts $P --devices $M --rate $rate --mtu $mtu -b $min -e $max -f $factor --systems $systems$( ((colocated)) && echo ' --colocated')"
+echo "== $(nproc) cores, loadavg $(cut -d' ' -f1-3 /proc/loadavg) at the start; logs and CSVs in $out"
+
+# ------------------------------------------------------------ what can run ---
+
+status=0
+if want gloo || want mpi; then
+  "$peers/build.sh" || { echo "cluster_bench: building the peers failed" >&2; exit 1; }
+fi
+bench="${NETDAM_BENCH:-$build/src/tools/bench/netdam-bench}"
+netdamd_bin="$build/src/daemon/netdamd"
+run_aggregate=0 run_chains=0
+if want netdam || ((colocated)); then
+  if [[ ! -x "$bench" || ! -x "$netdamd_bin" ]]; then
+    echo "== netdam: skipped: no $bench or $netdamd_bin (BUILD_DIR=build bash scripts/build.sh -DNETDAM_BENCH=ON)"
+  elif [[ "$("$bench" allreduce --help 2>/dev/null)" != *--aggregators* ]]; then
+    echo "== netdam: skipped: '$bench allreduce --help' has no --aggregators (in-network aggregation not built yet)"
+  elif ((M == 0)) && want netdam; then
+    echo "== netdam: skipped: --devices 0 (no device namespaces to aggregate in)"
+  else
+    run_aggregate=1
+  fi
+fi
+if want netdam-chains; then
+  if [[ ! -x "$bench" || ! -x "$netdamd_bin" ]]; then
+    echo "== netdam-chains: skipped: no $bench or $netdamd_bin"
+  elif ((M != P)); then
+    echo "== netdam-chains: skipped: needs one device per rank (--devices $P)"
+  else
+    run_chains=1
+  fi
+fi
+need_devices=0
+if ((run_chains)) || { ((run_aggregate)) && want netdam; }; then need_devices=1; fi
+
+# ------------------------------------------------------------- the cluster ---
+
+# CPU accounting. Each system runs in a cgroup of its own and the devices in
+# another (cgroup v2: cpu.stat usage_usec counts every process that ever ran
+# in it, including daemonized orteds and exited ranks). Without a writable
+# cgroup2 hierarchy: this shell's children's times (misses processes that
+# daemonize) and the devices' /proc/PID/stat.
+cg_base=""
+cg_root=$(awk '$3 == "cgroup2" {print $2; exit}' /proc/mounts)
+if [[ -n "$cg_root" ]] && mkdir -p "$cg_root/netdam-bench-$prefix/devices" 2>/dev/null; then
+  cg_base="$cg_root/netdam-bench-$prefix"
+fi
+cg_seconds() {  # cg_seconds CGROUP: CPU seconds used in it so far
+  awk '/^usage_usec/ { printf "%.3f", $2 / 1e6; f = 1 } END { if (!f) printf "0" }' "$1/cpu.stat" 2>/dev/null ||
+    echo 0
+}
+cg_cleanup() {
+  [[ -n "$cg_base" ]] || return 0
+  local d
+  for d in "$cg_base"/*/; do rmdir "$d" 2>/dev/null; done
+  rmdir "$cg_base" 2>/dev/null
+}
+
+
+cl=("$cluster" --prefix "$prefix")
+up_args=(--hosts "$P" --devices "$M" --rate "$rate" --mtu "$mtu" --build "$build")
+((need_devices)) && up_args+=(--netdamd)
+((run_aggregate && colocated)) && up_args+=(--colocated)
+teardown() { "${cl[@]}" down >/dev/null 2>&1; cg_cleanup; }
+trap teardown EXIT
+trap 'echo "cluster_bench: interrupted" >&2; exit 130' INT
+trap 'exit 143' TERM
+# The devices (netdamd, started by `up`) go into the devices cgroup.
+(
+  [[ -n "$cg_base" ]] && echo "$BASHPID" >"$cg_base/devices/cgroup.procs"
+  CLUSTER_QUIET=1 exec "${cl[@]}" "${up_args[@]}" up >/dev/null
+)
+rc=$?
+if ((rc != 0)); then
+  trap - EXIT
+  cg_cleanup
+  echo "cluster_bench: the cluster did not come up (exit $rc)" >&2
+  exit "$rc"
+fi
+set -a
+# shellcheck disable=SC1090
+source <("${cl[@]}" env)
+set +a
+read -r -a host_ns <<<"$CLUSTER_HOST_NS"
+read -r -a host_ip <<<"$CLUSTER_HOST_IPS"
+read -r -a dev_ns <<<"$CLUSTER_DEVICE_NS"
+echo "== cluster '$prefix': hosts ${host_ip[*]}; devices ${CLUSTER_DEVICE_IPS:-none}; $CLUSTER_SUBNET;" \
+     "tbf $CLUSTER_RATE both ends of every link (burst $CLUSTER_BURST B, queue $CLUSTER_QUEUE B)"
+
+# ------------------------------------------------------------ measurement ---
+
+cpu_snap() { head -1 /proc/stat | cut -d' ' -f3-; }   # user nice system idle iowait irq softirq steal ...
+
+# What the tbf qdiscs sent and dropped, summed over nodes: "bytes: host_up
+# host_down dev_up dev_down, then drops in the same order".
+link_bytes() {
+  local v=(0 0 0 0 0 0 0 0) ns b d
+  qd() {  # qd NETNS|"" DEV -> "bytes drops"
+    local pre=()
+    [[ -n "$1" ]] && pre=(-n "$1")
+    tc "${pre[@]}" -s qdisc show dev "$2" | awk '/Sent/ {gsub(",", "", $7); print $2, $7; exit}'
+  }
+  for ns in "${host_ns[@]}"; do
+    read -r b d < <(qd "$ns" eth0); v[0]=$((v[0] + ${b:-0})); v[4]=$((v[4] + ${d:-0}))
+    read -r b d < <(qd "" "$ns"); v[1]=$((v[1] + ${b:-0})); v[5]=$((v[5] + ${d:-0}))
+  done
+  for ns in "${dev_ns[@]}"; do
+    read -r b d < <(qd "$ns" eth0); v[2]=$((v[2] + ${b:-0})); v[6]=$((v[6] + ${d:-0}))
+    read -r b d < <(qd "" "$ns"); v[3]=$((v[3] + ${b:-0})); v[7]=$((v[7] + ${d:-0}))
+  done
+  echo "${v[*]}"
+}
+
+# Starts one process per host namespace (a command line per rank from
+# rank_cmd R), waits for all; if one fails, stops the rest. Sets rc.
+run_ranks() {  # run_ranks NAME
+  local name=$1 r pids=() pid st worst=0 failed=0
+  for ((r = 0; r < P; r++)); do
+    local -a c
+    rank_cmd "$r"
+    timeout "$sys_timeout" ip netns exec "${host_ns[$r]}" "${c[@]}" \
+      >"$out/$name.$r.log" 2>&1 </dev/null &
+    pids+=($!)
+  done
+  local left=("${pids[@]}")
+  while ((${#left[@]})); do
+    pid=""
+    wait -n -p pid "${left[@]}"
+    st=$?
+    [[ -n "$pid" ]] || break
+    local keep=() k
+    for k in "${left[@]}"; do [[ "$k" == "$pid" ]] || keep+=("$k"); done
+    left=("${keep[@]}")
+    if ((st != 0 && st != 3 && !failed)); then
+      failed=1
+      echo "   $name: a rank exited with $st; stopping the others" >&2
+      ((${#left[@]})) && kill -TERM "${left[@]}" 2>/dev/null
+    fi
+    ((st > worst)) && worst=$st
+  done
+  rc=$worst
+}
+
+# (Call it in this shell, not in $(...): a subshell's `times` is its own.)
+child_cpu() {  # child_cpu VAR: user+sys seconds of this shell's waited-for children
+  times >"$out/.times"
+  printf -v "$1" '%s' "$(tail -1 "$out/.times" | sed 's/m/ /g; s/s//g' |
+                         awk '{ printf "%.2f", $1 * 60 + $2 + $3 * 60 + $4 }')"
+}
+device_cpu() {  # CPU seconds of the cluster's netdamd processes so far
+  if [[ -n "$cg_base" ]]; then cg_seconds "$cg_base/devices"; return; fi
+  local f pid ticks=0 t
+  for f in "$CLUSTER_STATE_DIR"/*.pid; do
+    [[ -f "$f" ]] || continue
+    pid=$(<"$f")
+    t=$(awk '{print $14 + $15}' "/proc/$pid/stat" 2>/dev/null) || continue
+    ticks=$((ticks + ${t:-0}))
+  done
+  awk -v t="$ticks" -v hz="$(getconf CLK_TCK)" 'BEGIN { printf "%.2f", t / hz }'
+}
+
+# measure NAME FUNC: runs FUNC (which sets rc), records wall, CPU and link
+# bytes in runs.txt.
+measure() {
+  local name=$1 fn=$2 c0 c1 l0 l1 t0 t1 k0 k1 d0 d1 load own
+  load=$(cut -d' ' -f1 /proc/loadavg)
+  c0=$(cpu_snap); l0=$(link_bytes); d0=$(device_cpu); t0=$(date +%s.%N)
+  if [[ -n "$cg_base" ]] && mkdir -p "$cg_base/$name" 2>/dev/null; then
+    (
+      echo "$BASHPID" >"$cg_base/$name/cgroup.procs"
+      "$fn"
+      exit "$rc"
+    )
+    rc=$?
+    t1=$(date +%s.%N)
+    own=$(cg_seconds "$cg_base/$name")
+  else
+    child_cpu k0
+    "$fn"
+    t1=$(date +%s.%N)
+    child_cpu k1
+    own=$(awk -v a="$k0" -v b="$k1" 'BEGIN { printf "%.2f", b - a }')
+  fi
+  c1=$(cpu_snap); l1=$(link_bytes); d1=$(device_cpu)
+  echo "$name|$rc|$t0|$t1|$c0|$c1|$l0|$l1|$load|$own|$(awk -v a="$d0" -v b="$d1" 'BEGIN { printf "%.2f", b - a }')" \
+    >>"$out/runs.txt"
+  awk -v n="$name" -v a="$t0" -v b="$t1" -v r="$rc" 'BEGIN { printf "   %s: %.0f s, exit %s\n", n, b - a, r }'
+}
+
+common=(-b "$min" -e "$max" -f "$factor" -n "$iters" -w 2 --min-iters 2 --budget "$budget"
+        --timing each --ops allreduce)
+
+gloo_run() {
+  local store
+  store=$(mktemp -d "$out/gloo-store.XXXXXX")
+  rank_cmd() {
+    c=("$peers/build/gloo_bench" --rank "$1" --ranks "$P" --store "$store" --host "${host_ip[$1]}"
+       --mode "async,sync" --timeout 300 "${common[@]}")
+    (($1 == 0)) && c+=(--csv "$out/gloo.csv")
+  }
+  run_ranks gloo
+  rm -rf "$store"
+}
+
+# Open MPI: mpirun in host 0's namespace, an orted in every other host's
+# namespace started by an rsh agent that "logs in" with ip netns exec; the
+# ranks reach their orted over their own loopback (PMIx is TCP on 127.0.0.1
+# in Open MPI 4.1 with PMIx 4: a rank in another namespace cannot reach an
+# mpirun in the root namespace), and each other over the cluster's links.
+mpi_run() {
+  local r
+  : >"$out/mpi.hosts"
+  for ((r = 0; r < P; r++)); do echo "${host_ip[$r]} slots=1" >>"$out/mpi.hosts"; done
+  {
+    echo '#!/bin/sh'
+    echo '# rsh agent for mpirun: "ssh HOST CMD" = run CMD in HOST'"'"'s network namespace'
+    echo 'host=$1; shift'
+    echo 'case "$host" in'
+    for ((r = 0; r < P; r++)); do echo "  ${host_ip[$r]}) ns=${host_ns[$r]} ;;"; done
+    echo '  *) echo "mpi agent: unknown host $host" >&2; exit 1 ;;'
+    echo 'esac'
+    echo 'exec ip netns exec "$ns" sh -c "$*"'
+  } >"$out/mpi.agent"
+  chmod +x "$out/mpi.agent"
+  timeout "$sys_timeout" ip netns exec "${host_ns[0]}" \
+    mpirun --allow-run-as-root -np "$P" --hostfile "$out/mpi.hosts" --bind-to none \
+      --mca plm_rsh_agent "$out/mpi.agent" --mca oob_tcp_if_include "$CLUSTER_SUBNET" \
+      --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include "$CLUSTER_SUBNET" \
+      --mca coll '^sm' --mca mpi_yield_when_idle 1 \
+      "$peers/build/mpi_bench" "${common[@]}" --csv "$out/mpi.csv" >"$out/mpi.log" 2>&1 </dev/null
+  rc=$?
+}
+
+netdam_aggregate() {  # netdam_aggregate NAME ADDRS
+  local name=$1 addrs=$2
+  rank_cmd() {
+    # shellcheck disable=SC2206
+    c=("$bench" allreduce --ranks "$P" --rank "$1" --aggregators "$addrs" --algo aggregate
+       -b "$min" -e "$max" -f "$factor" --admin-key 0xAD ${NETDAM_ARGS:-})
+    (($1 == 0)) && c+=(--csv "$out/$name.csv")
+  }
+  run_ranks "$name"
+}
+netdam_run() { netdam_aggregate netdam "$CLUSTER_DEVICE_ADDRS"; }
+netdam_colocated_run() { netdam_aggregate netdam-colocated "$CLUSTER_COLOCATED_ADDRS"; }
+netdam_chains_run() {
+  rank_cmd() {
+    # shellcheck disable=SC2206
+    c=("$bench" allreduce --devices "$CLUSTER_DEVICE_ADDRS" --rank "$1"
+       -b "$min" -e "$max" -f "$factor" --admin-key 0xAD ${NETDAM_ARGS:-})
+    (($1 == 0)) && c+=(--csv "$out/netdam-chains.csv")
+  }
+  run_ranks netdam-chains
+}
+
+check_rc() {  # check_rc NAME LOG: 0 ok, 3 peers' wrong elements (reported)
+  local name=$1 log=$2
+  if ((rc == 3)); then
+    echo "   $name: some rows had wrong elements (reported in the table)"
+  elif ((rc != 0)); then
+    status=1
+    echo "   $name FAILED (exit $rc); last lines of $log:"
+    tail -5 "$log" | sed 's/^/     /'
+  fi
+}
+
+if want gloo; then
+  echo "== gloo: one rank per host namespace, TCP bound to the host's address, FileStore rendezvous," \
+       "every allreduce algorithm, async pairs (and sync up to 64K)"
+  measure gloo gloo_run; check_rc gloo "$out/gloo.0.log"
+fi
+if want mpi; then
+  echo "== Open MPI: mpirun in ${host_ns[0]}, orted per host namespace, pml ob1, btl tcp,self on $CLUSTER_SUBNET"
+  measure mpi mpi_run; check_rc mpi "$out/mpi.log"
+fi
+if ((run_aggregate)) && want netdam; then
+  echo "== netdam: --algo aggregate, one rank per host namespace, aggregators in the $M device namespaces"
+  measure netdam netdam_run; check_rc netdam "$out/netdam.0.log"
+  ((rc == 3)) && status=1
+fi
+if ((run_aggregate && colocated)); then
+  echo "== netdam (co-located): --algo aggregate, aggregators = netdamd in each host namespace"
+  measure netdam-colocated netdam_colocated_run; check_rc netdam-colocated "$out/netdam-colocated.0.log"
+  ((rc == 3)) && status=1
+fi
+if ((run_chains)); then
+  echo "== netdam-chains: netdam-bench --devices (auto: direct/ring by chains), device r in ${dev_ns[0]%0}r"
+  measure netdam-chains netdam_chains_run; check_rc netdam-chains "$out/netdam-chains.0.log"
+  ((rc == 3)) && status=1
+fi
+
+# ----------------------------------------------------------------- report ---
+
+/usr/bin/python3 - "$out" "$P" "$M" "$CLUSTER_RATE_BPS" "$CLUSTER_RATE" "$(nproc)" "$CLUSTER_BURST" <<'PY' || status=1
+import csv, os, sys
+
+out, P, M, bps, rate, cores = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+burst = int(sys.argv[7])
+B = bps / 8 / 1e9 if bps else None          # GB/s (decimal) per link, each way
+f = 2 * (P - 1) / P                          # busbw = algbw x f
+
+# The line-rate bounds (busbw, GB/s); docs/CLUSTER.md derives them.
+# Host-only AllReduce: every host sends and receives >= f x S, so busbw <= B.
+# Aggregation on M devices in the network: a host sends S and receives S, a
+# device receives P*S/M (and sends S/M by multicast or P*S/M by unicast):
+#   T >= S/B x max(1, P/M)  ->  busbw <= f x B x min(1, M/P).
+# Aggregation on devices co-located in the P hosts: a host's link also
+# carries its device's traffic: receives (P-1)/P x S for its device and
+# (P-1)/P x S of results: busbw <= B.
+# Ring by chains with one device per rank in the network: a device link
+# carries the rank's input and result (S) plus 2(P-1)/P x S of chain payload
+# each way: busbw <= f/(1+f) x B.
+def bound(system):
+    if B is None:
+        return None
+    if system == "netdam":
+        return f * B * min(1.0, M / P)
+    if system == "netdam-chains":
+        return f / (1 + f) * B
+    return B   # gloo, mpi, netdam-colocated
+
+# Bytes the busiest link carries one way per AllReduce of S bytes, in units of S.
+def link_load(system):
+    if system == "netdam":
+        return max(1.0, P / M)
+    if system == "netdam-chains":
+        return 1 + f
+    return f
+
+def nodes(system):
+    if system in ("gloo", "mpi"):
+        return f"{P} hosts, {P} links"
+    if system == "netdam":
+        return f"{P} hosts + {M} devices (extra nodes in the network, like a switch), {P + M} links"
+    if system == "netdam-chains":
+        return f"{P} hosts + {P} devices (extra nodes in the network), {2 * P} links"
+    if system == "netdam-colocated":
+        return f"{P} hosts (a netdamd in each), {P} links"
+    return ""
+
+names = {"gloo": "gloo", "mpi": "Open MPI", "netdam": "netdam", "netdam-colocated": "netdam co-loc",
+         "netdam-chains": "netdam chains"}
+order = ["gloo", "mpi", "netdam", "netdam-colocated", "netdam-chains"]
+peers = ("gloo", "mpi")
+
+rows, wrong_total, per_algo = {}, {}, {}
+for s in order:
+    path = os.path.join(out, s + ".csv")
+    if not os.path.exists(path):
+        continue
+    best = {}
+    wrong_total[s] = 0
+    with open(path, newline="") as fh:
+        for r in csv.DictReader(fh):
+            if r.get("op", "allreduce").replace("_", "") != "allreduce":
+                continue
+            try:
+                size, t, bw = int(float(r["size"])), float(r["time_us"]), float(r["busbw"])
+                wrong = int(float(r.get("wrong", 0) or 0))
+            except (KeyError, ValueError):
+                continue
+            wrong_total[s] += wrong
+            algo = r.get("algo", "")
+            per_algo.setdefault(s, {}).setdefault(algo, {})[size] = (bw, wrong)
+            cur = best.get(size)
+            row = {"t": t, "bw": bw, "algo": algo, "wrong": wrong}
+            if (cur is None or (wrong == 0 and cur["wrong"] != 0) or
+                    ((wrong == 0) == (cur["wrong"] == 0) and t < cur["t"])):
+                best[size] = row
+    if best:
+        rows[s] = best
+
+if not rows:
+    print("cluster_bench: no results", file=sys.stderr)
+    sys.exit(1)
+
+def human(n):
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+sizes = sorted(set().union(*(d.keys() for d in rows.values())))
+rate_s = f"{rate} = {B:.4f} GB/s" if B else "unlimited"
+print()
+print(f"# AllReduce f32 sum in the emulated cluster: p={P} hosts, M={M} devices, every link {rate_s} each way;")
+print(f"# busbw = algbw x 2(p-1)/p (GB/s, decimal); bound = the line-rate bound of the algorithm; timing: each")
+print("# (fresh input, barrier, one timed collective, verify; mean, slowest rank); peers: best correct algorithm.")
+if B:
+    print(f"# ~ after %bound: that system's busiest link moves < 4 tbf buckets ({burst} B each) per AllReduce,")
+    print("#   much of which leaves at wire speed after an idle moment: the bound does not bind there.")
+summary = []
+for size in sizes:
+    print()
+    print(f"## {human(size)} ({size} B)")
+    print(f"  {'system':<14} {'algo':<22} {'busbw':>7} {'bound':>7} {'%bound':>7} {'time us':>12} {'wrong':>6}  nodes and links")
+    for s in order:
+        r = rows.get(s, {}).get(size)
+        if r is None:
+            continue
+        b = bound(s)
+        # '~': the busiest link moves less than 4 tbf buckets per AllReduce,
+        # a good part of which can leave at wire speed after an idle moment.
+        pct = (f"{100 * r['bw'] / b:5.0f}%" + ("~" if link_load(s) * size < 4 * burst else " ")) if b else "     - "
+        bs = f"{b:7.4f}" if b else "      -"
+        print(f"  {names[s]:<14} {r['algo'][:22]:<22} {r['bw']:7.4f} {bs} {pct} {r['t']:12.1f} {r['wrong']:6d}  {nodes(s)}")
+        summary.append((s, r["algo"], size, r["t"], r["bw"], b, r["wrong"]))
+    best_peer = None
+    for s in peers:
+        r = rows.get(s, {}).get(size)
+        if r and r["wrong"] == 0 and (best_peer is None or r["bw"] > best_peer[1]["bw"]):
+            best_peer = (s, r)
+    nd = rows.get("netdam", {}).get(size)
+    if best_peer and nd:
+        bp = bound("netdam") / bound(best_peer[0]) if B else None
+        print(f"  netdam / best peer ({names[best_peer[0]]} {best_peer[1]['algo']}): "
+              f"{nd['bw'] / best_peer[1]['bw']:.2f}x busbw" +
+              (f"   (ratio of the bounds: {bp:.2f}x)" if bp else ""))
+    elif best_peer:
+        print(f"  best peer: {names[best_peer[0]]} {best_peer[1]['algo']}"
+              + ("" if "netdam" in rows else "   (netdam not measured in this run)"))
+
+# Every gloo algorithm, every size: which ones track the line rate.
+if "gloo" in per_algo:
+    algos = sorted(per_algo["gloo"])
+    print()
+    print("# gloo, busbw of every algorithm (GB/s; * = wrong elements); the bound of each is B" +
+          (f" = {B:.4f}" if B else ""))
+    print(f"  {'size':>8} " + " ".join(f"{a:>21}" for a in algos))
+    for size in sizes:
+        cells = []
+        for a in algos:
+            v = per_algo["gloo"][a].get(size)
+            cells.append(f"{v[0]:20.4f}{'*' if v[1] else ' '}" if v else f"{'-':>20} ")
+        print(f"  {human(size):>8} " + " ".join(cells))
+
+# CPU and links of each system's whole run (all sizes).
+runs = []
+with open(os.path.join(out, "runs.txt")) as fh:
+    for line in fh:
+        name, rc, t0, t1, c0, c1, l0, l1, load, own, dev = line.rstrip("\n").split("|")
+        own, dev = float(own), float(dev)
+        c0 = list(map(int, c0.split()))[:8]
+        c1 = list(map(int, c1.split()))[:8]
+        d = [b - a for a, b in zip(c0, c1)]
+        tot = sum(d) or 1
+        user, nice, system, idle, iowait, irq, softirq, steal = d
+        l0 = list(map(int, l0.split()))
+        l1 = list(map(int, l1.split()))
+        lb = [b - a for a, b in zip(l0, l1)]
+        runs.append((name, int(rc), float(t1) - float(t0), 100 * (tot - idle - iowait) / tot,
+                     100 * (user + nice) / tot, 100 * system / tot, 100 * (irq + softirq) / tot,
+                     100 * steal / tot, lb, load, own, dev))
+print()
+print(f"# CPU over each system's whole run, in % of the {cores} cores: 'own' = user+sys of that system's host")
+print("# processes (ranks, mpirun, orteds), 'dev' = of the netdamd devices (extra nodes: their CPU would be the")
+print("# devices' own hardware); busy/user/sys/sirq/steal = /proc/stat, everything on the")
+print("# machine (sirq: the emulated links' packet processing, mostly). Bytes the links' tbf qdiscs sent")
+print("# (host/device links; up = node to switch, down = switch to node):")
+print(f"  {'system':<16} {'wall s':>7} {'own':>5} {'dev':>5} {'busy':>5} {'user':>5} {'sys':>5} {'sirq':>5} {'steal':>5}"
+      f" {'host up GB':>10} {'host dn GB':>10} {'dev up GB':>9} {'dev dn GB':>9} {'busiest link':>12} {'drops hu/hd/du/dd':>19} {'load1':>6}")
+for name, rc, wall, busy, user, system, sirq, steal, lb, load, own, dev in runs:
+    ownp = 100 * own / (cores * wall) if wall > 0 else 0
+    devp = 100 * dev / (cores * wall) if wall > 0 else 0
+    hu, hd, du, dd = (x / 1e9 for x in lb[:4])
+    # Mean use of the busiest direction: a lower bound on how busy the busiest link was.
+    busiest = ""
+    if B:
+        per = max(hu / P, hd / P, (du / M if M else 0), (dd / M if M else 0))
+        busiest = f"{100 * per / (wall * B):11.0f}%"
+    print(f"  {name:<16} {wall:7.1f} {ownp:4.0f}% {devp:4.0f}% {busy:4.0f}% {user:4.0f}% {system:4.0f}% {sirq:4.0f}% {steal:4.0f}%"
+          f" {hu:10.3f} {hd:10.3f} {du:9.3f} {dd:9.3f} {busiest:>12} {'/'.join(map(str, lb[4:8])):>19} {load:>6}")
+print("# busy counts polling too (Open MPI's ranks spin between messages). 'busiest link': mean load of the")
+print("# busiest direction over the whole run (setup, small sizes, barriers included); drops: packets the")
+print("# tbf queues dropped, host up/host down/device up/device down (TCP resends them, netdam its own).")
+
+with open(os.path.join(out, "summary.csv"), "w", newline="") as fh:
+    w = csv.writer(fh)
+    w.writerow(["impl", "algo", "op", "size", "time_us", "busbw", "bound_busbw", "wrong", "hosts", "devices", "rate_bps"])
+    for s, algo, size, t, bw, b, wrong in summary:
+        w.writerow([s, algo, "allreduce", size, f"{t:.3f}", f"{bw:.6f}", f"{b:.6f}" if b else "", wrong, P,
+                    M if s in ("netdam", "netdam-chains") else (P if s == "netdam-colocated" else 0), bps])
+print()
+print("# #wrong over every row: " + ", ".join(f"{names[k]} {v}" for k, v in wrong_total.items()))
+sys.exit(1 if any(wrong_total.get(k) for k in ("netdam", "netdam-colocated", "netdam-chains")) else 0)
+PY
+echo "== loadavg at the end $(cut -d' ' -f1-3 /proc/loadavg); logs, CSVs and summary.csv in $out"
+exit $status

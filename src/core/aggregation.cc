@@ -1,0 +1,229 @@
+#include "core/aggregation.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+
+#include "core/endian.h"
+#include "core/reduce.h"
+
+namespace netdam::core {
+
+void encode_agg_record(const AggRecord& r, std::byte* out) {
+  store_be<uint16_t>(out, r.contributor);
+  store_be<uint16_t>(out + 2, r.contributors);
+  store_be<uint32_t>(out + 4, r.stride);
+  store_be<uint32_t>(out + 8, r.flags);
+  store_be<uint32_t>(out + 12, r.reserved);
+}
+
+AggRecord decode_agg_record(const std::byte* in) {
+  return {load_be<uint16_t>(in), load_be<uint16_t>(in + 2), load_be<uint32_t>(in + 4),
+          load_be<uint32_t>(in + 8), load_be<uint32_t>(in + 12)};
+}
+
+void encode_agg_answer(const AggAnswerRecord& r, std::byte* out) {
+  store_be<uint32_t>(out, r.generation);
+  store_be<uint32_t>(out + 4, r.flags);
+}
+
+AggAnswerRecord decode_agg_answer(const std::byte* in) {
+  return {load_be<uint32_t>(in), load_be<uint32_t>(in + 4)};
+}
+
+AggGeometry AggGeometry::of(uint64_t region_size, uint16_t contributors, uint32_t stride) {
+  AggGeometry g;
+  g.contributors = contributors;
+  g.stride = stride;
+  if (stride == 0 || contributors == 0) return g;
+  g.blocks = region_size / (uint64_t{contributors} + 2) / stride;
+  g.area = g.blocks * stride;
+  return g;
+}
+
+bool all_zero(std::span<const std::byte> b) {
+  size_t i = 0;
+  for (; i + 8 <= b.size(); i += 8) {
+    uint64_t w;
+    std::memcpy(&w, b.data() + i, 8);
+    if (w) return false;
+  }
+  for (; i < b.size(); ++i)
+    if (b[i] != std::byte{0}) return false;
+  return true;
+}
+
+namespace {
+
+uint64_t full_set(uint16_t contributors) {
+  return contributors >= 64 ? ~uint64_t{0} : (uint64_t{1} << contributors) - 1;
+}
+
+}  // namespace
+
+std::shared_ptr<Aggregator::Table> Aggregator::table(const AggContribution& c, Status& status) {
+  const AggRecord& r = c.record;
+  {
+    std::shared_lock lock(mu_);
+    auto it = tables_.find(c.key);
+    if (it != tables_.end()) {
+      const AggGeometry& g = it->second->geometry;
+      if (g.contributors != r.contributors || g.stride != r.stride) {
+        status = Status::kBadPayload;  // another geometry: a region serves one group
+        return nullptr;
+      }
+      return it->second;
+    }
+  }
+  const AggGeometry g = AggGeometry::of(c.region_size, r.contributors, r.stride);
+  if (g.blocks == 0) {
+    status = Status::kOutOfBounds;  // the region cannot hold one block per contributor
+    return nullptr;
+  }
+  std::unique_lock lock(mu_);
+  auto& slot = tables_[c.key];
+  if (!slot) {
+    auto t = std::make_shared<Table>();
+    t->geometry = g;
+    t->blocks.resize(g.blocks);
+    t->replies.resize(g.blocks * r.contributors);
+    slot = std::move(t);
+  } else if (slot->geometry.contributors != r.contributors || slot->geometry.stride != r.stride) {
+    status = Status::kBadPayload;
+    return nullptr;
+  }
+  return slot;
+}
+
+void Aggregator::drop(uint32_t key) {
+  std::unique_lock lock(mu_);
+  tables_.erase(key);
+}
+
+AggOutcome Aggregator::contribute(const AggContribution& c) {
+  AggOutcome out;
+  const AggRecord& r = c.record;
+  // The record's own rules (the engine has checked key, types and sizes).
+  if (r.contributors == 0 || r.contributors > kMaxContributors || r.contributor >= r.contributors ||
+      r.reserved != 0 || (r.flags & ~kAggFlagsKnown) || std::popcount(r.flags & kAggNoPayload) > 1 ||
+      r.stride < kAggMinStride ||
+      r.stride % 64 != 0) {
+    out.status = Status::kBadPayload;
+    return out;
+  }
+  if (c.length > r.stride) {
+    out.status = Status::kBadLength;
+    return out;
+  }
+  std::shared_ptr<Table> t = table(c, out.status);
+  if (!t) return out;
+  const AggGeometry& g = t->geometry;
+  if (c.block >= g.blocks) {
+    out.status = Status::kOutOfBounds;
+    return out;
+  }
+  const bool relay = r.flags & kAggSkip;
+  const uint64_t me = uint64_t{1} << r.contributor;
+  const int s = static_cast<int>(c.generation % 2);
+  const int o = 1 - s;
+  std::byte* const base = memory_.data() + c.region_base;
+
+  std::lock_guard lock(t->stripes[c.block % t->stripes.size()]);
+  Block& b = t->blocks[c.block];
+  AggReply& waiting = t->replies[c.block * r.contributors + r.contributor];
+  // Serial-number comparison, as for chain generations.
+  const auto ahead = b.used[s] ? static_cast<int32_t>(b.generation[s] - c.generation) : -1;
+  if (ahead > 0 || (ahead == 0 && b.abandoned[s])) {
+    out.status = Status::kStaleGeneration;  // that collective is over
+    return out;
+  }
+  if (ahead < 0) {
+    // The first contribution of generation g to this block. Whoever sends
+    // g has had every answer of g-1, so every host has contributed to g-1
+    // and had g-2's result: the state of g-2 (this parity) is free. A g-1
+    // that never completed was abandoned by a failed collective.
+    if (b.used[o] && b.generation[o] == c.generation - 1 && !b.done[o] && b.have[o] != 0) {
+      b.abandoned[o] = true;
+      out.abandoned = true;
+    }
+    b.generation[s] = c.generation;
+    b.used[s] = true;
+    b.have[s] = b.skip[s] = b.zeros[s] = 0;
+    b.done[s] = b.abandoned[s] = b.zero[s] = false;
+    b.length[s] = c.length;
+    b.dtype[s] = c.dtype;
+    b.redop[s] = c.redop;
+  }
+  if (b.length[s] != c.length) {
+    out.status = Status::kBadLength;  // contributors disagree about the block
+    return out;
+  }
+  if (b.dtype[s] != c.dtype || b.redop[s] != c.redop) {
+    out.status = b.dtype[s] != c.dtype ? Status::kBadType : Status::kBadRedop;
+    return out;
+  }
+  out.record.generation = c.generation;
+  auto answer_now = [&](const AggReply& to) {
+    out.answer.push_back(to);
+    out.record.flags = b.zero[s] ? kAggResultZero : 0;
+    if (!b.zero[s]) out.result = std::span<const std::byte>(base + g.result(c.generation, c.block), b.length[s]);
+  };
+  if (b.have[s] & me) {
+    out.duplicate = true;
+    if (b.done[s]) {
+      answer_now(c.reply);  // its answer was lost: send it again
+    } else {
+      waiting = c.reply;  // a retransmission: answer where it came from last
+    }
+    return out;
+  }
+  // Typed data reduces; raw bytes only relay a single contributor's block.
+  if (!relay && b.redop[s] == RedOp::kNone && (b.have[s] & ~b.skip[s]) != 0) {
+    out.status = Status::kBadRedop;
+    return out;
+  }
+  // Staged: its host wrote STAGE_r through the mapping. Zero: written
+  // only if the reduction needs it (below).
+  if (!relay && !(r.flags & (kAggStaged | kAggZero)) && c.length > 0)
+    std::memcpy(base + g.stage(r.contributor, c.block), c.data.data(), c.length);
+  b.have[s] |= me;
+  if (relay) b.skip[s] |= me;
+  if (r.flags & kAggZero) b.zeros[s] |= me;
+  waiting = c.reply;
+  if (b.have[s] != full_set(r.contributors)) return out;  // held until the last one arrives
+
+  // Complete: reduce the staged contributions in contributor order, so the
+  // bits do not depend on the order they arrived in.
+  std::byte* result = base + g.result(c.generation, c.block);
+  const uint64_t adding = b.have[s] & ~b.skip[s];
+  if ((adding & ~b.zeros[s]) == 0) {
+    // Only zero markers (or only relays): +0.0 OP +0.0 is +0.0 for every
+    // operator and type, so the dense result is all zero bits.
+    std::memset(result, 0, c.length);
+  } else {
+    bool first = true;
+    for (uint16_t k = 0; k < r.contributors; ++k) {
+      const uint64_t bit = uint64_t{1} << k;
+      if (!(adding & bit)) continue;
+      std::byte* in = base + g.stage(k, c.block);
+      if (b.zeros[s] & bit) std::memset(in, 0, c.length);  // dense semantics: -0.0 + 0.0 is +0.0
+      if (first)
+        std::memcpy(result, in, c.length);
+      else
+        reduce_inplace(c.dtype, c.redop, result, in, c.length / dtype_size(c.dtype));
+      first = false;
+    }
+  }
+  b.done[s] = true;
+  b.zero[s] = all_zero(std::span<const std::byte>(result, c.length));
+  out.completed = true;
+  for (uint16_t k = 0; k < r.contributors; ++k) {
+    const AggReply& w = t->replies[c.block * r.contributors + k];
+    out.answer.push_back(w);
+  }
+  out.record.flags = b.zero[s] ? kAggResultZero : 0;
+  if (!b.zero[s]) out.result = std::span<const std::byte>(result, c.length);
+  return out;
+}
+
+}  // namespace netdam::core

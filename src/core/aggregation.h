@@ -1,0 +1,163 @@
+// In-network aggregation (AGGREGATE, docs/PROTOCOL.md 6.13 and
+// docs/COLLECTIVES.md section 11): p hosts each send the device their
+// contribution to a block; the device reduces the block exactly once, in
+// contributor order, when the last contribution arrives, and answers every
+// contributor with the result. SwitchML's aggregation slots, in device
+// memory, with the generation numbers of the chains.
+//
+// Pure: no sockets, threads or clocks. Thread-safe: device threads may
+// contribute to the same region at once (blocks are locked by stripes).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "netdam/types.h"
+
+namespace netdam::core {
+
+// The record that starts an AGGREGATE segment's payload (16 bytes,
+// big-endian): contributor u16, contributors u16, stride u32, flags u32,
+// reserved u32 (0).
+inline constexpr size_t kAggRecordSize = 16;
+// The record that starts an AGGREGATE answer's payload (8 bytes,
+// big-endian): generation u32, flags u32.
+inline constexpr size_t kAggAnswerRecordSize = 8;
+// Request flags.
+inline constexpr uint32_t kAggZero = 0x1;      // the block is all zero bits: no data follows
+inline constexpr uint32_t kAggNoResult = 0x2;  // answer without the result's data
+inline constexpr uint32_t kAggSkip = 0x4;      // adds nothing, only waits for the result (a relay)
+inline constexpr uint32_t kAggStaged = 0x8;    // the data is in STAGE_r already (a host sharing the memory)
+inline constexpr uint32_t kAggFlagsKnown = kAggZero | kAggNoResult | kAggSkip | kAggStaged;
+// The flags that say where the data is instead of the payload: at most one.
+inline constexpr uint32_t kAggNoPayload = kAggZero | kAggSkip | kAggStaged;
+// Answer flags.
+inline constexpr uint32_t kAggResultZero = 0x1;  // the result is all zero bits: no data follows
+inline constexpr uint32_t kAggResultNone = 0x2;  // no data asked for (kAggNoResult)
+inline constexpr uint32_t kAggHeld = 0x4;        // not a result: the contribution is held until all are in
+// Contributors are a 64-bit set.
+inline constexpr size_t kMaxContributors = 64;
+// Blocks are whole 64-byte units of at least this size, which bounds the
+// state a region's blocks take (about 7% of the region at this stride).
+inline constexpr uint32_t kAggMinStride = 512;
+
+struct AggRecord {
+  uint16_t contributor = 0;
+  uint16_t contributors = 0;
+  uint32_t stride = 0;
+  uint32_t flags = 0;
+  uint32_t reserved = 0;
+};
+void encode_agg_record(const AggRecord& r, std::byte* out);  // kAggRecordSize bytes
+// Every bit zero (a block that travels as a ZERO marker). Stops at the
+// first non-zero word, so a dense block costs little.
+bool all_zero(std::span<const std::byte> b);
+AggRecord decode_agg_record(const std::byte* in);
+
+struct AggAnswerRecord {
+  uint32_t generation = 0;
+  uint32_t flags = 0;
+};
+void encode_agg_answer(const AggAnswerRecord& r, std::byte* out);  // kAggAnswerRecordSize bytes
+AggAnswerRecord decode_agg_answer(const std::byte* in);
+
+// How a region is laid out for aggregation with `contributors` and blocks
+// of `stride` bytes: RESULT0 | RESULT1 | STAGE_0 .. STAGE_{p-1}, each
+// `area` bytes (blocks x stride), from the region's base.
+struct AggGeometry {
+  uint16_t contributors = 0;
+  uint32_t stride = 0;
+  uint64_t area = 0;
+  uint64_t blocks = 0;
+  static AggGeometry of(uint64_t region_size, uint16_t contributors, uint32_t stride);
+  uint64_t result(uint32_t generation, uint64_t block) const {
+    return (generation % 2) * area + block * stride;
+  }
+  uint64_t stage(uint16_t contributor, uint64_t block) const {
+    return (2 + uint64_t{contributor}) * area + block * stride;
+  }
+};
+
+// Who gets an answer, and the request fields it echoes.
+struct AggReply {
+  uint32_t ip = 0;
+  uint16_t port = 0;
+  bool with_data = true;
+  uint64_t txn = 0;
+  uint32_t rkey = 0;   // the request header's rkey and addr, echoed
+  uint64_t addr = 0;
+};
+
+// One contribution, checked by the engine against the region (key,
+// permissions) before it gets here.
+struct AggContribution {
+  uint32_t key = 0;
+  uint64_t region_base = 0;
+  uint64_t region_size = 0;
+  uint32_t generation = 0;
+  uint64_t block = 0;
+  DType dtype = DType::kBytes;
+  RedOp redop = RedOp::kNone;
+  uint32_t length = 0;  // the block's dense length
+  AggRecord record;
+  std::span<const std::byte> data;  // length bytes, or empty with kAggZero / kAggSkip
+  AggReply reply;
+};
+
+struct AggOutcome {
+  Status status = Status::kOk;
+  // Answers to send now (empty while the block waits for contributors):
+  // to this contributor alone (a retransmission after completion), or to
+  // every contributor that waits (the block just completed).
+  std::vector<AggReply> answer;
+  AggAnswerRecord record;
+  std::span<const std::byte> result;  // the result's bytes in device memory (empty if zero)
+  bool completed = false;     // this contribution completed the block
+  bool duplicate = false;     // already had it (a retransmission or a copy)
+  bool abandoned = false;     // reset a block whose previous generation never completed
+};
+
+class Aggregator {
+ public:
+  explicit Aggregator(std::span<std::byte> memory) : memory_(memory) {}
+
+  // Adds one contribution (docs/PROTOCOL.md 6.13 for the statuses).
+  AggOutcome contribute(const AggContribution& c);
+  // The region was removed or registered again: forget its blocks.
+  void drop(uint32_t key);
+
+ private:
+  struct Block {
+    std::array<uint32_t, 2> generation{};  // by generation parity
+    std::array<bool, 2> used{};            // a generation has been there (else any one may start)
+    std::array<uint64_t, 2> have{};        // contributors received
+    std::array<uint64_t, 2> skip{};        // of those, relays (kAggSkip)
+    std::array<uint64_t, 2> zeros{};       // of those, ZERO markers (their stage is not written)
+    std::array<bool, 2> done{};
+    std::array<bool, 2> abandoned{};
+    std::array<bool, 2> zero{};             // the result is all zero bits
+    std::array<uint32_t, 2> length{};
+    std::array<DType, 2> dtype{};
+    std::array<RedOp, 2> redop{};
+  };
+  struct Table {
+    AggGeometry geometry;
+    std::vector<Block> blocks;
+    std::vector<AggReply> replies;  // blocks x contributors: who waits
+    std::array<std::mutex, 64> stripes;
+  };
+  std::shared_ptr<Table> table(const AggContribution& c, Status& status);
+
+  std::span<std::byte> memory_;
+  std::shared_mutex mu_;
+  std::unordered_map<uint32_t, std::shared_ptr<Table>> tables_;
+};
+
+}  // namespace netdam::core

@@ -1,0 +1,106 @@
+// AGGREGATE (docs/PROTOCOL.md 6.13): the engine's side of in-network
+// aggregation. The checks come in the order the protocol lists them; the
+// block state lives in the Device's Aggregator.
+#include <cstring>
+
+#include "core/aggregation.h"
+#include "core/engine.h"
+
+namespace netdam::core {
+
+Action Engine::aggregate(const Header& h, const Packet& p, Address reply_to, const Segment& s,
+                         std::span<std::byte> out) {
+  // One segment, nothing else in the chain: the contribution's answer is the
+  // result, which comes when every contributor is in.
+  if (h.seg_count != 1 || s.flags != 0) return answer(h, reply_to, Status::kBadSegment, {}, out);
+  if (h.flags & (kFlagSparse | kFlagSparseOk)) return answer(h, reply_to, Status::kBadFlags, {}, out);
+  const std::optional<Region> region = device_.regions().find(s.rkey);
+  if (!region) return answer(h, reply_to, Status::kBadKey, {}, out);
+  if (Status st = device_.regions().check(s.rkey, region->base, region->size, kPermAll); st != Status::kOk)
+    return answer(h, reply_to, st, {}, out);
+  if (!is_valid_dtype(static_cast<uint8_t>(h.dtype))) return answer(h, reply_to, Status::kBadType, {}, out);
+  if (!is_valid_redop(static_cast<uint8_t>(h.redop)) ||
+      (h.dtype == DType::kBytes && h.redop != RedOp::kNone))
+    return answer(h, reply_to, Status::kBadRedop, {}, out);
+  if (p.payload.size() < kAggRecordSize || h.length % dtype_size(h.dtype))
+    return answer(h, reply_to, Status::kBadLength, {}, out);
+  const AggRecord rec = decode_agg_record(p.payload.data());
+  // A block that travels (in the request or the answer) fits max_payload
+  // with the answer's record; a staged block whose result is read through
+  // the mapping need not.
+  const bool carries = !(rec.flags & kAggNoPayload);
+  const bool answers = !(rec.flags & kAggNoResult);
+  if (((carries || answers) && h.length > device_.config().max_payload - kAggAnswerRecordSize) ||
+      p.payload.size() != kAggRecordSize + (carries ? h.length : 0))
+    return answer(h, reply_to, Status::kBadLength, {}, out);
+
+  AggContribution c;
+  c.key = s.rkey;
+  c.region_base = region->base;
+  c.region_size = region->size;
+  c.generation = p.sr.generation;
+  c.block = s.aux;
+  c.dtype = h.dtype;
+  c.redop = h.redop;
+  c.length = h.length;
+  c.record = rec;
+  c.data = p.payload.subspan(kAggRecordSize);
+  c.reply = {reply_to.ip, reply_to.port, !(rec.flags & kAggNoResult), h.txn, h.rkey, h.addr};
+  const AggOutcome o = device_.aggregator().contribute(c);
+  if (o.status != Status::kOk) return answer(h, reply_to, o.status, {}, out);
+  Stats::inc(o.duplicate ? stats_.agg_duplicates : stats_.agg_contributions);
+  if (o.completed) Stats::inc(stats_.agg_completed);
+  if (o.abandoned) Stats::inc(stats_.agg_abandoned);
+  if (o.answer.empty()) {
+    // Held until the block completes. Say so at once: the contributor then
+    // knows its block arrived (and how long the network takes), and
+    // retransmits only if the result does not come for a long while.
+    Header a = h;
+    a.flags = kFlagResponse;
+    a.status = Status::kOk;
+    a.seg_count = 0;
+    a.boot = device_.config().boot_id;
+    a.length = static_cast<uint32_t>(kAggAnswerRecordSize);
+    encode_header(a, out.data());
+    encode_agg_answer({p.sr.generation, kAggHeld}, out.data() + kHeaderSize);
+    Stats::inc(stats_.tx_packets);
+    Stats::inc(stats_.tx_bytes, kHeaderSize + kAggAnswerRecordSize);
+    return Action{Action::Kind::kReply, reply_to, out.first(kHeaderSize + kAggAnswerRecordSize), {}};
+  }
+
+  // Every answer echoes the contributor's own request fields; the data is
+  // the result in device memory.
+  auto build = [&](const AggReply& to, std::byte* head) -> std::span<const std::byte> {
+    Header a = h;
+    a.flags = kFlagResponse;
+    a.status = Status::kOk;
+    a.seg_count = 0;
+    a.seg_index = 0;
+    a.txn = to.txn;
+    a.rkey = to.rkey;
+    a.addr = to.addr;
+    a.boot = device_.config().boot_id;
+    AggAnswerRecord r = o.record;
+    std::span<const std::byte> data = o.result;
+    if (!to.with_data) {
+      r.flags |= kAggResultNone;
+      data = {};
+    }
+    a.length = static_cast<uint32_t>(kAggAnswerRecordSize + data.size());
+    encode_header(a, head);
+    encode_agg_answer(r, head + kHeaderSize);
+    Stats::inc(stats_.tx_packets);
+    Stats::inc(stats_.tx_bytes, kHeaderSize + a.length);
+    return data;
+  };
+  for (size_t i = 1; i < o.answer.size(); ++i) {
+    Fanout& f = fanout_.emplace_back();
+    f.to = {o.answer[i].ip, o.answer[i].port};
+    f.data = build(o.answer[i], f.head.data());
+  }
+  const auto data = build(o.answer[0], out.data());
+  return Action{Action::Kind::kReply, {o.answer[0].ip, o.answer[0].port},
+                out.first(kHeaderSize + kAggAnswerRecordSize), data};
+}
+
+}  // namespace netdam::core

@@ -1,0 +1,177 @@
+// In-network aggregation for real, in the emulated cluster
+// (scripts/cluster.sh): 3 host network namespaces and 2 device namespaces
+// with a netdamd each, on one bridge, every link rate-limited (tbf) with
+// jumbo frames. Each rank runs in a thread of this process that has
+// entered its host's namespace, so its socket lives there and its
+// datagrams cross the veths and the bridge. The results of a few MiB of
+// AllReduce, ReduceScatter and AllGather are compared bit for bit with a
+// reference. Needs root and what scripts/cluster.sh needs; skipped
+// otherwise (with the tool's reason). The cluster is torn down even when a
+// check fails.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <map>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "core/reduce.h"
+#include "daemon_fixture.h"
+#include "netdam/group.h"
+
+namespace netdam {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::build_path;
+using testing::run_process;
+
+constexpr int kHosts = 3, kDevices = 2;
+
+class Cluster {
+ public:
+  Cluster() : prefix_("ag" + std::to_string(getpid() % 100000)) {}
+  ~Cluster() {
+    if (up_) run({"--prefix", prefix_, "down"});
+  }
+
+  // "" when up; else why not (the tool's refusal, or a failure).
+  std::string up() {
+    if (geteuid() != 0) return "needs root";
+    auto r = run({"--prefix", prefix_, "--hosts", std::to_string(kHosts), "--devices", std::to_string(kDevices),
+                  "--rate", "1gbit", "--netdamd", "--memory", "256MiB", "--build", build_path(""), "up"});
+    if (r.exit_code == 77 || r.exit_code == 78 || r.exit_code == 79) return "cluster.sh refused: " + r.err;
+    if (r.exit_code != 0) {
+      failed_ = true;
+      return "cluster.sh up failed (" + std::to_string(r.exit_code) + "): " + r.err;
+    }
+    up_ = true;
+    auto env = run({"--prefix", prefix_, "env"});
+    std::istringstream lines(env.out);
+    for (std::string line; std::getline(lines, line);) {
+      const size_t eq = line.find('=');
+      if (eq == std::string::npos) continue;
+      std::string key = line.substr(0, eq), value = line.substr(eq + 1);
+      if (key.rfind("export ", 0) == 0) key = key.substr(7);
+      if (value.size() >= 2 && (value.front() == '"' || value.front() == '\'')) value = value.substr(1, value.size() - 2);
+      std::string unescaped;  // printf %q: a\ b
+      for (size_t i = 0; i < value.size(); ++i) {
+        if (value[i] == '\\' && i + 1 < value.size()) ++i;
+        unescaped += value[i];
+      }
+      value = unescaped;
+      vars_[key] = value;
+    }
+    if (vars_["CLUSTER_HOST_NS"].empty() || vars_["CLUSTER_DEVICE_ADDRS"].empty()) {
+      failed_ = true;
+      return "cluster.sh env lacks CLUSTER_HOST_NS / CLUSTER_DEVICE_ADDRS:\n" + env.out;
+    }
+    return {};
+  }
+  bool failed() const { return failed_; }
+
+  std::vector<std::string> list(const std::string& key, char sep) {
+    std::vector<std::string> out;
+    std::istringstream s(vars_[key]);
+    for (std::string item; std::getline(s, item, sep);)
+      if (!item.empty()) out.push_back(item);
+    return out;
+  }
+
+ private:
+  testing::ProcessResult run(std::vector<std::string> args) {
+    args.insert(args.begin(), {"/bin/bash", std::string(NETDAM_SOURCE_DIR) + "/scripts/cluster.sh"});
+    return run_process(args, {}, {"CLUSTER_QUIET=1"}, 120s);
+  }
+  std::string prefix_;
+  bool up_ = false, failed_ = false;
+  std::map<std::string, std::string> vars_;
+};
+
+std::vector<std::byte> random_floats(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-50, 50);
+  std::vector<std::byte> v(4 * n);
+  for (size_t i = 0; i < n; ++i) {
+    const float x = (i % 7 == 0) ? 0.0f : u(rng);  // some zero runs too
+    std::memcpy(v.data() + 4 * i, &x, 4);
+  }
+  return v;
+}
+
+TEST(AggregateNetns, ThreeHostsTwoDevicesExact) {
+  Cluster c;
+  const std::string why = c.up();
+  if (!why.empty() && !c.failed()) GTEST_SKIP() << why;
+  ASSERT_TRUE(why.empty()) << why;
+  const auto host_ns = c.list("CLUSTER_HOST_NS", ' ');
+  const auto devices = c.list("CLUSTER_DEVICE_ADDRS", ',');
+  ASSERT_EQ(host_ns.size(), static_cast<size_t>(kHosts));
+  ASSERT_EQ(devices.size(), static_cast<size_t>(kDevices));
+
+  const size_t n = (3u << 20) / 4 + 123;  // 3 MiB and a bit: blocks of both devices, a short last one
+  std::vector<std::vector<std::byte>> in, sum_out(kHosts), rs_out(kHosts), ag_out(kHosts);
+  for (int r = 0; r < kHosts; ++r) in.push_back(random_floats(n, static_cast<uint64_t>(r + 11)));
+  std::vector<std::string> errors(kHosts);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kHosts; ++r) {
+    threads.emplace_back([&, r] {
+      // This thread's sockets live in the host's namespace.
+      const int fd = open(("/var/run/netns/" + host_ns[static_cast<size_t>(r)]).c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0 || setns(fd, CLONE_NEWNET) != 0) {
+        errors[static_cast<size_t>(r)] = "cannot enter " + host_ns[static_cast<size_t>(r)] + ": " + std::strerror(errno);
+        if (fd >= 0) close(fd);
+        return;
+      }
+      close(fd);
+      GroupOptions o;
+      o.rank = r;
+      o.ranks = kHosts;
+      o.aggregators = devices;
+      o.admin_key = 0xAD;
+      o.capacity = 8u << 20;
+      o.timeout = 10s;
+      o.client.timeout = 10s;
+      auto g = Group::create(o);
+      if (!g) {
+        errors[static_cast<size_t>(r)] = g.error().to_string();
+        return;
+      }
+      auto& mine = in[static_cast<size_t>(r)];
+      sum_out[static_cast<size_t>(r)].resize(mine.size());
+      const size_t shard = (n / kHosts) * 4;
+      rs_out[static_cast<size_t>(r)].resize(shard);
+      ag_out[static_cast<size_t>(r)].resize(shard * kHosts);
+      Error e = g.value()->allreduce(mine, sum_out[static_cast<size_t>(r)], DType::kF32, Reduction::kSum);
+      if (!e) e = g.value()->reduce_scatter(std::span(mine).first(shard * kHosts), rs_out[static_cast<size_t>(r)],
+                                            DType::kF32, Reduction::kSum);
+      if (!e) e = g.value()->allgather(std::span(mine).first(shard), ag_out[static_cast<size_t>(r)]);
+      if (e) errors[static_cast<size_t>(r)] = e.to_string();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kHosts; ++r) ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+
+  std::vector<std::byte> want = in[0];
+  for (int r = 1; r < kHosts; ++r) core::reduce_reference(DType::kF32, RedOp::kSum, want.data(), in[static_cast<size_t>(r)].data(), n);
+  const size_t shard = (n / kHosts) * 4;
+  std::vector<std::byte> want_rs(in[0].begin(), in[0].begin() + static_cast<ptrdiff_t>(shard * kHosts));
+  for (int r = 1; r < kHosts; ++r)
+    core::reduce_reference(DType::kF32, RedOp::kSum, want_rs.data(), in[static_cast<size_t>(r)].data(), shard * kHosts / 4);
+  for (int r = 0; r < kHosts; ++r) {
+    EXPECT_EQ(sum_out[static_cast<size_t>(r)], want) << "allreduce, rank " << r;
+    EXPECT_EQ(0, std::memcmp(rs_out[static_cast<size_t>(r)].data(), want_rs.data() + shard * static_cast<size_t>(r), shard))
+        << "reduce_scatter, rank " << r;
+    for (int k = 0; k < kHosts; ++k)
+      EXPECT_EQ(0, std::memcmp(ag_out[static_cast<size_t>(r)].data() + shard * static_cast<size_t>(k),
+                               in[static_cast<size_t>(k)].data(), shard))
+          << "allgather, rank " << r << " block of " << k;
+  }
+}
+
+}  // namespace
+}  // namespace netdam

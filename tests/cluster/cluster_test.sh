@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# CTest test of scripts/cluster.sh: builds a small cluster (2 hosts, 1
+# device, 100 Mbit/s links), checks the namespaces, veths, bridge and tbf
+# qdiscs, that jumbo frames cross it, that the rate limit holds for one
+# stream (upload and download tbf) and for two streams into one node (the
+# download tbf alone), that `run` tears down after its command and on
+# SIGTERM, that a failing setup leaves nothing, and the refusals (not root,
+# missing tc, a kernel without tbf). Needs root and `ip netns`; exits 77
+# (skipped) without them. About 10 s.
+set -uo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+cluster="$repo/scripts/cluster.sh"
+rate_py="$here/tcp_rate.py"
+py=/usr/bin/python3
+[[ -x "$py" ]] || py=$(command -v python3)
+
+if [[ "$(id -u)" != 0 ]]; then echo "SKIP: needs root"; exit 77; fi
+if ! command -v ip >/dev/null || ! ip netns list >/dev/null 2>&1; then
+  echo "SKIP: no ip netns"; exit 77
+fi
+
+# Names no other test or cluster uses: prefix from our pid.
+pre="ct$(($$ % 100000))"
+work=$(mktemp -d)
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+ok() { echo "ok: $*"; }
+cleanup() {
+  for p in "$pre" "${pre}r" "${pre}s" "${pre}f"; do "$cluster" --prefix "$p" down >/dev/null 2>&1; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+# Nothing named after prefix P left: namespaces, links, state.
+nothing_left() {  # nothing_left P
+  local p=$1 left=""
+  left+=$(ip netns list | awk '{print $1}' | grep -E "^$p-" || true)
+  left+=$(ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | grep -E "^$p-" || true)
+  [[ -e "/run/netdam-cluster/$p" ]] && left+=" /run/netdam-cluster/$p"
+  [[ -z "$left" ]] || { echo "left behind: $left"; return 1; }
+}
+
+# ------------------------------------------------------------ build it ---
+rate_bps=100000000
+if ! CLUSTER_QUIET=1 "$cluster" --prefix "$pre" --hosts 2 --devices 1 --rate 100mbit up >/dev/null; then
+  echo "FAIL: cluster.sh up failed"; exit 1
+fi
+# shellcheck disable=SC1090
+source <("$cluster" --prefix "$pre" env)
+read -r _ h1 <<<"$CLUSTER_HOST_IPS"
+d0=$CLUSTER_DEVICE_IPS
+[[ "$CLUSTER_HOST_NS $CLUSTER_DEVICE_NS" == "$pre-h0 $pre-h1 $pre-d0" ]] &&
+  ok "env names the nodes" || fail "env: '$CLUSTER_HOST_NS' '$CLUSTER_DEVICE_NS'"
+
+for ns in "$pre-h0" "$pre-h1" "$pre-d0"; do
+  ip netns list | grep -q "^$ns\b" || fail "no namespace $ns"
+  ip -n "$ns" link show eth0 | grep -q "mtu 9000" || fail "$ns: eth0 without MTU 9000"
+  ip link show "$ns" | grep -q "master $pre-br" || fail "veth $ns not on the bridge"
+  tc -n "$ns" qdisc show dev eth0 | grep -q "tbf .*rate 100Mbit" || fail "$ns: no upload tbf"
+  tc qdisc show dev "$ns" | grep -q "tbf .*rate 100Mbit" || fail "$ns: no download tbf"
+done
+ip -d link show "$pre-br" | grep -q "mcast_snooping 0" || fail "bridge snooping is on"
+[[ -z "$(ip -4 addr show dev "$pre-br" | grep inet)" ]] || fail "the bridge has an address"
+((failures == 0)) && ok "namespaces, veths on the bridge, MTU 9000, tbf both ends, snooping off"
+
+addr=$("$cluster" --prefix "$pre" exec h1 -- ip -4 -o addr show dev eth0 | awk '{print $4}')
+[[ "$addr" == "$h1/24" ]] && ok "exec h1 sees $addr" || fail "exec h1: address '$addr', want $h1/24"
+
+# Jumbo frames, unfragmented, host to host and host to device.
+if "$cluster" --prefix "$pre" exec h0 -- ping -c 2 -i 0.2 -W 2 -M "do" -s 8972 "$h1" >/dev/null &&
+   "$cluster" --prefix "$pre" exec h0 -- ping -c 2 -i 0.2 -W 2 -M "do" -s 8972 "$d0" >/dev/null; then
+  ok "ping h0 -> h1, h0 -> d0 with 9000-byte frames"
+else
+  fail "ping across the cluster"
+fi
+
+# ------------------------------------------------------------ the rate ---
+sent() {  # sent NETNS|"" DEV: bytes the qdisc sent
+  local in_ns=()
+  [[ -n "$1" ]] && in_ns=(-n "$1")
+  tc "${in_ns[@]}" -s qdisc show dev "$2" | awk '/Sent/ {print $2; exit}'
+}
+up0=$(sent "$pre-h0" eth0); down1=$(sent "" "$pre-h1")
+"$cluster" --prefix "$pre" exec h1 -- "$py" "$rate_py" recv "$h1" 5001 "$work/ready" >"$work/one" &
+rx=$!
+for _ in $(seq 100); do [[ -s "$work/ready" ]] && break; sleep 0.02; done
+"$cluster" --prefix "$pre" exec h0 -- "$py" "$rate_py" send "$h1" 5001 1.0
+wait "$rx"
+read -r bytes secs bps <"$work/one"
+echo "   one stream h0 -> h1: $bytes B in $secs s = $((bps / 1000000)) Mbit/s (limit 100)"
+((bps > rate_bps / 2 && bps < rate_bps * 11 / 10)) &&
+  ok "one stream within [0.5, 1.1] x 100 Mbit/s" || fail "one stream at $bps bit/s"
+dup=$(( $(sent "$pre-h0" eth0) - up0 )); ddown=$(( $(sent "" "$pre-h1") - down1 ))
+((dup >= bytes && ddown >= bytes)) &&
+  ok "the stream went through h0's upload tbf ($dup B) and h1's download tbf ($ddown B)" ||
+  fail "tbf counters: upload $dup B, download $ddown B, stream $bytes B"
+
+# Two senders (h0, d0) into h1: 200 Mbit/s offered, h1's download tbf lets 100 through.
+rm -f "$work/ready"*
+"$cluster" --prefix "$pre" exec h1 -- "$py" "$rate_py" recv "$h1" 5002 "$work/ready2" >"$work/a" &
+"$cluster" --prefix "$pre" exec h1 -- "$py" "$rate_py" recv "$h1" 5003 "$work/ready3" >"$work/b" &
+for _ in $(seq 100); do [[ -s "$work/ready2" && -s "$work/ready3" ]] && break; sleep 0.02; done
+"$cluster" --prefix "$pre" exec h0 -- "$py" "$rate_py" send "$h1" 5002 1.0 &
+"$cluster" --prefix "$pre" exec d0 -- "$py" "$rate_py" send "$h1" 5003 1.0
+wait
+read -r ba sa _ <"$work/a"; read -r bb sb _ <"$work/b"
+both=$(awk -v a="$ba" -v b="$bb" -v x="$sa" -v y="$sb" 'BEGIN { t = x > y ? x : y; printf "%.0f", (a + b) * 8 / t }')
+echo "   two streams h0, d0 -> h1: $((both / 1000000)) Mbit/s together (h1's download limit 100)"
+((both > rate_bps / 2 && both < rate_bps * 11 / 10)) &&
+  ok "the download tbf alone holds two senders to 100 Mbit/s" || fail "incast at $both bit/s"
+
+# ------------------------------------------------------------ teardown ---
+"$cluster" --prefix "$pre" status >/dev/null || fail "status"
+"$cluster" --prefix "$pre" down 2>/dev/null
+nothing_left "$pre" && ok "down leaves nothing" || fail "down left something"
+"$cluster" --prefix "$pre" down 2>/dev/null && ok "down twice is fine" || fail "second down"
+
+# run: the command's status, the env, and nothing left after it.
+CLUSTER_QUIET=1 "$cluster" --prefix "${pre}r" --hosts 2 --rate none run -- \
+  sh -c '[ "$CLUSTER_HOSTS" = 2 ] && ip netns list | grep -q -- "-h1" && exit 7'
+st=$?
+((st == 7)) && ok "run passes the command's status" || fail "run returned $st, want 7"
+nothing_left "${pre}r" && ok "run tears down after its command" || fail "run left something"
+
+# run: SIGTERM during the command.
+CLUSTER_QUIET=1 "$cluster" --prefix "${pre}s" --hosts 2 run -- sleep 30 &
+pid=$!
+for _ in $(seq 200); do [[ -f "/run/netdam-cluster/${pre}s/env" ]] && break; sleep 0.05; done
+sleep 0.2
+kill -TERM "$pid"
+wait "$pid"
+st=$?
+((st == 143)) && ok "run exits 143 on SIGTERM" || fail "run on SIGTERM returned $st"
+nothing_left "${pre}s" && ok "run tears down on SIGTERM" || fail "run left something after SIGTERM"
+
+# ------------------------------------------------------------ refusals ---
+# Not root: a copy of the script anyone can read, run as nobody.
+install -m 0755 "$cluster" "$work/cluster.sh"
+chmod 0755 "$work"
+if command -v setpriv >/dev/null; then
+  out=$(setpriv --reuid=65534 --regid=65534 --clear-groups bash "$work/cluster.sh" --prefix "${pre}f" up 2>&1)
+  st=$?
+  ((st == 77)) && [[ "$out" == *"needs root"* ]] && ok "as nobody: exit 77, '$out'" ||
+    fail "as nobody: exit $st, '$out'"
+else
+  echo "   (no setpriv: the non-root refusal is not checked)"
+fi
+
+# No tc on the PATH.
+mkdir -p "$work/bin"
+ln -s "$(command -v ip)" "$work/bin/ip"
+out=$(PATH="$work/bin:/usr/bin:/bin" "$cluster" --prefix "${pre}f" up 2>&1)
+st=$?
+if [[ -x /usr/bin/tc || -x /bin/tc ]]; then
+  echo "   (tc is in /usr/bin: the missing-tool refusal is not checked)"
+else
+  ((st == 78)) && [[ "$out" == *"'tc'"* ]] && ok "without tc: exit 78, '$out'" || fail "without tc: exit $st, '$out'"
+fi
+nothing_left "${pre}f" || fail "the missing-tool refusal left something"
+
+# A kernel without tbf (a tc that says so): exit 79, and what was built is gone.
+cat >"$work/bin/tc" <<'EOF'
+#!/bin/sh
+echo "Error: Specified qdisc kind is unknown." >&2
+exit 2
+EOF
+chmod +x "$work/bin/tc"
+out=$(PATH="$work/bin:$PATH" "$cluster" --prefix "${pre}f" --hosts 2 up 2>&1)
+st=$?
+((st == 79)) && [[ "$out" == *"qdisc kind is unknown"* ]] && ok "no tbf: exit 79" || fail "no tbf: exit $st, '$out'"
+nothing_left "${pre}f" && ok "a failing setup leaves nothing" || fail "a failing setup left something"
+
+# The prefix is a lock: a second cluster of the same name is refused.
+CLUSTER_QUIET=1 "$cluster" --prefix "${pre}f" --hosts 1 up >/dev/null || fail "up ${pre}f"
+"$cluster" --prefix "${pre}f" --hosts 1 up >/dev/null 2>&1
+st=$?
+((st == 65)) && ok "a second cluster of one name: exit 65" || fail "second up: exit $st"
+"$cluster" --prefix "${pre}f" down 2>/dev/null
+nothing_left "${pre}f" || fail "down ${pre}f"
+
+if ((failures)); then
+  echo "$failures check(s) failed"
+  exit 1
+fi
+echo "all cluster.sh checks passed"

@@ -1,0 +1,422 @@
+// In-network aggregation (Algorithm::kAggregate, docs/COLLECTIVES.md
+// section 11) on the fault-injecting fabric: p hosts without devices of
+// their own, M aggregating devices, every datagram dropped, duplicated and
+// reordered at random. Results are compared bit for bit with a reference
+// that folds the inputs in rank order (the order the device reduces in).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "collectives/plan.h"
+#include "collectives_cluster.h"
+#include "core/reduce.h"
+#include "fabric_device.h"
+#include "netdam/group.h"
+#include "transport/fabric.h"
+
+namespace netdam {
+namespace {
+
+using namespace std::chrono_literals;
+using transport::FaultModel;
+
+constexpr uint32_t kAdmin = 0xAD;
+
+// p hosts (no devices), M aggregators on the fabric; rank 0.. register the
+// aggregation regions (admin key), as a real group does.
+struct AggCluster {
+  AggCluster(int p, int m, FaultModel faults, uint64_t capacity, std::chrono::milliseconds timeout = 10s,
+             int slots = 2, bool skip_zero = true, bool mapped = false)
+      : fabric(faults) {
+    GroupOptions o;
+    o.ranks = p;
+    o.capacity = capacity;
+    o.slots = slots;
+    o.timeout = timeout;
+    o.client.timeout = timeout;
+    o.admin_key = kAdmin;
+    o.skip_zero_blocks = skip_zero;
+    for (int a = 0; a < m; ++a) o.aggregators.push_back(agg_addr(a).to_string());
+    for (int a = 0; a < m; ++a)
+      devices.push_back(std::make_unique<testing::FabricDevice>(fabric, agg_addr(a), 200 + a, 256u << 20, kAdmin));
+    // Ranks register their aggregators' regions in create(): create every
+    // rank's Group in turn (each waits until all regions exist, so the
+    // regions of higher ranks' aggregators must exist before rank 0
+    // finishes: create them in reverse, every rank a thread would be the
+    // real thing, here the fabric is driven by whoever waits).
+    groups.resize(static_cast<size_t>(p));
+    for (int r = p - 1; r >= 0; --r) {
+      o.rank = r;
+      // mapped: rank r shares the memory of its aggregator r % m, as the
+      // ranks of one host share their device.
+      std::span<std::byte> local;
+      if (mapped) local = devices[static_cast<size_t>(r % m)]->memory;
+      auto g = Group::create(o, fabric.attach({0x0B000000u + static_cast<uint32_t>(r), 5000}), local);
+      EXPECT_TRUE(g.ok()) << g.error().to_string();
+      if (!g.ok()) return;
+      groups[static_cast<size_t>(r)] = std::move(g.value());
+    }
+    idle = fabric.attach({0x0C000001, 1});
+  }
+  static transport::Endpoint agg_addr(int a) { return {0x0A100000u + static_cast<uint32_t>(a), 7000}; }
+
+  void run(std::vector<Work>& works) { testing::drive(groups, works, fabric, *idle, 120s); }
+  void wait(std::chrono::microseconds t) { testing::idle_wait(*idle, t); }
+  uint64_t stat(int a, std::string_view name) {
+    for (const auto& [n, v] : devices[static_cast<size_t>(a)]->device.stats())
+      if (n == name) return v;
+    return 0;
+  }
+
+  transport::Fabric fabric;
+  std::vector<std::unique_ptr<testing::FabricDevice>> devices;
+  std::vector<std::unique_ptr<Group>> groups;
+  std::unique_ptr<transport::Transport> idle;
+};
+
+std::vector<std::byte> random_elements(DType t, size_t n, uint64_t seed, double zero_share = 0.0) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::byte> v(n * dtype_size(t));
+  std::uniform_real_distribution<double> u(-100, 100);
+  for (size_t i = 0; i < n; ++i) {
+    std::byte* e = v.data() + i * dtype_size(t);
+    if (zero_share > 0 && std::uniform_real_distribution<double>(0, 1)(rng) < zero_share) continue;
+    const double x = u(rng);
+    switch (t) {
+      case DType::kF32: {
+        const float f = static_cast<float>(x);
+        std::memcpy(e, &f, 4);
+        break;
+      }
+      case DType::kF64: std::memcpy(e, &x, 8); break;
+      case DType::kF16:
+      case DType::kBF16: {
+        const float f = static_cast<float>(x / 16);
+        uint32_t bits;
+        std::memcpy(&bits, &f, 4);
+        const uint16_t h = t == DType::kF16 ? core::f32_bits_to_f16_bits(bits) : core::f32_bits_to_bf16_bits(bits);
+        std::memcpy(e, &h, 2);
+        break;
+      }
+      case DType::kI32: {
+        const auto i32 = static_cast<int32_t>(rng());
+        std::memcpy(e, &i32, 4);
+        break;
+      }
+      case DType::kI64: {
+        const auto i64 = static_cast<int64_t>(rng());
+        std::memcpy(e, &i64, 8);
+        break;
+      }
+      default: break;
+    }
+  }
+  return v;
+}
+
+// in_0 OP in_1 OP ... in rank order, block by block as the devices do.
+std::vector<std::byte> reference(const std::vector<std::vector<std::byte>>& in, DType t, RedOp op) {
+  std::vector<std::byte> out = in[0];
+  for (size_t r = 1; r < in.size(); ++r)
+    core::reduce_reference(t, op, out.data(), in[r].data(), out.size() / dtype_size(t));
+  return out;
+}
+
+struct Case {
+  int p, m;
+  double faults;
+};
+
+class Aggregate : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Aggregate, AllReduceIsExactForEveryTypeAndOp) {
+  const Case k = GetParam();
+  FaultModel f;
+  f.drop = f.duplicate = f.reorder = k.faults;
+  f.delay_max = 50us;
+  f.seed = 17 + static_cast<uint64_t>(k.p * 100 + k.m);
+  AggCluster c(k.p, k.m, f, 256u << 10);
+  ASSERT_EQ(c.groups.size(), static_cast<size_t>(k.p));
+  const std::pair<DType, RedOp> cases[] = {{DType::kF32, RedOp::kSum}, {DType::kF64, RedOp::kMax},
+                                            {DType::kF16, RedOp::kSum}, {DType::kBF16, RedOp::kMin},
+                                            {DType::kI32, RedOp::kSum}, {DType::kI64, RedOp::kMin}};
+  int seed = 0;
+  for (auto [t, op] : cases) {
+    // Not a multiple of the block: the last block is short.
+    const size_t n = (3 * c.groups[0]->aggregate_block_bytes() + 100) / dtype_size(t);
+    std::vector<std::vector<std::byte>> in, out;
+    for (int r = 0; r < k.p; ++r) {
+      in.push_back(random_elements(t, n, static_cast<uint64_t>(++seed), 0.2));
+      out.emplace_back(in.back().size());
+    }
+    std::vector<Work> works;
+    const Reduction red = op == RedOp::kSum ? Reduction::kSum : op == RedOp::kMin ? Reduction::kMin : Reduction::kMax;
+    for (int r = 0; r < k.p; ++r)
+      works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)],
+                                                                         out[static_cast<size_t>(r)], t, red));
+    c.run(works);
+    const auto want = reference(in, t, op);
+    for (int r = 0; r < k.p; ++r) {
+      ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok())
+          << to_string(t) << " rank " << r << ": " << works[static_cast<size_t>(r)].error().to_string();
+      EXPECT_EQ(out[static_cast<size_t>(r)], want) << to_string(t) << " " << to_string(op) << " rank " << r;
+    }
+  }
+  uint64_t completed = 0;
+  for (int a = 0; a < k.m; ++a) completed += c.stat(a, "agg.completed");
+  EXPECT_GT(completed, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    LossDuplicationReorder, Aggregate,
+    ::testing::Values(Case{2, 1, 0.0}, Case{2, 2, 0.1}, Case{3, 1, 0.1}, Case{3, 2, 0.1}, Case{3, 3, 0.1},
+                      Case{4, 1, 0.1}, Case{4, 2, 0.1}, Case{4, 4, 0.1}, Case{5, 1, 0.1}, Case{5, 2, 0.1},
+                      Case{5, 5, 0.1}, Case{8, 1, 0.1}, Case{8, 4, 0.1}, Case{8, 8, 0.1}, Case{16, 1, 0.05},
+                      Case{16, 8, 0.1}, Case{16, 16, 0.1}),
+    [](const auto& info) {
+      return "p" + std::to_string(info.param.p) + "_m" + std::to_string(info.param.m) + "_faults" +
+             std::to_string(static_cast<int>(info.param.faults * 100));
+    });
+
+// Generations follow each other on a slot; results never mix.
+TEST(AggregateGroup, ManyCollectivesInARowOnTwoSlots) {
+  FaultModel f;
+  f.drop = f.duplicate = f.reorder = 0.05;
+  AggCluster c(4, 2, f, 64u << 10);
+  for (int round = 0; round < 12; ++round) {
+    std::vector<std::vector<std::byte>> in, out;
+    for (int r = 0; r < 4; ++r) {
+      in.push_back(random_elements(DType::kF32, 3000, static_cast<uint64_t>(round * 10 + r)));
+      out.emplace_back(in.back().size());
+    }
+    std::vector<Work> works;
+    for (int r = 0; r < 4; ++r)
+      works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
+                                                                         DType::kF32, Reduction::kSum));
+    c.run(works);
+    const auto want = reference(in, DType::kF32, RedOp::kSum);
+    for (int r = 0; r < 4; ++r) {
+      ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
+      ASSERT_EQ(out[static_cast<size_t>(r)], want) << "round " << round << " rank " << r;
+    }
+  }
+}
+
+// OmniReduce's block skipping: all-zero blocks travel as markers, and the
+// result is the same bits as dense (including -0.0 + 0.0 = +0.0).
+TEST(AggregateGroup, ZeroBlocksAreSkippedBitExactly) {
+  AggCluster sparse(3, 2, {}, 256u << 10, 2s, 2, true);
+  AggCluster dense(3, 2, {}, 256u << 10, 2s, 2, false);
+  const size_t block = sparse.groups[0]->aggregate_block_bytes() / 4;
+  const size_t n = block * 10;
+  std::vector<std::vector<std::byte>> in;
+  for (int r = 0; r < 3; ++r) {
+    in.push_back(random_elements(DType::kF32, n, static_cast<uint64_t>(r + 1)));
+    // Blocks 1..8 zero on every rank but one, whose blocks are -0.0.
+    for (size_t b = 1; b < 9; ++b) {
+      for (size_t i = 0; i < block; ++i) {
+        const float v = r == 2 && b == 4 ? -0.0f : 0.0f;
+        std::memcpy(in.back().data() + 4 * (b * block + i), &v, 4);
+      }
+    }
+  }
+  auto run = [&](AggCluster& c) {
+    std::vector<std::vector<std::byte>> out(3, std::vector<std::byte>(in[0].size()));
+    std::vector<Work> works;
+    for (int r = 0; r < 3; ++r)
+      works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
+                                                                         DType::kF32, Reduction::kSum));
+    c.run(works);
+    for (auto& w : works) EXPECT_TRUE(w.error().is_ok()) << w.error().to_string();
+    return out;
+  };
+  const auto a = run(sparse), b = run(dense);
+  const auto want = reference(in, DType::kF32, RedOp::kSum);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(a[static_cast<size_t>(r)], want);
+    EXPECT_EQ(b[static_cast<size_t>(r)], want);
+  }
+  // Fewer bytes reached the sparse run's devices.
+  uint64_t rx_sparse = 0, rx_dense = 0;
+  for (int m = 0; m < 2; ++m) {
+    rx_sparse += sparse.stat(m, "rx_bytes");
+    rx_dense += dense.stat(m, "rx_bytes");
+  }
+  EXPECT_LT(rx_sparse * 2, rx_dense);
+}
+
+TEST(AggregateGroup, OtherCollectives) {
+  FaultModel f;
+  f.drop = f.duplicate = f.reorder = 0.1;
+  const int p = 4;
+  AggCluster c(p, 3, f, 256u << 10);
+  const size_t n = 5000;  // floats per rank's shard
+  std::vector<std::vector<std::byte>> in;
+  for (int r = 0; r < p; ++r) in.push_back(random_elements(DType::kF32, n * p, static_cast<uint64_t>(r + 40)));
+  const auto sum = reference(in, DType::kF32, RedOp::kSum);
+  {  // ReduceScatter
+    std::vector<std::vector<std::byte>> out(p, std::vector<std::byte>(4 * n));
+    std::vector<Work> works;
+    for (int r = 0; r < p; ++r)
+      works.push_back(c.groups[static_cast<size_t>(r)]->reduce_scatter_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
+                                                                              DType::kF32, Reduction::kSum));
+    c.run(works);
+    for (int r = 0; r < p; ++r) {
+      ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
+      EXPECT_EQ(0, std::memcmp(out[static_cast<size_t>(r)].data(), sum.data() + 4 * n * static_cast<size_t>(r), 4 * n)) << r;
+    }
+  }
+  {  // AllGather
+    std::vector<std::vector<std::byte>> out(p, std::vector<std::byte>(4 * n * p));
+    std::vector<Work> works;
+    for (int r = 0; r < p; ++r)
+      works.push_back(c.groups[static_cast<size_t>(r)]->allgather_async(std::span(in[static_cast<size_t>(r)]).first(4 * n),
+                                                                         out[static_cast<size_t>(r)]));
+    c.run(works);
+    for (int r = 0; r < p; ++r) {
+      ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
+      for (int k = 0; k < p; ++k)
+        EXPECT_EQ(0, std::memcmp(out[static_cast<size_t>(r)].data() + 4 * n * static_cast<size_t>(k),
+                                 in[static_cast<size_t>(k)].data(), 4 * n)) << r << " " << k;
+    }
+  }
+  {  // Broadcast from 2, Reduce to 1, Barrier
+    std::vector<std::vector<std::byte>> buf(p, std::vector<std::byte>(4 * n));
+    buf[2] = std::vector<std::byte>(in[2].begin(), in[2].begin() + static_cast<ptrdiff_t>(4 * n));
+    std::vector<std::byte> red(sum.size());
+    std::vector<Work> works;
+    for (int r = 0; r < p; ++r) works.push_back(c.groups[static_cast<size_t>(r)]->broadcast_async(buf[static_cast<size_t>(r)], 2));
+    for (int r = 0; r < p; ++r)
+      works.push_back(c.groups[static_cast<size_t>(r)]->reduce_async(in[static_cast<size_t>(r)], r == 1 ? std::span<std::byte>(red) : std::span<std::byte>{},
+                                                                      DType::kF32, Reduction::kSum, 1));
+    for (int r = 0; r < p; ++r) works.push_back(c.groups[static_cast<size_t>(r)]->barrier_async());
+    c.run(works);
+    for (auto& w : works) ASSERT_TRUE(w.error().is_ok()) << w.error().to_string();
+    for (int r = 0; r < p; ++r) EXPECT_EQ(0, std::memcmp(buf[static_cast<size_t>(r)].data(), in[2].data(), 4 * n)) << r;
+    EXPECT_EQ(red, sum);
+  }
+}
+
+// Ranks that share their aggregator's memory stage their blocks through it
+// and read the results from it: only control datagrams travel.
+TEST(AggregateGroup, RanksSharingADeviceStageThroughItsMemory) {
+  FaultModel f;
+  f.drop = f.duplicate = f.reorder = 0.1;
+  for (int m : {1, 2}) {
+    const int p = 4;
+    AggCluster c(p, m, f, 256u << 10, 10s, 2, true, true);
+    ASSERT_EQ(c.groups.size(), static_cast<size_t>(p));
+    std::vector<std::vector<std::byte>> in, out, gathered;
+    for (int r = 0; r < p; ++r) {
+      in.push_back(random_elements(DType::kF32, 30000, static_cast<uint64_t>(r + 90), 0.3));
+      out.emplace_back(in.back().size());
+      gathered.emplace_back(4 * 1000 * p);
+    }
+    std::vector<Work> works;
+    for (int r = 0; r < p; ++r)
+      works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
+                                                                         DType::kF32, Reduction::kSum));
+    for (int r = 0; r < p; ++r)
+      works.push_back(c.groups[static_cast<size_t>(r)]->allgather_async(std::span(in[static_cast<size_t>(r)]).first(4000),
+                                                                         gathered[static_cast<size_t>(r)]));
+    c.run(works);
+    for (auto& w : works) ASSERT_TRUE(w.error().is_ok()) << w.error().to_string();
+    const auto want = reference(in, DType::kF32, RedOp::kSum);
+    for (int r = 0; r < p; ++r) {
+      EXPECT_EQ(out[static_cast<size_t>(r)], want) << "m " << m << " rank " << r;
+      for (int k = 0; k < p; ++k)
+        EXPECT_EQ(0, std::memcmp(gathered[static_cast<size_t>(r)].data() + 4000 * static_cast<size_t>(k),
+                                 in[static_cast<size_t>(k)].data(), 4000));
+    }
+    if (m == 1) {
+      EXPECT_LT(c.stat(0, "rx_bytes"), 4u * 30000 * 4 / 4);  // blocks did not travel
+    }
+  }
+}
+
+// A rank that starts late is waited for (up to the timeout).
+TEST(AggregateGroup, LateRankIsWaitedFor) {
+  AggCluster c(3, 2, {}, 64u << 10, 5s);
+  std::vector<std::vector<std::byte>> in, out;
+  for (int r = 0; r < 3; ++r) {
+    in.push_back(random_elements(DType::kF32, 4000, static_cast<uint64_t>(r + 7)));
+    out.emplace_back(in.back().size());
+  }
+  std::vector<Work> works;
+  for (int r = 0; r < 2; ++r)
+    works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
+                                                                       DType::kF32, Reduction::kSum));
+  for (int i = 0; i < 100; ++i) {  // 2 s of virtual time without rank 2
+    for (auto& g : c.groups) g->progress();
+    c.wait(20ms);
+  }
+  EXPECT_FALSE(works[0].done());
+  works.push_back(c.groups[2]->allreduce_async(in[2], out[2], DType::kF32, Reduction::kSum));
+  c.run(works);
+  const auto want = reference(in, DType::kF32, RedOp::kSum);
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
+    EXPECT_EQ(out[static_cast<size_t>(r)], want);
+  }
+}
+
+// A dead aggregator fails every rank within the timeout, naming it.
+TEST(AggregateGroup, DeadAggregatorFailsEveryRankNamingIt) {
+  AggCluster c(3, 2, {}, 64u << 10, 1s);
+  c.fabric.detach(AggCluster::agg_addr(1));
+  std::vector<std::vector<std::byte>> in, out;
+  for (int r = 0; r < 3; ++r) {
+    in.push_back(random_elements(DType::kF32, 6000, static_cast<uint64_t>(r + 3)));
+    out.emplace_back(in.back().size());
+  }
+  const auto start = c.fabric.now();
+  std::vector<Work> works;
+  for (int r = 0; r < 3; ++r)
+    works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
+                                                                       DType::kF32, Reduction::kSum));
+  c.run(works);
+  EXPECT_LT(c.fabric.now() - start, 3s);
+  const std::string dead = AggCluster::agg_addr(1).to_string();
+  for (auto& w : works) {
+    ASSERT_TRUE(w.done());
+    EXPECT_EQ(w.error().code(), Error::Code::kTimeout) << w.error().to_string();
+    EXPECT_NE(w.error().to_string().find(dead), std::string::npos) << w.error().to_string();
+  }
+}
+
+// The ranks' own devices aggregate (M = p), next to their chain slots.
+TEST(AggregateGroup, OwnDevicesAggregate) {
+  FaultModel f;
+  f.drop = f.duplicate = f.reorder = 0.05;
+  const int p = 4;
+  testing::CollectivesCluster c({.p = p, .faults = f, .capacity = 128u << 10, .timeout = 5s,
+                                 .algorithm = Algorithm::kAggregate, .extra_memory = 8u << 20,
+                                 .admin_key = kAdmin});
+  ASSERT_EQ(c.groups.size(), static_cast<size_t>(p));
+  ASSERT_TRUE(c.groups[0]->aggregates());
+  std::vector<std::vector<std::byte>> in, out;
+  for (int r = 0; r < p; ++r) {
+    in.push_back(random_elements(DType::kF32, 20000, static_cast<uint64_t>(r + 70)));
+    out.emplace_back(in.back().size());
+  }
+  std::vector<Work> works;
+  for (int r = 0; r < p; ++r)
+    works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
+                                                                       DType::kF32, Reduction::kAvg));
+  c.run(works);
+  auto want = reference(in, DType::kF32, RedOp::kSum);
+  for (size_t i = 0; i < want.size() / 4; ++i) {
+    float v;
+    std::memcpy(&v, want.data() + 4 * i, 4);
+    v /= p;
+    std::memcpy(want.data() + 4 * i, &v, 4);
+  }
+  for (int r = 0; r < p; ++r) {
+    ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
+    EXPECT_EQ(out[static_cast<size_t>(r)], want) << r;
+  }
+}
+
+}  // namespace
+}  // namespace netdam
