@@ -124,7 +124,7 @@ class _Settings:
         self.subgroups = int(os.environ.get("NETDAM_SUBGROUPS", "4"))
         self.offload = parse_size(os.environ.get("NETDAM_OFFLOAD_MEMORY", "0"))
         self.max_payload_text = os.environ.get("NETDAM_MAX_PAYLOAD", "63KiB")
-        self.algorithm = os.environ.get("NETDAM_ALGORITHM", "ring")
+        self.algorithm = os.environ.get("NETDAM_ALGORITHM", "auto")
         self.world_size = world_size
         for name, cap in (("NETDAM_CAPACITY", self.capacity), ("NETDAM_SUBGROUP_CAPACITY", self.sub_capacity)):
             if cap < 64 * world_size or cap % 8:

@@ -43,10 +43,6 @@ class RunnerTest : public ::testing::Test {
       o.group.admin_key = 0xAD;
       o.group.capacity = kCapacity;
       o.group.slots = 2;
-      // As the torch backend: the direct algorithm's fallback can read a
-      // result that the same slot's next collective already overwrote
-      // (docs/TORCH.md, "Limits").
-      o.group.algorithm = Algorithm::kRing;
       o.mailbox = kMailbox;
       made.push_back(std::async(std::launch::async, [o] { return Runner::start(o); }));
     }
