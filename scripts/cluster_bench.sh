@@ -28,7 +28,8 @@
 #   --timeout SEC      per system (default 1800)
 #
 # Environment: NETDAM_BENCH (netdam-bench path), NETDAM_ARGS (extra
-# netdam-bench arguments), BUILD_DIR (default build).
+# netdam-bench arguments), GLOO_ALGOS (gloo_bench --algos; default all),
+# BUILD_DIR (default build).
 #
 # Exit status: 0; 1 a system failed or netdam returned a wrong element
 # (peers' wrong elements are reported, not failures); 2 usage; the
@@ -279,7 +280,7 @@ gloo_run() {
   store=$(mktemp -d "$out/gloo-store.XXXXXX")
   rank_cmd() {
     c=("$peers/build/gloo_bench" --rank "$1" --ranks "$P" --store "$store" --host "${host_ip[$1]}"
-       --mode "async,sync" --timeout 300 "${common[@]}")
+       --mode "async,sync" --algos "${GLOO_ALGOS:-all}" --timeout 300 "${common[@]}")
     (($1 == 0)) && c+=(--csv "$out/gloo.csv")
   }
   run_ranks gloo
