@@ -538,8 +538,8 @@ with open(os.path.join(out, "runs.txt")) as fh:
                      100 * steal / tot, lb, load, own, dev))
 print()
 print(f"# CPU over each system's whole run, in % of the {cores} cores: 'own' = user+sys of that system's host")
-print("# processes (ranks, mpirun, orteds), 'dev' = of the netdamd devices (extra nodes: their CPU would be the")
-print("# devices' own hardware); busy/user/sys/sirq/steal = /proc/stat, everything on the")
+print("# processes (ranks, mpirun, orteds), 'dev' = of the netdamd devices (in the network: extra nodes, their CPU")
+print("# would be the devices' own hardware; co-located: the hosts'); busy/user/sys/sirq/steal = /proc/stat, everything on the")
 print("# machine (sirq: the emulated links' packet processing, mostly). Bytes the links' tbf qdiscs sent")
 print("# (host/device links; up = node to switch, down = switch to node):")
 print(f"  {'system':<16} {'wall s':>7} {'own':>5} {'dev':>5} {'busy':>5} {'user':>5} {'sys':>5} {'sirq':>5} {'steal':>5}"
