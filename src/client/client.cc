@@ -56,6 +56,7 @@ struct Client::Packet {
   bool elsewhere = false;             // a plain request to another device than the client's
   bool aggregate = false;             // an AGGREGATE contribution: the answer starts with its record
   bool held = false;                  // AGGREGATE: the device has it and answers when all are in
+  client_detail::LossRecovery* recovery = nullptr;  // AGGREGATE: its device's estimator, once looked up
   TimePoint held_since{};
   int held_resends = 0;
   std::span<const std::byte> payload;
@@ -113,12 +114,13 @@ struct Client::Recovery {
   static size_t index(const Packet& p) {
     return p.aggregate ? kAggregate : std::min<size_t>(p.h.seg_count, kMaxSegments);
   }
-  client_detail::LossRecovery& route(const Packet& p) {
+  client_detail::LossRecovery& route(Packet& p) {
     if (!p.aggregate) return routes[index(p)];
-    const uint64_t key = uint64_t{p.to.ip} << 16 | p.to.port;
-    auto it = aggregators.find(key);
-    if (it == aggregators.end()) it = aggregators.emplace(key, routes[kAggregate]).first;
-    return it->second;
+    if (p.recovery == nullptr) {  // once per packet, not on every timer check (map nodes do not move)
+      const uint64_t key = uint64_t{p.to.ip} << 16 | p.to.port;
+      p.recovery = &aggregators.try_emplace(key, routes[kAggregate]).first->second;
+    }
+    return *p.recovery;
   }
 
  private:

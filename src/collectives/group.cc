@@ -1012,24 +1012,7 @@ bool Group::progress() {
 
 Error Group::wait(Work& w) {
   if (!w.valid()) return Error::invalid("wait on an empty Work");
-  auto idle = 1us;
-  while (!w.done()) {
-    if (progress()) {
-      idle = 1us;
-      continue;
-    }
-    // Nothing to do but wait: for answers (the client blocks in its
-    // socket), or for stamps that other ranks' chains write (back off).
-    bool waiting_on_network = false;
-    for (auto& a : active_)
-      waiting_on_network |= a->phase != detail::WorkState::Phase::kStamps || a->pending.valid();
-    if (waiting_on_network) {
-      client_->wait_any();
-    } else {
-      std::this_thread::sleep_for(idle);
-      idle = std::min(idle * 2, std::chrono::microseconds(200));
-    }
-  }
+  wait_for(w, std::chrono::microseconds::max());  // (wait_for.cc)
   return w.error();
 }
 

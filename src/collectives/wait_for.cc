@@ -11,7 +11,9 @@ namespace netdam {
 bool Group::wait_for(Work& w, std::chrono::microseconds max, const std::function<bool()>& stop) {
   using namespace std::chrono_literals;
   if (!w.valid()) return true;
-  const auto until = client_->now() + max;
+  // max(): no limit (Group::wait).
+  const auto until = max == std::chrono::microseconds::max() ? std::chrono::steady_clock::time_point::max()
+                                                             : client_->now() + max;
   auto idle = 1us;
   while (!w.done()) {
     if (progress()) {
@@ -20,8 +22,8 @@ bool Group::wait_for(Work& w, std::chrono::microseconds max, const std::function
     }
     const auto now = client_->now();
     if (now >= until || (stop && stop())) return false;
-    // As wait(): block in the socket while answers are due, back off while
-    // only other ranks' stamps are awaited.
+    // Nothing to do but wait: for answers (the client blocks in its
+    // socket), or for stamps that other ranks' chains write (back off).
     bool waiting_on_network = false;
     for (auto& a : active_)
       waiting_on_network |= a->phase != detail::WorkState::Phase::kStamps || a->pending.valid();

@@ -16,8 +16,7 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address reply_to, con
   if (h.flags & (kFlagSparse | kFlagSparseOk)) return answer(h, reply_to, Status::kBadFlags, {}, out);
   const std::optional<Region> region = device_.regions().find(s.rkey);
   if (!region) return answer(h, reply_to, Status::kBadKey, {}, out);
-  if (Status st = device_.regions().check(s.rkey, region->base, region->size, kPermAll); st != Status::kOk)
-    return answer(h, reply_to, st, {}, out);
+  if ((region->perms & kPermAll) != kPermAll) return answer(h, reply_to, Status::kNotPermitted, {}, out);
   if (!is_valid_dtype(static_cast<uint8_t>(h.dtype))) return answer(h, reply_to, Status::kBadType, {}, out);
   if (!is_valid_redop(static_cast<uint8_t>(h.redop)) ||
       (h.dtype == DType::kBytes && h.redop != RedOp::kNone))
@@ -51,26 +50,10 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address reply_to, con
   Stats::inc(o.duplicate ? stats_.agg_duplicates : stats_.agg_contributions);
   if (o.completed) Stats::inc(stats_.agg_completed);
   if (o.abandoned) Stats::inc(stats_.agg_abandoned);
-  if (o.answer.empty()) {
-    // Held until the block completes. Say so at once: the contributor then
-    // knows its block arrived (and how long the network takes), and
-    // retransmits only if the result does not come for a long while.
-    Header a = h;
-    a.flags = kFlagResponse;
-    a.status = Status::kOk;
-    a.seg_count = 0;
-    a.boot = device_.config().boot_id;
-    a.length = static_cast<uint32_t>(kAggAnswerRecordSize);
-    encode_header(a, out.data());
-    encode_agg_answer({p.sr.generation, kAggHeld}, out.data() + kHeaderSize);
-    Stats::inc(stats_.tx_packets);
-    Stats::inc(stats_.tx_bytes, kHeaderSize + kAggAnswerRecordSize);
-    return Action{Action::Kind::kReply, reply_to, out.first(kHeaderSize + kAggAnswerRecordSize), {}};
-  }
-
-  // Every answer echoes the contributor's own request fields; the data is
-  // the result in device memory.
-  auto build = [&](const AggReply& to, std::byte* head) -> std::span<const std::byte> {
+  // Every answer echoes the contributor's own request fields and starts
+  // with the record; the data is the result in device memory.
+  auto build = [&](const AggReply& to, AggAnswerRecord r, std::span<const std::byte> data,
+                   std::byte* head) -> std::span<const std::byte> {
     Header a = h;
     a.flags = kFlagResponse;
     a.status = Status::kOk;
@@ -80,8 +63,6 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address reply_to, con
     a.rkey = to.rkey;
     a.addr = to.addr;
     a.boot = device_.config().boot_id;
-    AggAnswerRecord r = o.record;
-    std::span<const std::byte> data = o.result;
     if (!to.with_data) {
       r.flags |= kAggResultNone;
       data = {};
@@ -93,14 +74,23 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address reply_to, con
     Stats::inc(stats_.tx_bytes, kHeaderSize + a.length);
     return data;
   };
+  const std::span<const std::byte> head = out.first(kHeaderSize + kAggAnswerRecordSize);
+  if (o.answer.empty()) {
+    // Held until the block completes. Say so at once: the contributor then
+    // knows its block arrived (and how long the network takes), and
+    // retransmits only if the result does not come for a long while.
+    AggReply to = c.reply;
+    to.with_data = true;  // (a held answer carries no data either way: no NONE flag)
+    build(to, {p.sr.generation, kAggHeld}, {}, out.data());
+    return Action{Action::Kind::kReply, reply_to, head, {}};
+  }
   for (size_t i = 1; i < o.answer.size(); ++i) {
     Fanout& f = fanout_.emplace_back();
     f.to = {o.answer[i].ip, o.answer[i].port};
-    f.data = build(o.answer[i], f.head.data());
+    f.data = build(o.answer[i], o.record, o.result, f.head.data());
   }
-  const auto data = build(o.answer[0], out.data());
-  return Action{Action::Kind::kReply, {o.answer[0].ip, o.answer[0].port},
-                out.first(kHeaderSize + kAggAnswerRecordSize), data};
+  const auto data = build(o.answer[0], o.record, o.result, out.data());
+  return Action{Action::Kind::kReply, {o.answer[0].ip, o.answer[0].port}, head, data};
 }
 
 }  // namespace netdam::core
