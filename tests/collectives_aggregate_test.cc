@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <random>
+#include <set>
 
 #include "collectives/plan.h"
 #include "collectives_cluster.h"
@@ -361,13 +362,44 @@ TEST(AggregateGroup, LateRankIsWaitedFor) {
   }
 }
 
+// Placement in runs (plan.h): every block has its own place on its
+// aggregator, inside the region the group sizes, consecutive blocks of a
+// run share an aggregator, and a window of kAggregateSpread blocks reaches
+// every aggregator (up to that many).
+TEST(AggregatePlacement, RunsAreDisjointFitTheRegionAndSpreadTheWindow) {
+  for (size_t m : {1, 2, 3, 4, 5, 8, 16, 17}) {
+    std::vector<Hop> aggs;
+    for (size_t j = 0; j < m; ++j) aggs.push_back(Hop{.ip = 0x0A000001, .port = static_cast<uint16_t>(7000 + j)});
+    const collectives::AggregateContext c{aggs, 0, 4, 1, 8192};
+    const uint64_t capacity = 1u << 20;
+    const uint64_t blocks = (capacity + 8191) / 8192 + 4;
+    const uint64_t per_device = collectives::aggregate_blocks_per_device(capacity, 8192, 4, m);
+    std::set<std::pair<uint16_t, uint64_t>> seen;
+    for (uint64_t i = 0; i < blocks; ++i) {
+      const Hop& h = collectives::aggregator_of(c, i);
+      const uint64_t local = collectives::aggregate_local_block(c, i);
+      EXPECT_LT(local, per_device) << "m=" << m << " block " << i;
+      EXPECT_TRUE(seen.emplace(h.port, local).second) << "m=" << m << " block " << i;
+    }
+    const uint64_t run = collectives::aggregate_run(m);
+    for (uint64_t i = 0; i + 1 < blocks; ++i)
+      if ((i + 1) % run != 0) {
+        EXPECT_EQ(collectives::aggregator_of(c, i).port, collectives::aggregator_of(c, i + 1).port);
+      }
+    std::set<uint16_t> window;
+    for (uint64_t i = 0; i < collectives::kAggregateSpread; ++i) window.insert(collectives::aggregator_of(c, i).port);
+    EXPECT_EQ(window.size(), std::min(m, collectives::kAggregateSpread)) << "m=" << m;
+  }
+}
+
 // A dead aggregator fails every rank within the timeout, naming it.
 TEST(AggregateGroup, DeadAggregatorFailsEveryRankNamingIt) {
+  // 60000 B: more than one run of blocks (plan.h), so both aggregators own some.
   AggCluster c(3, 2, {}, 64u << 10, 1s);
   c.fabric.detach(AggCluster::agg_addr(1));
   std::vector<std::vector<std::byte>> in, out;
   for (int r = 0; r < 3; ++r) {
-    in.push_back(random_elements(DType::kF32, 6000, static_cast<uint64_t>(r + 3)));
+    in.push_back(random_elements(DType::kF32, 15000, static_cast<uint64_t>(r + 3)));
     out.emplace_back(in.back().size());
   }
   const auto start = c.fabric.now();

@@ -76,6 +76,26 @@ size_t send_all(UdpTransport& from, Endpoint to, const std::vector<std::vector<s
   return from.send_batch(out);
 }
 
+// A batch is regrouped by peer, peers and each peer's datagrams in their
+// order, so that runs to one peer can leave as trains.
+TEST(GroupByPeer, GroupsStablyInOrderOfFirstAppearance) {
+  const Endpoint a{kLoopback, 1}, b{kLoopback, 2}, c{kLoopback, 3};
+  std::vector<std::vector<std::byte>> bodies;
+  std::vector<OutMsg> msgs;
+  const Endpoint order[] = {a, b, a, c, b, a, a, c};
+  for (size_t i = 0; i < std::size(order); ++i) {
+    bodies.emplace_back(i + 1);  // the size tells which datagram it is
+    msgs.push_back(OutMsg{order[i], {std::span<const std::byte>(bodies.back()), {}}});
+  }
+  group_by_peer(msgs);
+  std::vector<std::pair<uint16_t, size_t>> got;
+  for (const auto& m : msgs) got.emplace_back(m.to.port, m.size());
+  const std::vector<std::pair<uint16_t, size_t>> want{{1, 1}, {1, 3}, {1, 6}, {1, 7}, {2, 2}, {2, 5}, {3, 4}, {3, 8}};
+  EXPECT_EQ(got, want);
+  std::vector<OutMsg> none;
+  group_by_peer(none);
+}
+
 TEST(UdpTransport, BindsEphemeralPort) {
   auto t = open_loopback();
   ASSERT_NE(t, nullptr);

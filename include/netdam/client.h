@@ -228,6 +228,7 @@ class Client {
   // sendmmsg, and with UDP GSO one train per run of equal-sized packets).
   // Off by default: an asynchronous call sends at once.
   void defer_sends(bool on) { defer_sends_ = on; }
+  bool deferring_sends() const { return defer_sends_; }
   // Sends what is queued (as far as the window allows), nothing else.
   void flush() { send_queued(); }
 

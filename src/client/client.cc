@@ -703,6 +703,7 @@ void Client::send_queued() {
   std::array<transport::OutMsg, 32> batch;
   size_t n = 0;
   auto flush = [&] {
+    transport::group_by_peer(std::span(batch).first(n));
     for (size_t sent = 0; sent < n;) sent += transport_->send_batch(std::span(batch).subspan(sent, n - sent));
     n = 0;
   };

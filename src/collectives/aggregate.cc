@@ -2,7 +2,8 @@
 //
 // Nomenclature: the buffer is cut into p shards (one for AllReduce) and each
 // shard into blocks of at most `stride` bytes, numbered across shards. Block
-// i is aggregated by device i % M (M aggregators). For every block, every
+// i is aggregated by device (i / R) % M (M aggregators, runs of R blocks:
+// plan.h). For every block, every
 // rank sends one contribution: its data (a reducing contributor), a marker
 // (its data is all zero), or nothing but its address (a relay, for the
 // blocks it only receives). The device answers each rank once all p are in:
@@ -37,7 +38,7 @@ class Builder {
       const auto len = static_cast<uint32_t>(std::min<uint64_t>(c_.stride, bytes - off));
       AggregateRequest r;
       r.device = aggregator_of(c_, next_);
-      r.block = static_cast<uint32_t>(next_ / c_.aggregators.size());
+      r.block = static_cast<uint32_t>(aggregate_local_block(c_, next_));
       r.generation = c_.generation;
       r.contributor = static_cast<uint16_t>(c_.rank);
       r.contributors = static_cast<uint16_t>(c_.ranks);

@@ -928,14 +928,20 @@ void Group::stage_locally(detail::WorkState& w) {
   LocalMemory::publish();
 }
 
-// Contributions go out in block order, at most aggregate_window at a time.
+// Contributions go out in block order, at most aggregate_window at a time,
+// those issued together in one batch (a run to one aggregator is a train).
 void Group::issue_aggregates(detail::WorkState& w) {
   const size_t window = std::max<size_t>(opts_.aggregate_window, 1);
+  if (w.aggregates_issued >= w.requests.size() || w.aggregates_open >= window) return;
+  const bool deferring = client_->deferring_sends();
+  client_->defer_sends(true);
   while (w.aggregates_issued < w.requests.size() && w.aggregates_open < window) {
     w.chains[w.aggregates_issued] = client_->aggregate_async(w.requests[w.aggregates_issued]);
     ++w.aggregates_issued;
     ++w.aggregates_open;
   }
+  client_->defer_sends(deferring);
+  if (!deferring) client_->flush();
 }
 
 bool Group::step_aggregate(detail::WorkState& w) {

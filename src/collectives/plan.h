@@ -216,17 +216,37 @@ struct AggregateContext {
   bool skip_zero = true;   // send a marker instead of an all-zero block (OmniReduce)
 };
 
-// Global block i of a slot goes to aggregator i % M, where it is block i / M.
+// Blocks go to the aggregators in runs of R consecutive blocks: run
+// r = i / R of a slot goes to aggregator r % M, where its blocks are
+// blocks (r / M) * R .. + R-1 of the aggregation region. A rank's R
+// consecutive contributions to one device then leave as one GSO train, and
+// the device's R results to each rank as one train back: a quarter of the
+// skbs through the stack, the links' qdiscs and the switch, which is what
+// the data path costs (docs/COLLECTIVES.md section 11). R * M stays within
+// kAggregateSpread so that the default window of 16 still spreads over
+// every aggregator (a run only as long as that allows; 1 from 16 devices
+// up). R depends on M alone: every rank must place every block alike.
+inline constexpr size_t kAggregateSpread = 16;
+inline constexpr size_t kAggregateMaxRun = 4;
+inline uint64_t aggregate_run(size_t aggregators) {
+  return std::clamp<size_t>(kAggregateSpread / std::max<size_t>(aggregators, 1), 1, kAggregateMaxRun);
+}
 inline const Hop& aggregator_of(const AggregateContext& c, uint64_t block) {
-  return c.aggregators[block % c.aggregators.size()];
+  return c.aggregators[(block / aggregate_run(c.aggregators.size())) % c.aggregators.size()];
+}
+inline uint64_t aggregate_local_block(const AggregateContext& c, uint64_t block) {
+  const uint64_t m = c.aggregators.size(), run = aggregate_run(m);
+  return (block / run / m) * run + block % run;
 }
 
 // Blocks one aggregation region of a slot must hold: the slot's capacity
-// cut into blocks, plus one partial block per shard boundary.
+// cut into blocks, plus one partial block per shard boundary, in whole runs.
 inline uint64_t aggregate_blocks_per_device(uint64_t capacity, uint32_t stride, int ranks,
                                             size_t aggregators) {
   const uint64_t blocks = (capacity + stride - 1) / stride + static_cast<uint64_t>(ranks);
-  return (blocks + aggregators - 1) / aggregators;
+  const uint64_t run = aggregate_run(aggregators);
+  const uint64_t runs = (blocks + run - 1) / run;
+  return (runs + aggregators - 1) / aggregators * run;
 }
 
 // aggregate.cc

@@ -37,6 +37,7 @@ size_t DeviceLoop::poll_once(transport::Duration timeout) {
     }
   }
   // Answers point into rx_, out_ and device memory: send before the next recv.
+  transport::group_by_peer(send_);
   for (size_t sent = 0; sent < send_.size();)
     sent += transport_.send_batch(std::span(send_).subspan(sent));
   release_parked(engine_, transport_, parked_out_);

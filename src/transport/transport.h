@@ -43,6 +43,14 @@ struct OutMsg {
   size_t size() const { return parts[0].size() + parts[1].size(); }
 };
 
+// Puts the datagrams of a batch to the same peer next to each other, in
+// their order, peers in the order they first appear: UdpTransport sends a
+// run of equal-sized datagrams to one peer as one GSO train (one skb
+// through the stack, the links' qdiscs and the peer's GRO), so a batch
+// that alternates peers costs the kernel a datagram each. Datagrams to
+// different peers have no order between them to keep.
+void group_by_peer(std::span<OutMsg> msgs);
+
 // A receive slot: `buf` is caller-owned storage; the transport fills `len`,
 // `from`, and `at` when the datagram is not at the start of `buf`: a socket
 // with UDP GRO receives a train of datagrams into one slot's buffer, and the
