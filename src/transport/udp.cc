@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <ctime>
 #include <cerrno>
 #include <cstring>
 #include <system_error>
@@ -72,6 +73,16 @@ bool is_retryable_send_error(int err) {
   return err == EINTR || err == EAGAIN || err == EWOULDBLOCK || err == ENOBUFS;
 }
 
+// With IP_RECVERR an ICMP error about an earlier datagram is reported once,
+// by whichever call on the socket comes next: a send that fails with one
+// of these may be about another datagram, and is tried again.
+bool may_be_earlier_icmp(int err) {
+  return err == ECONNREFUSED || err == EHOSTUNREACH || err == ENETUNREACH || err == EHOSTDOWN ||
+         err == ENETDOWN || err == EPROTO || err == ETIMEDOUT;
+}
+// Sends tried again after such an error before the datagram is skipped.
+constexpr int kIcmpRetries = 4;
+
 }  // namespace
 
 std::unique_ptr<UdpTransport> UdpTransport::open(const UdpOptions& options, std::string* error) {
@@ -93,6 +104,7 @@ std::unique_ptr<UdpTransport> UdpTransport::open(const UdpOptions& options, std:
   if (options.gso && setsockopt(fd, IPPROTO_UDP, UDP_SEGMENT, &zero, sizeof zero) == 0)
     transport->gso_max_segment_.store(kMaxTrainBytes, std::memory_order_relaxed);
   transport->gro_ = options.gro && setsockopt(fd, IPPROTO_UDP, UDP_GRO, &one, sizeof one) == 0;
+  transport->enable_recverr(options.local_backpressure);
 
   const sockaddr_in bind_addr = to_sockaddr(options.bind);
   if (bind(fd, reinterpret_cast<const sockaddr*>(&bind_addr), sizeof bind_addr) != 0) {
@@ -129,10 +141,34 @@ std::unique_ptr<UdpTransport> UdpTransport::open_multicast(Endpoint group, uint3
   if (setsockopt(fd, IPPROTO_IP, IP_ADD_MEMBERSHIP, &mreq, sizeof mreq) != 0)
     return fail(error, "cannot join multicast group " + group.to_string() + " on " +
                            Endpoint{interface_ip, 0}.to_string() + ": " + errno_text(errno));
+  transport->enable_recverr(true);
   return transport;
 }
 
 UdpTransport::~UdpTransport() { ::close(fd_); }
+
+void UdpTransport::enable_recverr(bool on) {
+  const int one = 1;
+  recverr_ = on && setsockopt(fd_, IPPROTO_IP, IP_RECVERR, &one, sizeof one) == 0;
+}
+
+// The error queue holds the ICMP errors IP_RECVERR keeps; while it is not
+// empty poll() reports POLLERR at once, so it is emptied whenever seen.
+void UdpTransport::drain_errors() {
+  if (!recverr_) return;
+  char buf[64];
+  alignas(cmsghdr) char ctrl[256];
+  for (;;) {
+    iovec iov{buf, sizeof buf};
+    msghdr h{};
+    h.msg_iov = &iov;
+    h.msg_iovlen = 1;
+    h.msg_control = ctrl;
+    h.msg_controllen = sizeof ctrl;
+    if (recvmsg(fd_, &h, MSG_ERRQUEUE | MSG_DONTWAIT) < 0) return;
+    icmp_errors_.fetch_add(1, std::memory_order_relaxed);
+  }
+}
 
 size_t UdpTransport::send_batch(std::span<const OutMsg> msgs) {
   // Each call carries at most kChunk datagrams, so at most 2 * kChunk iovecs,
@@ -145,6 +181,7 @@ size_t UdpTransport::send_batch(std::span<const OutMsg> msgs) {
 
   size_t done = 0;
   bool stalled = false;
+  int icmp_retries = 0;
   TimePoint stall_start;
   while (done < msgs.size()) {
     // Rebuilt from `done` on every pass: simpler than tracking a partially
@@ -201,12 +238,18 @@ size_t UdpTransport::send_batch(std::span<const OutMsg> msgs) {
         if (train_size[t] > 1) trains_sent_.fetch_add(1, std::memory_order_relaxed);
       }
       stalled = false;
+      icmp_retries = 0;
       continue;
     }
     // sendmmsg reports an error only for the first message of the call, so
     // `err` is about the train starting at msgs[done].
     const int err = rc < 0 ? errno : EAGAIN;
     if (err == EINTR) continue;
+    if (recverr_ && may_be_earlier_icmp(err) && icmp_retries < kIcmpRetries) {
+      ++icmp_retries;
+      drain_errors();
+      continue;
+    }
     if (train_size[0] > 1 && (err == EINVAL || err == EMSGSIZE || err == EIO)) {
       // The route cannot take segments this large unfragmented (or the
       // device cannot segment): send such datagrams one by one from now on.
@@ -224,11 +267,15 @@ size_t UdpTransport::send_batch(std::span<const OutMsg> msgs) {
       }
       if (err == ENOBUFS) {
         // A full device queue does not show in POLLOUT (the socket buffer
-        // may be empty), so just sleep a little.
-        (void)poll(nullptr, 0, 1);
+        // may be empty), so just sleep a little: the queue drains at the
+        // link's rate meanwhile and was full, so the link stays busy.
+        local_drops_.fetch_add(1, std::memory_order_relaxed);
+        const timespec pause{0, 200'000};
+        (void)nanosleep(&pause, nullptr);
       } else {
         pollfd p{fd_, POLLOUT, 0};
         (void)poll(&p, 1, kWaitWritableMs);
+        if (p.revents & POLLERR) drain_errors();
       }
       continue;
     }
@@ -312,7 +359,10 @@ size_t UdpTransport::recv_now(std::span<InMsg> msgs) {
     if (rc < 0) {
       // A pending ICMP error is reported once and then cleared; it is not
       // a datagram, so look again.
-      if (errno == ECONNREFUSED) continue;
+      if (may_be_earlier_icmp(errno)) {
+        drain_errors();
+        continue;
+      }
       break;  // EAGAIN: queue empty; EINTR and others: hand back what we have
     }
     for (int i = 0; i < rc; ++i) {
@@ -386,6 +436,7 @@ size_t UdpTransport::recv_batch(std::span<InMsg> msgs, Duration timeout) {
     const timespec ts{static_cast<time_t>(left.count() / 1'000'000'000),
                       static_cast<long>(left.count() % 1'000'000'000)};
     if (ppoll(&p, 1, &ts, nullptr) < 0 && errno == EINTR) return 0;
+    if (p.revents & POLLERR) drain_errors();
   }
 }
 

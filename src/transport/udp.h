@@ -34,6 +34,12 @@ struct UdpOptions {
   int sndbuf = 4 << 20;
   bool gso = true;  // send trains with UDP_SEGMENT (off by itself if the kernel refuses)
   bool gro = true;  // receive trains with UDP_GRO (ignored if the kernel lacks it)
+  // IP_RECVERR: a datagram that this host's own queue drops (a qdisc or a
+  // NIC queue that is full) comes back as ENOBUFS and is sent again after
+  // a short wait, as TCP does, instead of being lost silently and costing
+  // the peer a retransmission timeout. ICMP errors then also reach the
+  // socket; they are drained and counted, never taken for datagrams.
+  bool local_backpressure = true;
 };
 
 class UdpTransport final : public Transport {
@@ -77,16 +83,24 @@ class UdpTransport final : public Transport {
   // Trains of several datagrams sent in one piece, and received in one.
   uint64_t trains_sent() const { return trains_sent_.load(std::memory_order_relaxed); }
   uint64_t trains_received() const { return trains_received_.load(std::memory_order_relaxed); }
+  // Sends the host's own queue refused for a moment (ENOBUFS), each sent
+  // again; and ICMP errors drained from the socket (local_backpressure).
+  uint64_t local_drops() const { return local_drops_.load(std::memory_order_relaxed); }
+  uint64_t icmp_errors() const { return icmp_errors_.load(std::memory_order_relaxed); }
 
  private:
   UdpTransport(int fd, Endpoint local) : fd_(fd), local_(local) {}
   size_t recv_now(std::span<InMsg> msgs);
   size_t take_stash(std::span<InMsg> msgs);
+  void enable_recverr(bool on);
+  void drain_errors();
 
   int fd_;
   Endpoint local_;
   std::atomic<uint64_t> send_errors_{0};
   std::atomic<uint64_t> trains_sent_{0}, trains_received_{0};
+  std::atomic<uint64_t> local_drops_{0}, icmp_errors_{0};
+  bool recverr_ = false;
   // Largest datagram sent in a train. A train the kernel refuses (a
   // segment above the route's MTU: EINVAL) lowers it below that segment
   // size and is sent datagram by datagram; 0: no trains at all.
