@@ -67,7 +67,7 @@ struct GroupOptions {
   std::vector<std::string> devices;
   int ranks = 0;  // the group's size when `devices` is empty (else devices.size())
   // Devices in the network that aggregate (Algorithm::kAggregate), M of
-  // them, "IPv4:PORT"; block i goes to aggregator i % M. Empty: the ranks'
+  // them, "IPv4:PORT"; blocks go to them in runs (COLLECTIVES.md 11). Empty: the ranks'
   // own devices aggregate. Slot regions are registered on aggregator a by
   // rank a % p (with admin_key), at `base`, or after the chain slots when
   // the aggregators are the ranks' own devices.
