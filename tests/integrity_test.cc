@@ -105,6 +105,7 @@ TEST(Integrity, GoldenTrailer) {
                                               std::span(d).subspan(kHeaderSize)};
   const auto t = transport::integrity_trailer(parts);
   EXPECT_EQ(core::load_be<uint32_t>(t.data()), crc32c(d));
+  EXPECT_EQ(core::load_be<uint32_t>(t.data()), 0x5e5eebabu);  // as printed in PROTOCOL.md
   std::vector<std::byte> sealed(d.begin(), d.end());
   sealed.insert(sealed.end(), t.begin(), t.end());
   EXPECT_TRUE(transport::integrity_ok(sealed));
@@ -241,7 +242,7 @@ TEST(BitFlipRelay, SequencerCountsExactly) {
 // The daemon counts what it drops: STATS drop.bad_crc (and in `dropped`),
 // and a corrupted request is never executed.
 TEST(Integrity, DaemonCountsAndIgnoresCorruptRequests) {
-  TestDaemon d;
+  testing::TestDaemon d;
   ASSERT_TRUE(d.start({"--memory", "1MiB", "--region", "0:1MiB:1"})) << d.error();
   auto c = Client::connect(d.endpoint());
   ASSERT_TRUE(c.ok()) << c.error().to_string();

@@ -273,9 +273,10 @@ void Proxy::control(const Endpoint& from, const core::Header& h, std::span<const
     return reply(from, h, Status::kOk, pool::encode(m));
   }
   if (opts_.admin_key && h.rkey != *opts_.admin_key) return reply(from, h, Status::kNotPermitted);
-  // Keys go only to a caller that has shown the admin key: a proxy started
-  // --insecure (no admin key) lists and looks up allocations with key 0, so
-  // only POOL_ALLOC's answer (to the allocator) carries a key.
+  // POOL_LIST shows keys only to a caller that has shown the admin key: a
+  // proxy started --insecure (no admin key) lists allocations with key 0.
+  // (Its POOL_LOOKUP still answers the key of a name: an open pool is one
+  // where anyone may also free anything, docs/SECURITY.md.)
   auto shown = [&](pool::AllocRecord r) {
     if (!opts_.admin_key) r.key = 0;
     return r;
@@ -301,7 +302,7 @@ void Proxy::control(const Endpoint& from, const core::Header& h, std::span<const
       Allocation* a = name ? catalog_.find(*name) : nullptr;
       if (!name) s = Status::kBadPayload;
       else if (!a) s = Status::kNoSuchAllocation;
-      else pool::append(shown(catalog_.record(*a)), out);
+      else pool::append(catalog_.record(*a), out);
       break;
     }
     case Opcode::kPoolList: {
