@@ -26,12 +26,11 @@ uint32_t crc_table(const std::byte* p, size_t n, uint32_t c) {
 }
 
 #if defined(__x86_64__)
-// Block sizes of the three interleaved streams: long blocks for big
-// payloads, short ones so that a 1 KiB datagram is interleaved too.
-constexpr size_t kLong = 8192, kShort = 256;
+// Block sizes of the three interleaved streams: powers of two from 256 B to
+// 16 KiB, largest first, so a 64 KiB datagram takes four combinations
+// (3 x 16 KiB, 3 x 4 KiB, 3 x 1 KiB, 3 x 256 B) and a 1 KiB one takes one.
+constexpr size_t kMinBlockLog = 8, kMaxBlockLog = 14;
 
-// The CRC register is linear over GF(2): advancing it over n zero bytes is a
-// 32x32 bit matrix, applied here as four byte-indexed tables.
 using Matrix = std::array<uint32_t, 32>;
 using ShiftTable = std::array<std::array<uint32_t, 256>, 4>;
 
@@ -65,8 +64,12 @@ ShiftTable make_shift(size_t bytes) {
   return t;
 }
 
-const ShiftTable kShiftLong = make_shift(kLong);
-const ShiftTable kShiftShort = make_shift(kShort);
+// kShift[k]: advance over 2^(kMinBlockLog + k) zero bytes (28 KiB in all).
+const std::array<ShiftTable, kMaxBlockLog - kMinBlockLog + 1> kShift = [] {
+  std::array<ShiftTable, kMaxBlockLog - kMinBlockLog + 1> t{};
+  for (size_t k = 0; k < t.size(); ++k) t[k] = make_shift(size_t{1} << (kMinBlockLog + k));
+  return t;
+}();
 
 uint32_t shift(const ShiftTable& t, uint32_t c) {
   return t[0][c & 0xFF] ^ t[1][(c >> 8) & 0xFF] ^ t[2][(c >> 16) & 0xFF] ^ t[3][c >> 24];
@@ -98,8 +101,8 @@ __attribute__((target("sse4.2"))) uint32_t crc_3way(const std::byte*& p, size_t&
 }
 
 __attribute__((target("sse4.2"))) uint32_t crc_sse42(const std::byte* p, size_t n, uint32_t c) {
-  c = crc_3way(p, n, c, kLong, kShiftLong);
-  c = crc_3way(p, n, c, kShort, kShiftShort);
+  for (size_t k = kMaxBlockLog + 1; k-- > kMinBlockLog;)
+    if (n >= 3 * (size_t{1} << k)) c = crc_3way(p, n, c, size_t{1} << k, kShift[k - kMinBlockLog]);
   uint64_t c64 = c;
   for (; n >= 8; p += 8, n -= 8) c64 = __builtin_ia32_crc32di(c64, load64(p));
   c = static_cast<uint32_t>(c64);
