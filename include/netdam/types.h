@@ -25,12 +25,9 @@ inline constexpr size_t kDefaultMaxPayload = 8192;
 // Payloads are capped at 65536 - 1024 so that a header and a full segment
 // list fit in a 64 KiB loopback datagram.
 inline constexpr size_t kMaxPayloadLimit = 64512;
-// Every datagram ends in a CRC32C of the rest (docs/PROTOCOL.md 3.5); the
-// transport adds and removes it (transport::kTrailerSize is the same).
-inline constexpr size_t kIntegrityTrailerSize = 4;
-// The largest datagram netdam itself produces, trailer included.
+// The largest datagram netdam itself produces.
 inline constexpr size_t kMaxDatagram =
-    kHeaderSize + kSrPreambleSize + kMaxSegments * kSegmentSize + kMaxPayloadLimit + kIntegrityTrailerSize;
+    kHeaderSize + kSrPreambleSize + kMaxSegments * kSegmentSize + kMaxPayloadLimit;
 // Receive buffers hold any UDP datagram (at most 65507 bytes of IPv4
 // payload), so a too-large request is seen, counted and refused, never
 // silently truncated by the kernel.

@@ -5,12 +5,9 @@
 #include <array>
 
 #include "common/crc32c.h"
-#include "netdam/types.h"
 #include "transport/transport.h"
 
 namespace netdam::transport {
-
-static_assert(kTrailerSize == kIntegrityTrailerSize);
 
 namespace {
 

@@ -21,7 +21,7 @@ namespace {
 constexpr uint32_t kRawMagic = 0x52415742;  // "RAWB"
 enum Mode : uint8_t { kEcho = 1, kBlast = 2, kReport = 3, kReset = 4, kBlastAck = 5 };
 constexpr size_t kBatch = 32;                          // = DeviceLoop::kBatch, client kRxBatch
-constexpr size_t kBufSize = netdam::kMaxDatagram;       // same receive buffers as netdam
+constexpr size_t kBufSize = netdam::kMaxDatagram + 4;   // as netdam's: the largest datagram and its trailer
 constexpr size_t kMaxDatagramOut = 65507;
 constexpr auto kRecvTimeout = std::chrono::microseconds(2500);  // = client's kMinRto / 2
 constexpr auto kLossTimeout = std::chrono::milliseconds(200);
