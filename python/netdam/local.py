@@ -160,8 +160,6 @@ class Device(_Process):
         argv = [netdamd_path(), "--memory", memory, "--log-level", "warn"]
         if admin_key is not None:
             argv += ["--admin-key", hex(admin_key)]
-        else:
-            argv += ["--insecure"]  # an open pool must be asked for (docs/SECURITY.md)
         super().__init__(argv + list(args), listen, wait)
 
 
