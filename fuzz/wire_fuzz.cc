@@ -1,9 +1,14 @@
-// libFuzzer target: the wire codec and parse().
+// libFuzzer target: the wire codec, parse() and the integrity trailer.
 //
-// Input: one control byte (ignored; it keeps the input format of
-// engine_fuzz so both share a corpus), then the datagram bytes.
+// Input: one control byte (picks the bit flipped in the trailer check; it
+// keeps the input format of engine_fuzz so both share a corpus), then the
+// datagram bytes.
 //
 // Checks (abort on violation):
+//   - integrity_ok() accepts exactly the datagrams whose last 4 bytes are
+//     the big-endian CRC32C of the rest, computed by the byte table; the
+//     fast CRC equals the table's; a datagram sealed with
+//     integrity_trailer() passes and fails after any one bit is flipped;
 //   - encode(decode(x)) == x for the 40 header bytes when the magic matches,
 //     and for any 8 preamble / 24 segment bytes;
 //   - parse() agrees with an independent model of the structural rules of
@@ -16,8 +21,10 @@
 #include <span>
 #include <vector>
 
+#include "common/crc32c.h"
 #include "core/endian.h"
 #include "core/wire.h"
+#include "transport/transport.h"
 
 using namespace netdam;
 using namespace netdam::core;
@@ -74,6 +81,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::byte again[kSegmentSize];
     encode_segment(decode_segment(s), again);
     FUZZ_CHECK(std::memcmp(again, s, kSegmentSize) == 0);
+  }
+
+  // The integrity trailer (PROTOCOL.md section 3.5).
+  FUZZ_CHECK(crc32c(d) == crc32c_portable(d));
+  const bool ok = n >= 4 && crc32c_portable(std::span(d).first(n - 4)) == load_be<uint32_t>(d.data() + n - 4);
+  FUZZ_CHECK(transport::integrity_ok(d) == ok);
+  {
+    const std::span<const std::byte> parts[] = {std::span(d).first(n / 2), std::span(d).subspan(n / 2)};
+    const auto t = transport::integrity_trailer(parts);
+    std::vector<std::byte> sealed = d;
+    sealed.insert(sealed.end(), t.begin(), t.end());
+    FUZZ_CHECK(transport::integrity_ok(sealed));
+    const size_t bit = (static_cast<size_t>(data[0]) * 2654435761u) % (sealed.size() * 8);
+    sealed[bit / 8] ^= std::byte(1u << (bit % 8));
+    FUZZ_CHECK(!transport::integrity_ok(sealed));
   }
 
   Packet p;

@@ -77,14 +77,14 @@ for i in 0 1 2; do
   pool_pids+=($!)
 done
 for i in 0 1 2; do for _ in $(seq 100); do [[ -s "$work/pool$i.port" ]] && break; sleep 0.05; done; done
-"$bin/mmu/netdam-mmu" --listen 127.0.0.1:0 --port-file "$work/mmu.port" --device-admin-key 0xAD \
+"$bin/mmu/netdam-mmu" --listen 127.0.0.1:0 --port-file "$work/mmu.port" --device-admin-key 0xAD --admin-key 0xB0 \
   --state "$work/pool.sqlite" --log-level warn \
   --device "$(cat "$work/pool0.port")" --device "$(cat "$work/pool1.port")" --device "$(cat "$work/pool2.port")" &
 pool_pids+=($!)
 trap 'kill "${pool_pids[@]}" 2>/dev/null || true; cleanup' EXIT
 for _ in $(seq 100); do [[ -s "$work/mmu.port" ]] && break; sleep 0.05; done
 proxy=$(cat "$work/mmu.port")
-netdam -d "$proxy" pool alloc demo 1MiB --stripe 4KiB | tee "$work/alloc"
+netdam -d "$proxy" --admin-key 0xB0 pool alloc demo 1MiB --stripe 4KiB | tee "$work/alloc"
 base=$(grep -o 'base=0x[0-9a-f]*' "$work/alloc" | cut -d= -f2)
 key=$(grep -o 'key=0x[0-9a-f]*' "$work/alloc" | cut -d= -f2)
 
@@ -93,8 +93,8 @@ head -c 200000 /dev/urandom > "$work/blob"
 /usr/bin/python3 scripts/pool_client.py "$proxy" "$base" "$key" "$work/blob"
 
 step "the same bytes read directly from the 3 devices (the client fetches the translation table), and where they landed"
-netdam -d "$proxy" pool get demo --length 200000 --direct | cmp - "$work/blob" && echo "direct read: identical"
-netdam -d "$proxy" pool stat
+netdam -d "$proxy" --admin-key 0xB0 pool get demo --length 200000 --direct | cmp - "$work/blob" && echo "direct read: identical"
+netdam -d "$proxy" --admin-key 0xB0 pool stat
 
 step "PyTorch: DDP on 4 ranks over the netdam torch.distributed backend, Adam offloaded to the devices (netdam.optim): the devices hold the weights and Adam's state, and every rank's gradients are averaged in the network on their way to them"
 # The ranks start devices of their own (NETDAM_DEVICE above names the first demo device).

@@ -16,13 +16,49 @@ HEADER = struct.Struct(">IBBBBBBBBIQQII")  # section 3.1, 40 bytes, big-endian
 CHUNK = 8192  # the proxy's default max payload (PING tells it; kept simple)
 
 
+def _crc32c_table():
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+CRC32C_TABLE = _crc32c_table()
+
+
+def crc32c(data):
+    """CRC32C (Castagnoli) of bytes, as the integrity trailer needs it."""
+    c = 0xFFFFFFFF
+    for b in data:
+        c = CRC32C_TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+def seal(datagram):
+    """Appends the integrity trailer (section 3.5): CRC32C of all bytes, big-endian."""
+    return datagram + struct.pack(">I", crc32c(datagram))
+
+
+def unseal(datagram):
+    """The datagram without its trailer, or None if the trailer does not match."""
+    if len(datagram) < 4 or struct.unpack(">I", datagram[-4:])[0] != crc32c(datagram[:-4]):
+        return None
+    return datagram[:-4]
+
+
 def request(sock, peer, txn, opcode, flags, key, addr, length, payload=b""):
-    datagram = HEADER.pack(MAGIC, VERSION, opcode, flags, 0, 0, 0, 0, 0, key, txn, addr, length, 0) + payload
+    datagram = seal(HEADER.pack(MAGIC, VERSION, opcode, flags, 0, 0, 0, 0, 0, key, txn, addr, length, 0) + payload)
     for _ in range(20):  # retransmit the same txn on timeout (section 9.3)
         sock.sendto(datagram, peer)
         try:
             while True:
                 answer, _ = sock.recvfrom(65536)
+                answer = unseal(answer)
+                if answer is None or len(answer) < HEADER.size:
+                    continue  # corrupted on the way: as if lost
                 h = HEADER.unpack_from(answer)
                 if h[0] == MAGIC and h[10] == txn and h[3] & 0x01:
                     if h[4] != 0:

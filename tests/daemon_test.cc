@@ -17,6 +17,7 @@
 #include "daemon_fixture.h"
 #include "netdam/client.h"
 #include "netdam/local_memory.h"
+#include "transport/transport.h"
 
 namespace netdam {
 namespace {
@@ -105,6 +106,11 @@ TEST(Daemon, SurvivesGarbageAndKeepsServing) {
       pkt[6] &= std::byte{0xFE};  // not a response
       if (i % 4 == 1) pkt[10] = std::byte{0};  // no segments
       if (i % 8 == 1) core::store_be<uint32_t>(pkt.data() + 12, 1);  // the real key
+      // With a valid integrity trailer, so that the engine sees it; the
+      // other half is dropped by the CRC check (drop.bad_crc).
+      const std::span<const std::byte> parts[] = {pkt};
+      const auto trailer = transport::integrity_trailer(parts);
+      pkt.insert(pkt.end(), trailer.begin(), trailer.end());
     }
     sendto(fd, pkt.data(), pkt.size(), 0, reinterpret_cast<sockaddr*>(&to), sizeof to);
     if (i % 64 == 0) {  // let the device keep up; drain NAKs sent to us

@@ -11,7 +11,7 @@
 
 #include <sys/stat.h>
 
-#include "dataset/crc32c.h"
+#include "common/crc32c.h"
 #include "dataset/format.h"
 #include "dataset/pool_io.h"
 #include "netdam/dataset.h"
@@ -97,7 +97,7 @@ TEST(DatasetShard, PartitionsTheEpoch) {
 
 TEST(DatasetFormat, HeaderRoundTripAndChecks) {
   const char* text = "123456789";
-  EXPECT_EQ(dataset::crc32c(std::as_bytes(std::span(text, 9))), 0xE3069283u);
+  EXPECT_EQ(crc32c(std::as_bytes(std::span(text, 9))), 0xE3069283u);
   dataset::Header h;
   h.sample_size = 1000;
   h.files = {{"a.bin", 0, 3}, {"b.bin", 3, 0}, {"c.bin", 3, 5}};

@@ -20,7 +20,7 @@ using namespace std::chrono_literals;
 class Recorder final : public Transport {
  public:
   Endpoint local() const override { return {0x7F000001, 1}; }
-  size_t send_batch(std::span<const OutMsg> msgs) override {
+  size_t send_raw(std::span<const OutMsg> msgs) override {
     for (const auto& m : msgs) {
       std::vector<std::byte> d;
       for (const auto& p : m.parts) d.insert(d.end(), p.begin(), p.end());
@@ -30,7 +30,7 @@ class Recorder final : public Transport {
     }
     return msgs.size();
   }
-  size_t recv_batch(std::span<InMsg>, Duration) override { return 0; }
+  size_t recv_raw(std::span<InMsg>, Duration) override { return 0; }
   TimePoint now() const override { return Clock::now(); }
   std::vector<std::pair<uint16_t, uint64_t>> log;
 };

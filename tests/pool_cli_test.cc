@@ -77,15 +77,15 @@ TEST(PoolCli, MmuUsageErrors) {
   auto r = run_process({build_path("src/mmu/netdam-mmu"), "--device", "127.0.0.1:1"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("--device-admin-key is required"), std::string::npos) << r.err;
-  r = run_process({build_path("src/mmu/netdam-mmu"), "--device-admin-key", "1"});
+  r = run_process({build_path("src/mmu/netdam-mmu"), "--device-admin-key", "1", "--insecure"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("no devices"), std::string::npos) << r.err;
   TempDir dir;
   {
     std::ofstream(dir.file("junk.db")) << "this is not a database, just some text that is long enough";
   }
-  r = run_process({build_path("src/mmu/netdam-mmu"), "--device-admin-key", "1", "--device", "127.0.0.1:1", "--state",
-                   dir.file("junk.db")});
+  r = run_process({build_path("src/mmu/netdam-mmu"), "--device-admin-key", "1", "--admin-key", "2", "--device",
+                   "127.0.0.1:1", "--state", dir.file("junk.db")});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("state file"), std::string::npos) << r.err;
 }

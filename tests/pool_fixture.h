@@ -2,6 +2,8 @@
 // netdamd processes (TestDaemon, tests/daemon_fixture.h).
 #pragma once
 
+#include <algorithm>
+
 #include <string>
 #include <vector>
 
@@ -26,6 +28,8 @@ class TestMmu {
     std::vector<std::string> argv = {build_path("src/mmu/netdam-mmu"), "--listen", listen, "--port-file", port_file,
                                      "--device-admin-key", kDeviceAdminKey};
     argv.insert(argv.end(), args.begin(), args.end());
+    // Tests that give no admin key run an open pool, which must be asked for.
+    if (std::find(args.begin(), args.end(), "--admin-key") == args.end()) argv.push_back("--insecure");
     std::string why;
     pid_ = detail::spawn(argv, detail::environment({}), "", dir_.file("log"), dir_.file("log.err"), &why);
     if (pid_ < 0) {
@@ -53,6 +57,7 @@ class TestMmu {
     }
   }
   const std::string& endpoint() const { return endpoint_; }
+  pid_t pid() const { return pid_; }
   std::string log() const { return read_text_file(dir_.file("log")) + read_text_file(dir_.file("log.err")); }
   const std::string& error() const { return error_; }
 

@@ -33,7 +33,9 @@
 #include <string>
 #include <vector>
 
+#include "core/endian.h"
 #include "core/engine.h"
+#include "transport/transport.h"
 
 namespace netdam::core {
 namespace {
@@ -588,6 +590,43 @@ TEST(WireGolden, ArmExampleFromProtocolDoc) {
     EXPECT_EQ(hex(concat(r.head, r.data)), hex(answer)) << "transmission " << i;
   }
   EXPECT_EQ(dev.regions().find(9)->generation, 5u);
+}
+
+// PROTOCOL.md section 3.5: the integrity trailers of the section 14
+// examples, as printed there (after '#', or as `trailer`).
+TEST(WireGolden, TrailersOfTheProtocolDocExamples) {
+  const std::pair<std::string_view, uint32_t> examples[] = {
+      {kWriteRequestHex, 0x5e5eebab},
+      {kWriteAckHex, 0x2675ac23},
+      {kReadRequestHex, 0x706dc6c3},
+      {kReadResponseHex, 0x4db87fdc},
+      {"4e44414d 01 40 00 00 01 01 02 00 00000000 0000000000000005 0000000000000000 00000008 00000000"
+       "00000000 0000 0000 00000000 00000000"
+       "0a000001 1b58 31 00 00000007 00000000 0000000000000000"
+       "0a000002 1b58 11 00 00000009 00000000 0000000000000100"
+       "0000003f0000803e",
+       0xf1cf4f0d},
+      {"4e44414d 01 40 00 00 01 01 02 01 00000000 0000000000000005 0000000000000000 00000008 00000000"
+       "0a000009 9c40 0000 00000000 00000000"
+       "0a000001 1b58 31 00 00000007 00000000 0000000000000000"
+       "0a000002 1b58 11 00 00000009 00000000 0000000000000100"
+       "0000c03f00001040",
+       0x405c80c2},
+      {"4e44414d 01 40 01 00 01 01 00 01 00000000 0000000000000005 0000000000000000 00000000 5eed0002", 0xd20aa14f},
+      {"4e44414d 01 14 00 00 00 00 00 00 00000009 0000000000000006 0000000000000000 00000004 00000000 00000005",
+       0x55677fd1},
+      {"4e44414d 01 14 01 00 00 00 00 00 00000009 0000000000000006 0000000000000000 00000004 5eed0002 00000000",
+       0x0d5f34b3},
+  };
+  for (const auto& [text, crc] : examples) {
+    const auto d = unhex(text);
+    const std::span<const std::byte> parts[] = {d};
+    const auto t = transport::integrity_trailer(parts);
+    EXPECT_EQ(load_be<uint32_t>(t.data()), crc) << text;
+    std::vector<std::byte> sealed = d;
+    sealed.insert(sealed.end(), t.begin(), t.end());
+    EXPECT_TRUE(transport::integrity_ok(sealed));
+  }
 }
 
 }  // namespace

@@ -242,6 +242,8 @@ class Client {
     // retransmits = probes (nothing answered for a timeout) + losses
     // inferred from later requests' answers
     uint64_t probes = 0;
+    // answers dropped because their CRC32C integrity trailer did not match
+    uint64_t integrity_drops = 0;
   };
   const Counters& counters() const { return counters_; }
 

@@ -169,7 +169,8 @@ class Mmu(_Process):
     Mmu(devices: Sequence[str], device_admin_key: int, admin_key: int | None = None,
         args: Sequence[str] = (), listen: str = "127.0.0.1:0", wait: float = 10.0)
 
-    The devices must run with ``--admin-key device_admin_key``.
+    The devices must run with ``--admin-key device_admin_key``. Without
+    `admin_key` the proxy runs ``--insecure`` (an open pool).
     """
 
     def __init__(self, devices: Sequence[str], device_admin_key: int,
@@ -180,4 +181,6 @@ class Mmu(_Process):
             argv += ["--device", d]
         if admin_key is not None:
             argv += ["--admin-key", hex(admin_key)]
+        else:
+            argv += ["--insecure"]  # an open pool must be asked for (docs/SECURITY.md)
         super().__init__(argv + list(args), listen, wait)

@@ -923,6 +923,7 @@ void Client::pump(bool block) {
   std::array<transport::InMsg, kRxBatch> in;
   for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);
   const size_t n = transport_->recv_batch(in, timeout);
+  counters_.integrity_drops = transport_->integrity_drops();
   for (size_t i = 0; i < n; ++i)
     if (!in[i].truncated) receive(in[i].data().data(), in[i].len, in[i].from);
   check_timers();

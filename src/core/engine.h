@@ -172,6 +172,11 @@ class Engine {
 
   const Stats& stats() const { return stats_; }
   Device& device() { return device_; }
+  // Datagrams the transport dropped for a bad integrity trailer (they never
+  // reach handle()): counted here so that STATS shows them, drop.bad_crc.
+  void count_integrity_drops(uint64_t n) {
+    Stats::inc(stats_.dropped[static_cast<size_t>(ParseError::kBadIntegrity)], n);
+  }
 
   // The other answers of the last handle() (usually none): send them with
   // its Action, then take the next datagram. handle() clears the list.

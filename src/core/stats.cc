@@ -20,7 +20,8 @@ uint64_t sum_at(const std::vector<const Stats*>& all, std::array<Stats::Counter,
 }
 
 constexpr const char* kDropNames[kParseErrorCount] = {"none",        "truncated",  "bad_magic",
-                                                      "is_response", "bad_version", "bad_segments"};
+                                                      "is_response", "bad_version", "bad_segments",
+                                                      "bad_crc"};
 }  // namespace
 
 StatList collect(const std::vector<const Stats*>& all) {

@@ -15,7 +15,7 @@
 
 namespace netdam::core {
 
-inline constexpr size_t kParseErrorCount = 6;
+inline constexpr size_t kParseErrorCount = 7;
 
 struct Stats {
   using Counter = std::atomic<uint64_t>;

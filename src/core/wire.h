@@ -84,6 +84,8 @@ enum class ParseError : uint8_t {
   kIsResponse,    // devices never answer answers (no reflection loops)
   kBadVersion,    // answered with a v1 NAK so the sender learns our version
   kBadSegments,   // seg_count/seg_index inconsistent or list truncated
+  kBadIntegrity,  // the CRC32C trailer did not match: found by the transport
+                  // (transport/integrity.cc), which never hands such a datagram on
 };
 
 // A parsed datagram; spans point into the caller's buffer.

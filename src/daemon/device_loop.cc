@@ -23,6 +23,10 @@ DeviceLoop::DeviceLoop(core::Device& device, transport::Transport& transport)
 
 size_t DeviceLoop::poll_once(transport::Duration timeout) {
   const size_t n = transport_.recv_batch(in_, timeout);
+  if (const uint64_t bad = transport_.integrity_drops(); bad != integrity_drops_seen_) {
+    engine_.count_integrity_drops(bad - integrity_drops_seen_);
+    integrity_drops_seen_ = bad;
+  }
   send_.clear();
   fanout_.clear();
   for (size_t i = 0; i < n; ++i) {

@@ -42,6 +42,7 @@ class DeviceLoop {
   std::vector<transport::OutMsg> send_;
   std::deque<core::Fanout> fanout_;  // this batch's extra answers, until sent
   std::vector<std::byte> parked_out_;
+  uint64_t integrity_drops_seen_ = 0;  // transport_.integrity_drops() already counted in STATS
 };
 
 }  // namespace netdam::device

@@ -3,7 +3,7 @@
 #include <cstring>
 
 #include "core/endian.h"
-#include "dataset/crc32c.h"
+#include "common/crc32c.h"
 
 namespace netdam::dataset {
 

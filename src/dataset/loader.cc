@@ -6,7 +6,7 @@
 #include <fstream>
 
 #include "core/endian.h"
-#include "dataset/crc32c.h"
+#include "common/crc32c.h"
 #include "dataset/format.h"
 #include "dataset/pool_io.h"
 #include "netdam/dataset.h"
@@ -97,7 +97,7 @@ Error store(Pool& pool, const PoolAllocation& a, dataset::Header& h, const std::
       if (static_cast<uint64_t>(in.gcount()) != chunk.size())
         return Error::invalid(fmt::format("{}: short read (did the file change?)", f.path.string()));
       for (uint64_t i = 0; i < n; ++i)
-        core::store_be<uint32_t>(crcs.data() + 4 * (sample + i), dataset::crc32c(chunk.subspan(i * ss, ss)));
+        core::store_be<uint32_t>(crcs.data() + 4 * (sample + i), crc32c(chunk.subspan(i * ss, ss)));
       w.write(h.data_offset + sample * ss, chunk, 0);
       if (Error e = w.wait_all()) return e;
       sample += n;

@@ -2,7 +2,7 @@
 #include <fmt/format.h>
 
 #include "core/endian.h"
-#include "dataset/crc32c.h"
+#include "common/crc32c.h"
 #include "dataset/format.h"
 #include "dataset/pool_io.h"
 #include "netdam/dataset.h"
@@ -55,7 +55,7 @@ Error DatasetReader::read_batch(std::span<const uint64_t> indices, std::span<std
   }
   if (!crcs_.empty())
     for (size_t i = 0; i < indices.size(); ++i)
-      if (dataset::crc32c(out.subspan(i * ss, ss)) != crcs_[indices[i]])
+      if (crc32c(out.subspan(i * ss, ss)) != crcs_[indices[i]])
         return Error::protocol(fmt::format("dataset '{}': sample {} does not match its checksum", info_.name, indices[i]));
   return {};
 }

@@ -31,11 +31,15 @@ int main(int argc, char** argv) {
               max_payload;
   std::vector<std::string> devices;
   int ping_ms = 100, timeout_ms = 500;
+  bool insecure = false;
   app.add_option("--listen", listen, "HOST:PORT clients use (default 127.0.0.1:7100; port 0 = any)");
   app.add_option("--device", devices, "a pool device HOST:PORT (repeatable; added to those in --state)");
   app.add_option("--device-admin-key", device_admin_key,
                  "the devices' admin key (netdamd --admin-key): the proxy registers regions with it (required)");
-  app.add_option("--admin-key", admin_key, "key that pool control operations must carry (default: none needed)");
+  app.add_option("--admin-key", admin_key,
+                 "key that pool control operations must carry (required unless --insecure)");
+  app.add_flag("--insecure", insecure,
+               "run without --admin-key: anyone may allocate, list and free (keys are never listed)");
   app.add_option("--state", state, "SQLite file holding devices and allocations (default: nothing persists)");
   app.add_option("--port-file", port_file, "write the bound HOST:PORT to this file once serving");
   app.add_option("--ping-interval", ping_ms, "milliseconds between health PINGs of each device (default 100)")
@@ -57,6 +61,11 @@ int main(int argc, char** argv) {
   auto dk = device::parse_key(device_admin_key);
   if (!dk || *dk == 0) return fail("--device-admin-key: must be a nonzero 32-bit number");
   o.device_admin_key = *dk;
+  if (admin_key.empty() && !insecure)
+    return fail("no --admin-key: without one any client on the network could allocate, look up and free "
+                "every allocation. Give --admin-key KEY (pool control operations must then carry it), or "
+                "--insecure to run an open pool on a trusted network (allocation keys are still never "
+                "listed)");
   if (!admin_key.empty()) {
     auto k = device::parse_key(admin_key);
     if (!k || *k == 0) return fail("--admin-key: must be a nonzero 32-bit number");
@@ -73,6 +82,8 @@ int main(int argc, char** argv) {
   auto level = spdlog::level::from_str(log_level);
   if (level == spdlog::level::off && log_level != "off") return fail("--log-level: unknown level '" + log_level + "'");
   spdlog::set_level(level);
+  if (insecure && admin_key.empty())
+    spdlog::warn("--insecure: no admin key, any client may allocate and free (keys are not listed)");
 
   sigset_t stop_signals;
   sigemptyset(&stop_signals);

@@ -45,6 +45,7 @@ struct Proxy::Conn {
   int fd = -1;
   uint32_t boot = 0;
   transport::TimePoint last_answer{};
+  uint64_t answers_seen = 0;  // client->counters().answers at the last health tick
   // Clients of earlier incarnations, polled until their operations failed.
   struct Retired {
     std::unique_ptr<Client> client;
@@ -124,6 +125,7 @@ std::unique_ptr<Proxy> Proxy::create(const ProxyOptions& o, std::string* error) 
 
 Proxy::Proxy(const ProxyOptions& o, std::unique_ptr<StateStore> store)
     : opts_(o), catalog_(std::move(store)), replay_(o.replay_window, o.replay_requesters),
+      liveness_(Health::Options{o.ping_interval}),
       rx_(kRxBatch * kRxBufferSize) {}
 
 Proxy::~Proxy() = default;
@@ -271,6 +273,14 @@ void Proxy::control(const Endpoint& from, const core::Header& h, std::span<const
     return reply(from, h, Status::kOk, pool::encode(m));
   }
   if (opts_.admin_key && h.rkey != *opts_.admin_key) return reply(from, h, Status::kNotPermitted);
+  // POOL_LIST shows keys only to a caller that has shown the admin key: a
+  // proxy started --insecure (no admin key) lists allocations with key 0.
+  // (Its POOL_LOOKUP still answers the key of a name: an open pool is one
+  // where anyone may also free anything, docs/SECURITY.md.)
+  auto shown = [&](pool::AllocRecord r) {
+    if (!opts_.admin_key) r.key = 0;
+    return r;
+  };
   const bool mutation = h.opcode == Opcode::kPoolAlloc || h.opcode == Opcode::kPoolFree;
   const uint64_t requester = from.key();
   if (mutation) {
@@ -300,7 +310,7 @@ void Proxy::control(const Endpoint& from, const core::Header& h, std::span<const
       for (const auto& [id, a] : catalog_.allocations()) {
         if (index++ < h.addr) continue;
         std::vector<std::byte> one;
-        pool::append(catalog_.record(a), one);
+        pool::append(shown(catalog_.record(a)), one);
         if (out.size() + one.size() > opts_.max_payload) break;
         out.insert(out.end(), one.begin(), one.end());
       }
@@ -729,8 +739,18 @@ void Proxy::health_tick() {
   const auto now = health_->now();
   if (now < next_health_) return;
   next_health_ = now + opts_.ping_interval;
-  const auto down_after = std::max<std::chrono::nanoseconds>(4 * opts_.ping_interval, 400ms);
   auto& devs = catalog_.devices();
+  liveness_.resize(devs.size());
+  // A device that answers data traffic is alive, whatever became of PINGs.
+  for (size_t i = 0; i < devs.size(); ++i) {
+    Conn& c = *conns_[i];
+    if (!c.client) continue;
+    const uint64_t answers = c.client->counters().answers;
+    if (answers != c.answers_seen) liveness_.traffic_answered(i, now);
+    c.answers_seen = answers;
+  }
+  std::vector<size_t> silent;
+  size_t up = 0;
   std::vector<std::array<std::byte, kHeaderSize>> heads(devs.size());
   std::vector<transport::OutMsg> msgs;
   ++health_seq_;
@@ -740,13 +760,23 @@ void Proxy::health_tick() {
     h.txn = (uint64_t{static_cast<uint32_t>(i)} << 32) | (health_seq_ & 0xFFFFFFFF);
     core::encode_header(h, heads[i].data());
     msgs.push_back(transport::OutMsg{devs[i].endpoint, {std::span<const std::byte>(heads[i]), {}}});
-    Conn& c = *conns_[i];
-    if (devs[i].state == DeviceState::kUp && now - c.last_answer > down_after) {
-      devs[i].state = DeviceState::kDown;
-      spdlog::warn("device {} ({}) stopped answering: its allocations are unavailable until it is back",
-                   i, devs[i].row.address);
-    }
+    if (devs[i].state != DeviceState::kUp) continue;
+    ++up;
+    if (liveness_.silent(i, now)) silent.push_back(i);
   }
+  if (silent.size() > 1 && silent.size() == up)
+    spdlog::warn("all {} answering devices went silent together ({} PINGs unanswered each): the network, "
+                 "this host or the devices' host stalled; marking them down as each has missed its probes",
+                 up, liveness_.missed(silent[0], now));
+  for (size_t i : silent) {
+    devs[i].state = DeviceState::kDown;
+    spdlog::warn("device {} ({}) stopped answering ({} PINGs and no traffic answered in {} ms; smoothed RTT "
+                 "{} us): its allocations are unavailable until it is back",
+                 i, devs[i].row.address, liveness_.missed(i, now),
+                 std::chrono::duration_cast<std::chrono::milliseconds>(now - liveness_.last_answer(i)).count(),
+                 std::chrono::duration_cast<std::chrono::microseconds>(liveness_.srtt(i)).count());
+  }
+  for (size_t i = 0; i < devs.size(); ++i) liveness_.probe_sent(i, health_seq_ & 0xFFFFFFFF, now);
   health_->send_batch(msgs);
 }
 
@@ -765,6 +795,8 @@ void Proxy::health_receive() {
           !(catalog_.devices()[id].endpoint == in[i].from))
         continue;
       const std::byte* p = d.data() + kHeaderSize;
+      liveness_.resize(catalog_.devices().size());
+      liveness_.probe_answered(id, h.txn & 0xFFFFFFFF, health_->now());
       device_seen(static_cast<uint32_t>(id), load_be<uint32_t>(p), load_be<uint64_t>(p + 8));
     }
     if (n < in.size()) break;

@@ -22,6 +22,7 @@
 
 #include "core/wire.h"
 #include "mmu/catalog.h"
+#include "mmu/health.h"
 #include "mmu/replay.h"
 #include "netdam/client.h"
 #include "transport/udp.h"
@@ -97,6 +98,7 @@ class Proxy {
   Catalog catalog_;
   ProxyReplay replay_;
   std::unique_ptr<transport::UdpTransport> listen_, health_;
+  Health liveness_;  // evidence that each device is alive (indexed like the catalog's devices)
   std::vector<std::unique_ptr<Conn>> conns_;  // by device id
   std::list<std::unique_ptr<Job>> jobs_;
   std::deque<Job*> replicated_atomics_;  // run one at a time, in order

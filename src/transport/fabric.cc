@@ -28,11 +28,11 @@ class Fabric::Port final : public Transport {
   }
 
   Endpoint local() const override { return addr_; }
-  size_t send_batch(std::span<const OutMsg> msgs) override {
+  size_t send_raw(std::span<const OutMsg> msgs) override {
     fabric_->send(addr_, msgs);
     return msgs.size();  // the fabric always accepts; loss happens later
   }
-  size_t recv_batch(std::span<InMsg> msgs, Duration timeout) override {
+  size_t recv_raw(std::span<InMsg> msgs, Duration timeout) override {
     return fabric_->receive(*this, msgs, timeout);
   }
   TimePoint now() const override { return fabric_->now(); }
@@ -186,6 +186,11 @@ void Fabric::schedule(Endpoint from, Endpoint to, std::vector<std::byte> data) {
     ++counters_.reordered;
     delay += Duration(hi) + kReorderExtra;  // later than anything sent in the next 50 us
   }
+  if (!data.empty() && chance(faults_.corrupt)) {
+    ++counters_.corrupted;
+    const uint64_t bit = rng_() % (data.size() * 8);
+    data[bit / 8] ^= std::byte{static_cast<uint8_t>(1u << (bit % 8))};
+  }
   events_.push_back(Event{now_ + delay, next_seq_++, from, to, std::move(data)});
   std::push_heap(events_.begin(), events_.end(), later);
 }
@@ -205,6 +210,7 @@ void Fabric::deliver(Event& event) {
   // The handler gets the event's own buffer (it may decode in place); the
   // event was taken off the heap, so sends from the handler cannot move it.
   InMsg msg{std::span<std::byte>(event.data), event.data.size(), event.from, false};
+  if (!port.open(msg)) return;  // a corrupt datagram never reaches the device
   port.handler_(msg, port);
 }
 

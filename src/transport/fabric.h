@@ -39,6 +39,10 @@ struct FaultModel {
   double drop = 0, duplicate = 0, reorder = 0;  // probabilities per datagram
   Duration delay_min{0}, delay_max{0};
   uint64_t seed = 1;
+  // Probability that a datagram has one random bit flipped on the wire
+  // (after its integrity trailer was made, so the receiver must catch it).
+  // FaultyTransport applies it both ways: to what it sends and receives.
+  double corrupt = 0;
 };
 
 class Fabric {
@@ -75,6 +79,7 @@ class Fabric {
     uint64_t dropped = 0;
     uint64_t duplicated = 0;     // extra copies scheduled
     uint64_t reordered = 0;      // copies given the reorder delay
+    uint64_t corrupted = 0;      // copies given a flipped bit
     uint64_t undeliverable = 0;  // no endpoint at the destination
   };
   Counters counters() const;

@@ -24,6 +24,13 @@ bool FaultyTransport::chance(double p) {
   return u < p;
 }
 
+void FaultyTransport::flip_bit(std::span<std::byte> data) {
+  if (data.empty()) return;
+  ++counters_.corrupted;
+  const uint64_t bit = rng_() % (data.size() * 8);
+  data[bit / 8] ^= std::byte{static_cast<uint8_t>(1u << (bit % 8))};
+}
+
 FaultyTransport::Counters FaultyTransport::counters() const {
   std::lock_guard lock(mu_);
   return counters_;
@@ -36,7 +43,7 @@ size_t FaultyTransport::flush_locked() {
     for (int c = 0; c < h.copies; ++c) out.push_back(OutMsg{h.to, {std::span<const std::byte>(h.data), {}}});
   // If the inner transport refuses some, they are lost: as a drop would be.
   for (size_t done = 0; done < out.size();) {
-    const size_t k = inner_.send_batch(std::span(out).subspan(done));
+    const size_t k = inner_.send_raw(std::span(out).subspan(done));
     if (k == 0) break;
     done += k;
   }
@@ -50,7 +57,7 @@ void FaultyTransport::flush() {
   flush_locked();
 }
 
-size_t FaultyTransport::send_batch(std::span<const OutMsg> msgs) {
+size_t FaultyTransport::send_raw(std::span<const OutMsg> msgs) {
   std::lock_guard lock(mu_);
   std::vector<OutMsg> out;
   std::vector<size_t> owner;  // out[j] belongs to msgs[owner[j]]
@@ -59,6 +66,7 @@ size_t FaultyTransport::send_batch(std::span<const OutMsg> msgs) {
   // Held datagrams being released in this call; moving a Held keeps its
   // bytes where they are, so spans into them stay valid until sent.
   std::vector<Held> released;
+  std::vector<Held> corrupted;  // flipped copies, alive until sent
   bool carried = !held_.empty();  // held by an earlier call: must go now
 
   auto emit = [&](const OutMsg& m, size_t i, int copies) {
@@ -88,22 +96,30 @@ size_t FaultyTransport::send_batch(std::span<const OutMsg> msgs) {
       ++counters_.duplicated;
       copies = 2;
     }
-    if (chance(faults_.reorder)) {
-      ++counters_.reordered;
+    const bool reorder = chance(faults_.reorder);
+    if (reorder) ++counters_.reordered;
+    const bool corrupt = chance(faults_.corrupt);
+    if (reorder || corrupt) {  // both need a copy of their own
       Held h{m.to, {}, copies};
       h.data.reserve(m.size());
       for (const auto& part : m.parts) h.data.insert(h.data.end(), part.begin(), part.end());
-      held_.push_back(std::move(h));
-      continue;
+      if (corrupt) flip_bit(h.data);
+      if (reorder) {
+        held_.push_back(std::move(h));
+        continue;
+      }
+      const Held& c = corrupted.emplace_back(std::move(h));
+      emit(OutMsg{c.to, {std::span<const std::byte>(c.data), {}, {}}}, i, copies);
+    } else {
+      emit(m, i, copies);
     }
-    emit(m, i, copies);
     if (!held_.empty()) release(i);  // the held ones go right after this one
   }
   if (carried) release(msgs.empty() ? 0 : msgs.size() - 1);
 
   size_t done = 0;
   while (done < out.size()) {
-    const size_t k = inner_.send_batch(std::span(out).subspan(done));
+    const size_t k = inner_.send_raw(std::span(out).subspan(done));
     if (k == 0) break;
     done += k;
   }
@@ -113,12 +129,18 @@ size_t FaultyTransport::send_batch(std::span<const OutMsg> msgs) {
   return std::min(owner[done], msgs.size());
 }
 
-size_t FaultyTransport::recv_batch(std::span<InMsg> msgs, Duration timeout) {
+size_t FaultyTransport::recv_raw(std::span<InMsg> msgs, Duration timeout) {
   {
     std::lock_guard lock(mu_);
     flush_locked();
   }
-  return inner_.recv_batch(msgs, timeout);
+  const size_t n = inner_.recv_raw(msgs, timeout);
+  if (faults_.corrupt > 0) {
+    std::lock_guard lock(mu_);
+    for (size_t i = 0; i < n; ++i)
+      if (chance(faults_.corrupt)) flip_bit(msgs[i].data());
+  }
+  return n;
 }
 
 }  // namespace netdam::transport

@@ -4,7 +4,11 @@
 //   - dropped,
 //   - sent twice (back to back), or
 //   - held back and sent right after the next datagram that is not held
-//     (a reorder by one position).
+//     (a reorder by one position),
+//   - corrupted: one random bit flipped after the integrity trailer was
+//     made (FaultModel::corrupt). Received datagrams are corrupted with the
+//     same probability before their trailer is checked, so one wrapped
+//     endpoint is a relay that flips bits both ways.
 // A held datagram is copied, so callers may reuse their buffers at once as
 // the Transport contract allows; it is released at the latest at the end of
 // the next send_batch call, or at the start of the next recv_batch call, so
@@ -12,7 +16,7 @@
 //
 // The draws come from one mt19937_64 seeded with FaultModel::seed, taken
 // from its raw output exactly as Fabric does, in the order drop, duplicate,
-// reorder, skipping the draw of a zero probability: one seed gives the same
+// reorder, corrupt (then the bit), skipping the draw of a zero probability: one seed gives the same
 // decision sequence on every standard library. FaultModel's delay fields
 // are ignored (real sockets have their own timing).
 //
@@ -46,9 +50,9 @@ class FaultyTransport final : public Transport {
   // Returns how many of `msgs` were dealt with (dropped, held or handed to
   // the inner transport); fewer than msgs.size() only if the inner
   // transport accepted fewer.
-  size_t send_batch(std::span<const OutMsg> msgs) override;
+  size_t send_raw(std::span<const OutMsg> msgs) override;
   // Releases held datagrams, then receives from the inner transport.
-  size_t recv_batch(std::span<InMsg> msgs, Duration timeout) override;
+  size_t recv_raw(std::span<InMsg> msgs, Duration timeout) override;
   TimePoint now() const override { return inner_.now(); }
 
   // Sends held datagrams now.
@@ -59,6 +63,7 @@ class FaultyTransport final : public Transport {
     uint64_t dropped = 0;
     uint64_t duplicated = 0;  // extra copies sent
     uint64_t reordered = 0;   // datagrams held back
+    uint64_t corrupted = 0;   // datagrams given a flipped bit (sent or received)
   };
   Counters counters() const;
   const FaultModel& faults() const { return faults_; }
@@ -70,6 +75,7 @@ class FaultyTransport final : public Transport {
     int copies = 1;
   };
   bool chance(double p);
+  void flip_bit(std::span<std::byte> data);
   size_t flush_locked();
 
   std::unique_ptr<Transport> owned_;

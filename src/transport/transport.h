@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -35,12 +36,20 @@ using Clock = std::chrono::steady_clock;
 using TimePoint = Clock::time_point;
 using Duration = std::chrono::nanoseconds;
 
+// Every datagram on the wire ends in a 4-byte integrity trailer: the CRC32C
+// of all bytes before it, big-endian (docs/PROTOCOL.md section 3.5).
+// Transport::send_batch appends it and recv_batch checks and removes it, so
+// no code above the transport ever sees it.
+inline constexpr size_t kTrailerSize = 4;
+
 // A datagram to send, gathered from up to two pieces (header + data) so
 // that a READ answer can go straight from device memory to the socket.
+// parts[2] is the integrity trailer: callers leave it empty and
+// send_batch fills it in; send_raw implementations send all three.
 struct OutMsg {
   Endpoint to;
-  std::array<std::span<const std::byte>, 2> parts;
-  size_t size() const { return parts[0].size() + parts[1].size(); }
+  std::array<std::span<const std::byte>, 3> parts;
+  size_t size() const { return parts[0].size() + parts[1].size() + parts[2].size(); }
 };
 
 // Puts the datagrams of a batch to the same peer next to each other, in
@@ -66,20 +75,47 @@ struct InMsg {
   std::span<std::byte> data() const { return {at != nullptr ? at : buf.data(), len}; }
 };
 
+// The integrity trailer of a datagram made of `parts` (CRC32C, big-endian).
+std::array<std::byte, kTrailerSize> integrity_trailer(std::span<const std::span<const std::byte>> parts);
+// Whether `datagram` (trailer included) ends in the trailer of the bytes
+// before it. False for anything shorter than the trailer.
+bool integrity_ok(std::span<const std::byte> datagram);
+
 class Transport {
  public:
   virtual ~Transport() = default;
   virtual Endpoint local() const = 0;
   // Sends as many of `msgs` as the transport accepts now, in order; returns
   // how many. A datagram the network refuses (e.g. unreachable) counts as
-  // sent: UDP gives no delivery guarantee, and callers retransmit.
-  virtual size_t send_batch(std::span<const OutMsg> msgs) = 0;
+  // sent: UDP gives no delivery guarantee, and callers retransmit. Each
+  // datagram leaves with its integrity trailer appended (the only place
+  // one is made, so a device that changes a chain's payload reseals it).
+  size_t send_batch(std::span<const OutMsg> msgs);
   // Receives up to msgs.size() datagrams. Waits up to `timeout` for the
-  // first (0: poll); returns the number received.
-  virtual size_t recv_batch(std::span<InMsg> msgs, Duration timeout) = 0;
+  // first (0: poll); returns the number received. A datagram whose trailer
+  // does not match (or that was truncated, so it cannot be checked) is
+  // dropped and counted in integrity_drops(), never handed out; the others
+  // are handed out without their trailer. Slots are filled in order, and a
+  // slot may then view a datagram in a later slot's buffer (read data()).
+  size_t recv_batch(std::span<InMsg> msgs, Duration timeout);
+  // Datagrams dropped by recv_batch (or open) for a bad or missing trailer.
+  uint64_t integrity_drops() const { return integrity_drops_.load(std::memory_order_relaxed); }
+
+  // The raw datagram path, trailers included and unchecked: what each
+  // transport implements, and what a transport wrapping another calls
+  // (FaultyTransport corrupts datagrams between the two layers).
+  virtual size_t send_raw(std::span<const OutMsg> msgs) = 0;
+  virtual size_t recv_raw(std::span<InMsg> msgs, Duration timeout) = 0;
+  // Checks and strips the trailer of one raw datagram, counting a
+  // failure: for transports that deliver outside recv_batch (the fabric
+  // calls a device's handler directly).
+  bool open(InMsg& msg);
   // The transport's clock: real for UDP, virtual for the fabric. Timers of
   // code running over a transport must use this, not the system clock.
   virtual TimePoint now() const = 0;
+
+ private:
+  std::atomic<uint64_t> integrity_drops_{0};
 };
 
 }  // namespace netdam::transport

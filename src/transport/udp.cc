@@ -170,11 +170,11 @@ void UdpTransport::drain_errors() {
   }
 }
 
-size_t UdpTransport::send_batch(std::span<const OutMsg> msgs) {
-  // Each call carries at most kChunk datagrams, so at most 2 * kChunk iovecs,
+size_t UdpTransport::send_raw(std::span<const OutMsg> msgs) {
+  // Each call carries at most kChunk datagrams, so at most 3 * kChunk iovecs (header, data, trailer),
   // grouped into trains (one mmsghdr each).
   mmsghdr hdrs[kChunk];
-  iovec iovs[2 * kChunk];
+  iovec iovs[3 * kChunk];
   sockaddr_in addrs[kChunk];
   alignas(cmsghdr) char ctrl[kChunk][CMSG_SPACE(sizeof(uint16_t))];
   size_t train_size[kChunk];
@@ -422,7 +422,7 @@ size_t UdpTransport::recv_now(std::span<InMsg> msgs) {
   return got;
 }
 
-size_t UdpTransport::recv_batch(std::span<InMsg> msgs, Duration timeout) {
+size_t UdpTransport::recv_raw(std::span<InMsg> msgs, Duration timeout) {
   if (msgs.empty()) return 0;
   if (timeout <= Duration::zero()) return recv_now(msgs);
   const TimePoint deadline = Clock::now() + timeout;

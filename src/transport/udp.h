@@ -66,12 +66,12 @@ class UdpTransport final : public Transport {
   // fewer than msgs.size() only if no progress was possible for ~100 ms.
   // A datagram the kernel refuses for any other reason (unreachable peer,
   // EMSGSIZE, firewall) is skipped, counted as sent and in send_errors().
-  size_t send_batch(std::span<const OutMsg> msgs) override;
+  size_t send_raw(std::span<const OutMsg> msgs) override;
   // Returns 0 on timeout and also when a signal interrupts the wait, so a
   // server loop can notice a stop flag set by a signal handler. With GRO,
   // datagrams of a train that do not fit in `msgs` are kept (copied) and
   // come first in the next call.
-  size_t recv_batch(std::span<InMsg> msgs, Duration timeout) override;
+  size_t recv_raw(std::span<InMsg> msgs, Duration timeout) override;
   TimePoint now() const override { return Clock::now(); }
 
   int fd() const { return fd_; }

@@ -392,7 +392,8 @@ int pool_main(int argc, char** argv) {
         fmt::print(stderr, "netdam-bench pool: {} not found (build it, or pass --netdamd/--mmu or --proxy)\n", p);
         return 2;
       }
-    std::vector<std::string> margs = {mmu, "--listen", "127.0.0.1:0", "--device-admin-key", "0xAD", "--log-level", "warn"};
+    std::vector<std::string> margs = {mmu, "--listen", "127.0.0.1:0", "--device-admin-key", "0xAD", "--log-level", "warn",
+                                      "--insecure"};  // the bench's own pool on loopback
     std::vector<std::string> payload;
     if (!o.max_payload.empty()) payload = {"--max-payload", o.max_payload};
     margs.insert(margs.end(), payload.begin(), payload.end());
