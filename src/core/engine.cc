@@ -6,6 +6,8 @@
 #include <cstring>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "core/endian.h"
 #include "core/optimizer.h"
 #include "core/reduce.h"
@@ -60,6 +62,13 @@ Status check_reduce_types(const Header& h, uint64_t addr) {
   return Status::kOk;
 }
 
+// Replay-window identities: a plain request's is its source (48 bits, see
+// Address::key), a chain segment's has bit 63 set, so the two can never
+// collide whatever reply-to a chain names.
+uint64_t chain_requester(Address reply_to, uint8_t seg_index) {
+  return (uint64_t{1} << 63) | (uint64_t{seg_index} << 48) | reply_to.key();
+}
+
 }  // namespace
 
 struct Engine::Request {
@@ -84,8 +93,9 @@ Device::Device(std::span<std::byte> memory, DeviceConfig config)
     : memory_(memory),
       config_(config),
       regions_(memory.size()),
-      replay_(config.replay_window, config.replay_requesters),
-      aggregator_(memory) {
+      replay_(config.replay_window, config.replay_requesters, config.replay_bytes),
+      aggregator_(memory),
+      refusals_(config.refusals_per_second) {
   config_.max_payload = std::clamp(config_.max_payload, kMinPayload, kMaxPayloadLimit);
 }
 
@@ -100,8 +110,22 @@ void Device::detach(const Stats* s) {
 }
 
 StatList Device::stats() const {
-  std::lock_guard lock(engines_mu_);
-  return collect(engines_);
+  StatList out;
+  {
+    std::lock_guard lock(engines_mu_);
+    out = collect(engines_);
+  }
+  // Device-wide state, then the heaviest refused sources (approximate,
+  // docs/PROTOCOL.md 6.2), last because their names change.
+  out.emplace_back("replay.requesters", replay_.requesters());
+  out.emplace_back("replay.bytes", replay_.bytes());
+  out.emplace_back("refusals.sent", refusals_.sent());
+  out.emplace_back("refusals.suppressed", refusals_.suppressed());
+  for (const auto& src : refusals_.top())
+    out.emplace_back(fmt::format("refused_from.{}.{}.{}.{}", src.ip >> 24, (src.ip >> 16) & 255,
+                                 (src.ip >> 8) & 255, src.ip & 255),
+                     src.count);
+  return out;
 }
 
 bool Device::park(Address from, std::span<const std::byte> datagram) {
@@ -250,6 +274,14 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
   if (h.flags & kFlagSparse) Stats::inc(stats_.sparse);
   auto segment = [&](size_t i) { return decode_segment(p.segments.data() + i * kSegmentSize); };
 
+  // An explicit reply-to and every address this device forwards to must be
+  // permitted for this source: no reflection to third parties.
+  const DestinationPolicy& policy = device_.config().destinations;
+  if (p.sr.reply_ip && !policy.permits(from.ip, reply_to.ip)) {
+    Stats::inc(stats_.policy_refused);
+    return answer(h, from, Status::kNotPermitted, {}, out);
+  }
+
   if (segment(h.seg_index).opcode == Opcode::kAggregate)
     return aggregate(h, p, reply_to, segment(h.seg_index), out);
 
@@ -266,6 +298,11 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
         ((s.flags & kSegStamp) && (s.flags & kSegAwait)) ||  // one aux, one stamp
         (!last && (n.ip == 0 || n.port == 0)))
       return answer(h, reply_to, Status::kBadSegment, {}, out);
+    // Checked before this hop runs, so a refused chain changes nothing here.
+    if (!last && !(n.ip == s.ip && n.port == s.port) && !policy.permits(from.ip, n.ip)) {
+      Stats::inc(stats_.policy_refused);
+      return answer(h, reply_to, Status::kNotPermitted, {}, out);
+    }
     if ((h.flags & kFlagSparse) && !takes_sparse(s.opcode))
       return answer(h, reply_to, Status::kBadFlags, {}, out);
 
@@ -332,7 +369,7 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
       } else {
         // A chain may visit a device more than once with the same txn: each
         // segment is its own request in the replay window.
-        const uint64_t requester = reply_to.key() | (uint64_t{h.seg_index} << 48);
+        const uint64_t requester = chain_requester(reply_to, h.seg_index);
         Request q{h, s.opcode, s.rkey, s.addr, payload, requester, true};
         r = execute(q, out);
         if (r.status != Status::kOk) return answer(h, reply_to, r.status, {}, out);
@@ -415,6 +452,8 @@ Action Engine::answer(const Header& req, Address to, Status status,
   h.boot = device_.config().boot_id;
   h.seg_count = 0;
   h.length = static_cast<uint32_t>(data.size());
+  // Refusals go out at a bounded rate per address (docs/SECURITY.md).
+  if (is_refusal(status) && !device_.refusals_.admit(to.ip)) return {};
   encode_header(h, out.data());
   if (status != Status::kOk) Stats::inc(stats_.naks[static_cast<uint8_t>(status)]);
   Stats::inc(stats_.tx_packets);
@@ -424,6 +463,10 @@ Action Engine::answer(const Header& req, Address to, Status status,
 
 Engine::Result Engine::execute(const Request& q, std::span<std::byte> out) {
   if (!is_mutation(q.op)) return execute_once(q, out);
+  // No replay state is created or consulted for a request that has not
+  // shown a valid key: a keyless datagram can neither allocate a ring nor
+  // move a requester's window (docs/SECURITY.md).
+  if (Status s = key_shown(q); s != Status::kOk) return {s};
   Outcome o;
   // Lock order: the generation lock before the replay window's (a
   // generation-checked REDUCE_MEM hop holds it shared while it runs).
@@ -432,6 +475,7 @@ Engine::Result Engine::execute(const Request& q, std::span<std::byte> out) {
   auto verdict =
       device_.replay().run(q.requester, q.h.txn, q.op, [&] { return run_mutation(q, out); }, o);
   if (verdict == ReplayWindow::Verdict::kStale) return {Status::kStaleTxn};
+  if (verdict == ReplayWindow::Verdict::kAhead) return {Status::kTxnAhead};
   if (verdict == ReplayWindow::Verdict::kReplayed) Stats::inc(stats_.replayed);
   Result r{o.status};
   if (o.status == Status::kOk && o.has_value) {
@@ -444,6 +488,17 @@ Engine::Result Engine::execute(const Request& q, std::span<std::byte> out) {
     }
   }
   return r;
+}
+
+// The key a mutation must show before the replay window is touched: the
+// admin key for region admin, else a registered region's key (the address
+// and permission checks follow when it runs).
+Status Engine::key_shown(const Request& q) const {
+  if (q.op == Opcode::kRegionAdd || q.op == Opcode::kRegionDel) {
+    const auto& admin = device_.config().admin_key;
+    return admin && q.rkey == *admin ? Status::kOk : Status::kNotPermitted;
+  }
+  return device_.regions().find(q.rkey) ? Status::kOk : Status::kBadKey;
 }
 
 // The operand of WRITE / REDUCE_*: the payload itself, or its sparse form

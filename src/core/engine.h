@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "core/aggregation.h"
+#include "core/destination_policy.h"
+#include "core/refusal_limiter.h"
 #include "core/regions.h"
 #include "core/replay_window.h"
 #include "core/stats.h"
@@ -37,6 +39,12 @@ struct DeviceConfig {
   size_t max_payload = kDefaultMaxPayload;  // [kMinPayload, kMaxPayloadLimit]
   size_t replay_window = 1024;         // txns remembered per requester
   size_t replay_requesters = 4096;     // requesters remembered
+  size_t replay_bytes = size_t{64} << 20;  // bytes of replay state, all requesters
+  // Where chains may send (reply-to, next segment): docs/SECURITY.md.
+  DestinationPolicy destinations;
+  // Refusals answered per second per destination IPv4 address; 0: no limit
+  // (the engine has no clock: the owner calls Device::set_now_ms).
+  uint32_t refusals_per_second = 0;
 };
 inline constexpr size_t kMinPayload = 512;
 
@@ -57,6 +65,10 @@ class Device {
   RegionTable& regions() { return regions_; }
   ReplayWindow& replay() { return replay_; }
   Aggregator& aggregator() { return aggregator_; }
+  RefusalLimiter& refusals() { return refusals_; }
+  // The clock of the refusal rate limit, set by the owner (milliseconds,
+  // any epoch, never going back).
+  void set_now_ms(uint64_t ms) { refusals_.set_now_ms(ms); }
   const DeviceConfig& config() const { return config_; }
 
   // Counters of every engine of this device, added up.
@@ -111,6 +123,7 @@ class Device {
   RegionTable regions_;
   ReplayWindow replay_;
   Aggregator aggregator_;
+  RefusalLimiter refusals_;
   std::array<std::mutex, 64> stripes_;
   std::shared_mutex generation_mu_;  // ARM exclusive, generation-checked hops shared
   std::mutex park_mu_;
@@ -183,6 +196,7 @@ class Engine {
   Action run_chain(Address from, std::span<std::byte> datagram, Packet& p,
                    std::span<std::byte> out);
   Result execute(const Request& q, std::span<std::byte> out);
+  Status key_shown(const Request& q) const;
   Result execute_once(const Request& q, std::span<std::byte> out);
   Outcome run_mutation(const Request& q, std::span<std::byte> out);
   Status opt_config(const Request& q);

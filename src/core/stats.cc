@@ -31,6 +31,7 @@ StatList collect(const std::vector<const Stats*>& all) {
       {"sparse", sum(all, &Stats::sparse)},     {"skipped", sum(all, &Stats::skipped)},
       {"sparse_forwarded", sum(all, &Stats::sparse_forwarded)},
       {"parked", sum(all, &Stats::parked)},
+      {"policy_refused", sum(all, &Stats::policy_refused)},
       {"agg.contributions", sum(all, &Stats::agg_contributions)},
       {"agg.duplicates", sum(all, &Stats::agg_duplicates)},
       {"agg.completed", sum(all, &Stats::agg_completed)},

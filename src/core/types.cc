@@ -62,6 +62,7 @@ std::string_view to_string(Status s) {
     case Status::kUnavailable: return "UNAVAILABLE";
     case Status::kAlreadyExists: return "ALREADY_EXISTS";
     case Status::kNoOptimizer: return "NO_OPTIMIZER";
+    case Status::kTxnAhead: return "TXN_AHEAD";
   }
   return "UNKNOWN_STATUS";
 }

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/destination_policy.h"
 #include "core/regions.h"
 #include "netdam/types.h"
 #include "transport/transport.h"
@@ -22,6 +23,14 @@ struct DaemonConfig {
   std::optional<uint32_t> admin_key;   // region admin over the network
   size_t replay_window = 1024;
   size_t replay_requesters = 4096;
+  uint64_t replay_bytes = 64ull << 20;  // replay state of all requesters together
+  // Where chains may send: the source's /24, loopback, and these
+  // (docs/SECURITY.md). allow_any restores "anywhere".
+  std::vector<core::Cidr> allow;
+  unsigned allow_source_subnet = 24;   // 0..32; 0: the source's subnet is not enough
+  bool allow_any = false;
+  unsigned refusals_per_second = 100;  // per destination address; 0: unlimited
+  unsigned refusal_log_seconds = 60;   // period of the refusal log line; 0: never
   std::vector<core::Region> regions;   // empty: one region over all memory
   uint32_t default_key = 1;            // key of that region
   bool default_region = true;          // false: start with no region at all (pool devices)
