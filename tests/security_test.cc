@@ -6,10 +6,13 @@
 // per address. Each test failed on the code before the hardening.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "core/endian.h"
 #include "core/engine.h"
@@ -292,6 +295,85 @@ TEST(Security, RefusalsAreRateLimitedPerAddress) {
   }
   EXPECT_EQ(suppressed, 990u + 90u);
   EXPECT_TRUE(saw_source);
+}
+
+// Attack 5, as the issue measured it: 10^6 keyless datagrams from 10^5
+// source ports leave the process within 16 MiB of where it started.
+long RssKiB() {
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  long pages = 0, resident = 0;
+  if (f) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return resident * (sysconf(_SC_PAGESIZE) / 1024);
+}
+
+TEST(Security, MillionKeylessDatagramsKeepRssFlat) {
+  DeviceConfig c = Config();
+  c.replay_window = 16384;  // the issue's worst case: 470 kB per datagram before
+  c.refusals_per_second = 100;
+  Node n(c);
+  n.device().set_now_ms(1);
+  const Bytes chain = Chain(~uint64_t{0}, {}, {Seg(kDevice, Opcode::kReduceMem, 0x200, 0x5EC)}, Le64(1));
+  const Bytes plain = FetchAdd(~uint64_t{0}, 0x100, 1, 0x5EC);
+  n.Send(kAttacker, chain);  // warm up: first-use allocations of the engine itself
+  const long before = RssKiB();
+  for (uint32_t i = 0; i < 1'000'000; ++i) {
+    const uint32_t k = i % 100'000;  // 10^5 sources: 98 addresses x 1024 ports
+    n.Send(Address{0x0A000000u + (k >> 10), static_cast<uint16_t>(1024 + (k & 1023))}, i % 2 ? chain : plain);
+  }
+  const long grown = RssKiB() - before;
+  std::printf("RSS grew by %ld KiB over 10^6 keyless datagrams; replay state %zu bytes\n", grown,
+              n.device().replay().bytes());
+  EXPECT_LT(grown, 16 * 1024);
+  EXPECT_EQ(n.device().replay().bytes(), 0u);
+}
+
+// Attack 4: no answer over 3x its request to an address that did not show
+// its cookie; with the cookie (from PING) everything works as before.
+TEST(Security, AmplifyingAnswersNeedTheAddressCookie) {
+  DeviceConfig c = Config();
+  c.amplification_limit = 3;
+  c.cookie_secret = {1, 2};
+  Node n(c);
+  Bytes read = Plain(Opcode::kRead, 1, kKey, 0, 4096, {});
+  Reply r = n.Send(kVictim, read);  // as from a spoofed source
+  EXPECT_EQ(r.status(), Status::kNotValidated);
+  EXPECT_LE(kHeaderSize + r.payload.size(), 3 * read.size());
+  EXPECT_EQ(n.Send(kVictim, Plain(Opcode::kStats, 2, 0, 0, 0, {})).status(), Status::kNotValidated);
+  // Small answers need no cookie.
+  EXPECT_EQ(n.Send(kVictim, Plain(Opcode::kRead, 3, kKey, 0, 64, {})).status(), Status::kOk);
+  Reply ping = n.Send(kVictim, Plain(Opcode::kPing, 4, 0, 0, 0, {}));
+  ASSERT_EQ(ping.status(), Status::kOk);
+  const uint32_t cookie = load_be<uint32_t>(ping.payload.data() + 28);
+  EXPECT_NE(cookie, 0u);
+  EXPECT_NE(cookie, load_be<uint32_t>(n.Send(kAttacker, Plain(Opcode::kPing, 5, 0, 0, 0, {})).payload.data() + 28));
+  store_be<uint32_t>(read.data() + 36, cookie);
+  r = n.Send(kVictim, read);
+  EXPECT_EQ(r.status(), Status::kOk);
+  EXPECT_EQ(r.payload.size(), 4096u);
+  // Someone else's cookie is a wrong boot id.
+  EXPECT_EQ(n.Send(kAttacker, read).status(), Status::kBootMismatch);
+  // Chains: an 80-byte READ chain and a 32-hop bounce need the cookie...
+  Bytes rc = Chain(6, {}, {Seg(kDevice, Opcode::kRead, 0, kKey)}, {});
+  store_be<uint32_t>(rc.data() + 32, 8192);  // length
+  EXPECT_EQ(n.Send(kVictim, rc).status(), Status::kNotValidated);
+  std::vector<Segment> bounce;
+  for (int i = 0; i < 32; ++i)
+    bounce.push_back(Seg(i % 2 ? kDevice : Address{0x0A000011, 7000}, Opcode::kReducePayload, 0, kKey));
+  Bytes bc = Chain(7, {}, bounce, Le64(1));
+  EXPECT_EQ(n.Send(kVictim, bc).status(), Status::kNotValidated);
+  // ... and pass with it.
+  store_be<uint32_t>(rc.data() + 36, cookie);
+  r = n.Send(kVictim, rc);
+  EXPECT_EQ(r.status(), Status::kOk);
+  EXPECT_EQ(r.payload.size(), 8192u);
+  store_be<uint32_t>(bc.data() + 36, cookie);
+  EXPECT_EQ(n.Send(kVictim, bc).kind, Action::Kind::kForward);
+  // A short chain that cannot grow needs none.
+  EXPECT_EQ(n.Send(kVictim, Chain(8, {}, {Seg(kDevice, Opcode::kReducePayload, 0, kKey)}, Le64(1))).status(),
+            Status::kOk);
 }
 
 }  // namespace

@@ -222,6 +222,7 @@ Engine::~Engine() { device_.detach(&stats_); }
 
 Action Engine::handle(Address from, std::span<std::byte> d, std::span<std::byte> out) {
   fanout_.clear();
+  from_ = from;
   Stats::inc(stats_.rx_packets);
   Stats::inc(stats_.rx_bytes, d.size());
 
@@ -250,13 +251,23 @@ Action Engine::handle(Address from, std::span<std::byte> d, std::span<std::byte>
   if ((p.h.flags & ~kFlagsKnown) || (p.h.flags & kFlagSparseOk) ||  // SPARSE_OK: chains only
       ((p.h.flags & kFlagSparse) && !takes_sparse(q.op)))
     return answer(p.h, from, Status::kBadFlags, {}, out);
-  if (p.h.boot != 0 && p.h.boot != device_.config().boot_id)
+  // `boot` is 0, the boot id, or (address validation) the source's cookie,
+  // which is derived from this boot's secret: a restart changes it too.
+  const uint32_t limit = device_.config().amplification_limit;
+  const bool validated = limit == 0 || (p.h.boot != 0 && p.h.boot == cookie(from.ip));
+  if (p.h.boot != 0 && p.h.boot != device_.config().boot_id && !(limit && validated))
     return answer(p.h, from, Status::kBootMismatch, {}, out);
   if (p.h.flags & kFlagSparse) Stats::inc(stats_.sparse);
 
   Result r = execute(q, out);
   if (r.status != Status::kOk) return answer(p.h, from, r.status, {}, out);
   if (r.silent) return {};
+  // A source that showed no cookie may be spoofed: no answer over `limit`
+  // times the request (READ, STATS, REGION_LIST) goes there.
+  if (!validated && kHeaderSize + r.data.size() > uint64_t{limit} * d.size()) {
+    Stats::inc(stats_.unvalidated_refused);
+    return answer(p.h, from, Status::kNotValidated, {}, out);
+  }
   return answer(p.h, from, Status::kOk, r.data, out);
 }
 
@@ -280,6 +291,11 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
   if (p.sr.reply_ip && !policy.permits(from.ip, reply_to.ip)) {
     Stats::inc(stats_.policy_refused);
     return answer(h, from, Status::kNotPermitted, {}, out);
+  }
+
+  if (!chain_may_amplify(p, reply_to)) {
+    Stats::inc(stats_.unvalidated_refused);
+    return answer(h, p.sr.reply_ip ? reply_to : from, Status::kNotValidated, {}, out);
   }
 
   if (segment(h.seg_index).opcode == Opcode::kAggregate)
@@ -490,6 +506,29 @@ Engine::Result Engine::execute(const Request& q, std::span<std::byte> out) {
   return r;
 }
 
+// Whether a chain may make this device (and those after it) send more than
+// the amplification limit allows its request: yes if its initiator showed
+// its cookie, or if no segment from here on can grow the traffic. A
+// chain's cookie is in its header's `boot` (chains are not boot-checked);
+// hops after the first can check it only with a cluster-wide secret, and
+// otherwise trust the first (docs/SECURITY.md says what that leaves open).
+bool Engine::chain_may_amplify(const Packet& p, Address reply_to) const {
+  const DeviceConfig& c = device_.config();
+  if (c.amplification_limit == 0) return true;
+  if (p.sr.reply_ip && !c.cookie_shared) return true;
+  if (p.h.boot != 0 && p.h.boot == cookie(reply_to.ip)) return true;
+  // Unvalidated: the payload must not grow (READ and OPT_STEP hops replace
+  // it with memory, a sparse payload expands), and the packet may cause at
+  // most `limit` datagrams of its size (forwards and the answer).
+  if (p.h.flags & kFlagSparse) return false;
+  if (size_t{p.h.seg_count} - p.h.seg_index > c.amplification_limit) return false;
+  for (size_t i = p.h.seg_index; i < p.h.seg_count; ++i) {
+    const Opcode op = decode_segment(p.segments.data() + i * kSegmentSize).opcode;
+    if (op == Opcode::kRead || op == Opcode::kOptStep) return false;
+  }
+  return true;
+}
+
 // The key a mutation must show before the replay window is touched: the
 // admin key for region admin, else a registered region's key (the address
 // and permission checks follow when it runs).
@@ -524,7 +563,7 @@ Engine::Result Engine::execute_once(const Request& q, std::span<std::byte> out) 
   auto mem = device_.memory();
   auto scratch = out.subspan(kHeaderSize);
   switch (q.op) {
-    case Opcode::kPing: return ping(out);
+    case Opcode::kPing: return ping(from_, out);
     case Opcode::kStats: return stats_page(q, out);
     case Opcode::kRegionList: return region_admin(q, out);
     case Opcode::kRead: {
@@ -707,7 +746,7 @@ Status Engine::opt_step(const Request& q, std::span<std::byte> out) {
   return Status::kOk;
 }
 
-Engine::Result Engine::ping(std::span<std::byte> out) {
+Engine::Result Engine::ping(Address from, std::span<std::byte> out) {
   const auto& c = device_.config();
   std::byte* p = out.data() + kHeaderSize;
   std::memset(p, 0, kPingPayloadSize);
@@ -717,6 +756,8 @@ Engine::Result Engine::ping(std::span<std::byte> out) {
   store_be<uint32_t>(p + 16, static_cast<uint32_t>(device_.regions().count()));
   store_be<uint32_t>(p + 20, static_cast<uint32_t>(device_.replay().window()));
   store_be<uint8_t>(p + 24, kVersion);
+  // The asker's address cookie, for the boot field of its requests.
+  if (c.amplification_limit) store_be<uint32_t>(p + 28, cookie(from.ip));
   return {Status::kOk, out.subspan(kHeaderSize, kPingPayloadSize)};
 }
 

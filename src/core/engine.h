@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/address_cookie.h"
 #include "core/aggregation.h"
 #include "core/destination_policy.h"
 #include "core/refusal_limiter.h"
@@ -45,6 +46,14 @@ struct DeviceConfig {
   // Refusals answered per second per destination IPv4 address; 0: no limit
   // (the engine has no clock: the owner calls Device::set_now_ms).
   uint32_t refusals_per_second = 0;
+  // Address validation (core/address_cookie.h): answers larger than this
+  // many times their request go only to a source that sent its cookie;
+  // 0: off. cookie_secret keys the cookies; cookie_shared says every device
+  // of the cluster has the same secret, so hops after the first can check
+  // a chain's cookie too.
+  uint32_t amplification_limit = 0;
+  std::array<uint64_t, 2> cookie_secret{};
+  bool cookie_shared = false;
 };
 inline constexpr size_t kMinPayload = 512;
 
@@ -197,12 +206,14 @@ class Engine {
                    std::span<std::byte> out);
   Result execute(const Request& q, std::span<std::byte> out);
   Status key_shown(const Request& q) const;
+  uint32_t cookie(uint32_t ip) const { return address_cookie(device_.config().cookie_secret, ip); }
   Result execute_once(const Request& q, std::span<std::byte> out);
   Outcome run_mutation(const Request& q, std::span<std::byte> out);
   Status opt_config(const Request& q);
   Status opt_step(const Request& q, std::span<std::byte> out);
   Result read_like(const Request& q, std::span<std::byte> out);
-  Result ping(std::span<std::byte> out);
+  Result ping(Address from, std::span<std::byte> out);
+  bool chain_may_amplify(const Packet& p, Address reply_to) const;
   Result stats_page(const Request& q, std::span<std::byte> out);
   Result region_admin(const Request& q, std::span<std::byte> out);
   Status decode_operand(const Request& q, std::span<std::byte> scratch,
@@ -214,6 +225,7 @@ class Engine {
 
   Device& device_;
   Stats stats_;
+  Address from_;  // the source of the datagram being handled
   std::vector<Fanout> fanout_;
 };
 

@@ -23,6 +23,17 @@ std::optional<uint32_t> parse_key(const std::string& text) {
   return v;
 }
 
+std::optional<std::array<uint64_t, 2>> parse_secret(const std::string& text) {
+  if (text.size() != 32) return std::nullopt;
+  std::array<uint64_t, 2> k{};
+  for (size_t i = 0; i < 2; ++i) {
+    auto [p, ec] = std::from_chars(text.data() + 16 * i, text.data() + 16 * i + 16, k[i], 16);
+    if (ec != std::errc() || p != text.data() + 16 * i + 16) return std::nullopt;
+  }
+  if (k[0] == 0 && k[1] == 0) return std::nullopt;
+  return k;
+}
+
 std::optional<uint32_t> parse_perms(const std::string& text) {
   if (text == "r") return core::kPermRead;
   if (text == "w") return core::kPermWrite;
@@ -83,7 +94,7 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
   static const std::vector<std::string_view> kKnown = {
       "listen", "memory", "threads", "max_payload", "shm", "prefault", "admin_key", "replay_window",
       "replay_requesters", "replay_bytes", "allow", "allow_source_subnet", "allow_any",
-      "refusals_per_second", "refusal_log_seconds", "default_key", "default_region", "region",
+      "refusals_per_second", "refusal_log_seconds", "amplification_limit", "cookie_secret", "default_key", "default_region", "region",
       "port_file", "log_level"};
   for (const auto& [k, v] : t)
     if (std::find(kKnown.begin(), kKnown.end(), k.str()) == kKnown.end())
@@ -158,6 +169,15 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
   if (auto v = t["refusal_log_seconds"].value<int64_t>()) {
     if (*v < 0 || *v > 86400) return err("refusal_log_seconds", "must be 0..86400");
     cfg.refusal_log_seconds = static_cast<unsigned>(*v);
+  }
+  if (auto v = t["amplification_limit"].value<int64_t>()) {
+    if (*v < 0 || *v > 1000) return err("amplification_limit", "must be 0..1000");
+    cfg.amplification_limit = static_cast<unsigned>(*v);
+  }
+  if (auto v = t["cookie_secret"].value<std::string>()) {
+    auto k = parse_secret(*v);
+    if (!k) return err("cookie_secret", "must be 32 hex digits (128 bits), not all zero");
+    cfg.cookie_secret = *k;
   }
   if (auto n = t.get("region")) {
     auto* arr = n->as_array();

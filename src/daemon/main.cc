@@ -62,7 +62,15 @@ int main(int argc, char** argv) {
   app.add_option("--admin-key", admin_key, "key that authorises region admin over the network (default: admin disabled)");
   std::vector<std::string> allow;
   bool allow_any = false;
-  int refusals_per_second = -1;
+  int refusals_per_second = -1, amplification_limit = -1;
+  std::string cookie_secret;
+  app.add_option("--amplification-limit", amplification_limit,
+                 "answers larger than N times their request go only to sources that sent their address "
+                 "cookie (PROTOCOL.md 9.6); 0 = off (default 3)")
+      ->check(CLI::Range(0, 1000));
+  app.add_option("--cookie-secret", cookie_secret,
+                 "32 hex digits: the address cookies' secret; give every device of a cluster the same one "
+                 "so every hop of a chain checks cookies (default: random per start)");
   app.add_option("--allow", allow,
                  "A.B.C.D/N: chains may also reply to and forward to this subnet (repeatable; the "
                  "source's /24 and loopback are always allowed)");
@@ -131,6 +139,12 @@ int main(int argc, char** argv) {
   }
   if (allow_any) cfg.allow_any = true;
   if (refusals_per_second >= 0) cfg.refusals_per_second = static_cast<unsigned>(refusals_per_second);
+  if (amplification_limit >= 0) cfg.amplification_limit = static_cast<unsigned>(amplification_limit);
+  if (!cookie_secret.empty()) {
+    auto k = device::parse_secret(cookie_secret);
+    if (!k) return fail("--cookie-secret: must be 32 hex digits (128 bits), not all zero");
+    cfg.cookie_secret = *k;
+  }
   if (!regions.empty()) cfg.regions.clear();
   for (const auto& r : regions) {
     std::string why;
@@ -175,6 +189,14 @@ int main(int argc, char** argv) {
   dc.destinations.source_subnet_bits = static_cast<uint8_t>(cfg.allow_source_subnet);
   dc.destinations.any = cfg.allow_any;
   dc.refusals_per_second = cfg.refusals_per_second;
+  dc.amplification_limit = cfg.amplification_limit;
+  dc.cookie_shared = cfg.cookie_secret.has_value();
+  if (cfg.cookie_secret) {
+    dc.cookie_secret = *cfg.cookie_secret;
+  } else {
+    std::random_device rd;
+    for (auto& w : dc.cookie_secret) w = (uint64_t{rd()} << 32) | rd();
+  }
   core::Device dev(mem->bytes(), dc);
   if (cfg.regions.empty() && !cfg.default_region) {
     if (!cfg.admin_key)
