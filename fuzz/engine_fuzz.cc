@@ -95,6 +95,7 @@ struct World {
     DeviceConfig c;
     c.boot_id = kBoot;
     c.admin_key = 0xAD;
+    c.destinations.any = false;
     c.destinations.allow.push_back(Cidr{0xC0000200, 24});
     if (validating) {
       c.amplification_limit = kAmplification;

@@ -125,9 +125,11 @@ Segment Seg(Address at, Opcode op, uint64_t addr, uint32_t rkey) {
   return s;
 }
 
+// netdamd's defaults: the destination policy closed to the source's /24.
 DeviceConfig Config() {
   DeviceConfig c;
   c.boot_id = 0xB0070001;
+  c.destinations.any = false;
   return c;
 }
 

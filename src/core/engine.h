@@ -42,7 +42,9 @@ struct DeviceConfig {
   size_t replay_requesters = 4096;     // requesters remembered
   size_t replay_bytes = size_t{64} << 20;  // bytes of replay state, all requesters
   // Where chains may send (reply-to, next segment): docs/SECURITY.md.
-  DestinationPolicy destinations;
+  // Open here (in-process fabrics span subnets); netdamd closes it to the
+  // source's /24 and its `allow` list.
+  DestinationPolicy destinations{.allow = {}, .source_subnet_bits = 24, .any = true};
   // Refusals answered per second per destination IPv4 address; 0: no limit
   // (the engine has no clock: the owner calls Device::set_now_ms).
   uint32_t refusals_per_second = 0;
