@@ -42,6 +42,10 @@ std::optional<Cidr> parse_cidr(const std::string& text, std::string* error) {
 bool DestinationPolicy::permits(uint32_t source_ip, uint32_t dest_ip) const {
   if (any || dest_ip == source_ip) return true;
   if (loopback(source_ip) && loopback(dest_ip)) return true;
+  // Multicast groups (224.0.0.0/4): the collectives' AllGather and
+  // Broadcast store through one; a group reaches only its members, and
+  // what a chain may send there is bounded by address validation.
+  if ((dest_ip >> 28) == 0xE) return true;
   if (source_subnet_bits && ((source_ip ^ dest_ip) & mask(source_subnet_bits)) == 0) return true;
   for (const Cidr& c : allow)
     if (c.contains(dest_ip)) return true;

@@ -4,8 +4,9 @@
 //
 // Permitted: the datagram's own source address; any address in the
 // source's /source_subnet_bits subnet (default /24: a cluster's hosts and
-// devices); loopback from loopback; any address in `allow` (configured
-// peers and subnets). `any` turns the check off.
+// devices); loopback from loopback; multicast groups (224.0.0.0/4, the
+// collectives' AllGather); any address in `allow` (configured peers and
+// subnets). `any` turns the check off.
 #pragma once
 
 #include <cstdint>
