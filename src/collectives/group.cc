@@ -280,6 +280,9 @@ Error Group::setup_aggregation() {
   else if (Error e = parse_hops(opts_.aggregators, "aggregator", aggs))
     return e;
   const size_t max_payload = client_->options().max_payload;
+  // Contributions without data get the whole block back: learn every
+  // aggregator's cookie for us (PROTOCOL.md 9.6), as for devices.
+  for (const Hop& a : aggs) (void)client_->learn_cookie(a);
   agg_stride_ = aggregate_stride(max_payload);
   if (agg_stride_ == 0)
     return Error::invalid(fmt::format("device max payload {} too small for aggregation", max_payload));

@@ -293,7 +293,7 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
     return answer(h, from, Status::kNotPermitted, {}, out);
   }
 
-  if (!chain_may_amplify(p, reply_to)) {
+  if (!chain_may_amplify(p, reply_to, d.size())) {
     Stats::inc(stats_.unvalidated_refused);
     return answer(h, p.sr.reply_ip ? reply_to : from, Status::kNotValidated, {}, out);
   }
@@ -512,7 +512,7 @@ Engine::Result Engine::execute(const Request& q, std::span<std::byte> out) {
 // chain's cookie is in its header's `boot` (chains are not boot-checked);
 // hops after the first can check it only with a cluster-wide secret, and
 // otherwise trust the first (docs/SECURITY.md says what that leaves open).
-bool Engine::chain_may_amplify(const Packet& p, Address reply_to) const {
+bool Engine::chain_may_amplify(const Packet& p, Address reply_to, size_t request_size) const {
   const DeviceConfig& c = device_.config();
   if (c.amplification_limit == 0) return true;
   if (p.sr.reply_ip && !c.cookie_shared) return true;
@@ -522,6 +522,11 @@ bool Engine::chain_may_amplify(const Packet& p, Address reply_to) const {
   // most `limit` datagrams of its size (forwards and the answer).
   if (p.h.flags & kFlagSparse) return false;
   if (size_t{p.h.seg_count} - p.h.seg_index > c.amplification_limit) return false;
+  // AGGREGATE answers with the whole block, also to a contribution that
+  // carried none (zero, relay, staged).
+  if (decode_segment(p.segments.data() + p.h.seg_index * kSegmentSize).opcode == Opcode::kAggregate)
+    return kHeaderSize + kAggAnswerRecordSize + uint64_t{p.h.length} <=
+           uint64_t{c.amplification_limit} * request_size;
   for (size_t i = p.h.seg_index; i < p.h.seg_count; ++i) {
     const Opcode op = decode_segment(p.segments.data() + i * kSegmentSize).opcode;
     if (op == Opcode::kRead || op == Opcode::kOptStep) return false;

@@ -215,7 +215,7 @@ class Engine {
   Status opt_step(const Request& q, std::span<std::byte> out);
   Result read_like(const Request& q, std::span<std::byte> out);
   Result ping(Address from, std::span<std::byte> out);
-  bool chain_may_amplify(const Packet& p, Address reply_to) const;
+  bool chain_may_amplify(const Packet& p, Address reply_to, size_t request_size) const;
   Result stats_page(const Request& q, std::span<std::byte> out);
   Result region_admin(const Request& q, std::span<std::byte> out);
   Status decode_operand(const Request& q, std::span<std::byte> scratch,
