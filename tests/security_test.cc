@@ -328,8 +328,12 @@ TEST(Security, MillionKeylessDatagramsKeepRssFlat) {
   const long grown = RssKiB() - before;
   std::printf("RSS grew by %ld KiB over 10^6 keyless datagrams; replay state %zu bytes\n", grown,
               n.device().replay().bytes());
-  EXPECT_LT(grown, 16 * 1024);
   EXPECT_EQ(n.device().replay().bytes(), 0u);
+#if defined(__SANITIZE_ADDRESS__)
+  // ASan's quarantine keeps the harness's freed buffers resident.
+  GTEST_SKIP() << "RSS is not meaningful under AddressSanitizer";
+#endif
+  EXPECT_LT(grown, 16 * 1024);
 }
 
 // Attack 4: no answer over 3x its request to an address that did not show

@@ -280,18 +280,18 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
   Header h = p.h;
   if (h.opcode != Opcode::kChain) return answer(h, from, Status::kBadSegment, {}, out);
   const Address reply_to = p.sr.reply_ip ? Address{p.sr.reply_ip, p.sr.reply_port} : from;
-  // A chain crosses devices with different boot ids; its hops do not check.
-  if (h.flags & ~kFlagsKnown) return answer(h, reply_to, Status::kBadFlags, {}, out);
-  if (h.flags & kFlagSparse) Stats::inc(stats_.sparse);
-  auto segment = [&](size_t i) { return decode_segment(p.segments.data() + i * kSegmentSize); };
-
   // An explicit reply-to and every address this device forwards to must be
-  // permitted for this source: no reflection to third parties.
+  // permitted for this source: no reflection to third parties, not even of
+  // a NAK, so this comes before any answer to the reply-to.
   const DestinationPolicy& policy = device_.config().destinations;
   if (p.sr.reply_ip && !policy.permits(from.ip, reply_to.ip)) {
     Stats::inc(stats_.policy_refused);
     return answer(h, from, Status::kNotPermitted, {}, out);
   }
+  // A chain crosses devices with different boot ids; its hops do not check.
+  if (h.flags & ~kFlagsKnown) return answer(h, reply_to, Status::kBadFlags, {}, out);
+  if (h.flags & kFlagSparse) Stats::inc(stats_.sparse);
+  auto segment = [&](size_t i) { return decode_segment(p.segments.data() + i * kSegmentSize); };
 
   if (!chain_may_amplify(p, reply_to, d.size())) {
     Stats::inc(stats_.unvalidated_refused);

@@ -3,7 +3,8 @@
 // daemon's periodic log line. Without it a socket can search the key space
 // at the device's full packet rate, or use refusals as a reflector.
 //
-// Sources are hashed into kBuckets fixed buckets (no allocation per
+// Loopback destinations are not limited. Sources are hashed into kBuckets
+// fixed buckets (no allocation per
 // source: spoofed sources cost nothing), each allowed `per_second`
 // refusals per second of the clock the owner sets with set_now_ms(); the
 // engine has no clock. The heaviest refused sources are kept with the

@@ -30,7 +30,7 @@ struct DaemonConfig {
   std::vector<core::Cidr> allow;
   unsigned allow_source_subnet = 24;   // 0..32; 0: the source's subnet is not enough
   bool allow_any = false;
-  unsigned refusals_per_second = 100;  // per destination address; 0: unlimited
+  unsigned refusals_per_second = 1000;  // per destination address (not loopback); 0: unlimited
   unsigned refusal_log_seconds = 60;   // period of the refusal log line; 0: never
   unsigned amplification_limit = 3;    // answers over 3x their request need the address cookie; 0: off
   // 32 hex digits: the cookies' secret, the same on every device of a

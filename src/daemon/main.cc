@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
                "chains may send anywhere (reflection to third parties: trusted networks only)");
   app.add_option("--refusals-per-second", refusals_per_second,
                  "refusals (BAD_KEY, NOT_PERMITTED, ...) answered per second per address; 0 = no limit "
-                 "(default 100)")
+                 "(default 1000; loopback is never limited)")
       ->check(CLI::Range(0, 1000000));
   app.add_option("--port-file", port_file, "write the bound HOST:PORT to this file once serving");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error (default info)");
