@@ -246,6 +246,13 @@ TEST(Security, ChainsSendOnlyWherePermitted) {
   EXPECT_EQ(r.to, kAttacker);
   EXPECT_EQ(r.status(), Status::kNotPermitted);
   EXPECT_TRUE(r.payload.empty());
+  // Not even a NAK goes there (found by the engine fuzzer: unknown header
+  // flags were answered to the reply-to before the policy check).
+  Bytes bad_flags = Chain(1, third, {Seg(kDevice, Opcode::kRead, 0, kKey)}, {});
+  bad_flags[6] = std::byte{0x40};
+  r = n.Send(kAttacker, bad_flags);
+  EXPECT_EQ(r.to, kAttacker);
+  EXPECT_EQ(r.status(), Status::kNotPermitted);
   // A next hop elsewhere: refused before this hop runs.
   r = n.Send(kAttacker, Chain(2, {}, {Seg(kDevice, Opcode::kReduceMem, 0x100, kKey),
                                       Seg(third, Opcode::kWrite, 0, kKey)},
