@@ -65,6 +65,13 @@ def main():
         after = rss_kib(dev.pid)
         print(f'sent {sent} keyless datagrams from {sources} sources in {time.time() - t0:.1f} s')
         print(f'netdamd RSS idle {idle} KiB, after {after} KiB, grew {after - idle} KiB')
+        cli = os.path.join(os.path.dirname(os.path.abspath(netdamd)), '..', 'tools', 'netdam')
+        if os.path.exists(cli):  # what the device saw (the kernel may drop some of the flood)
+            out = subprocess.run([cli, '--device', f'{host}:{port}', 'stats'], capture_output=True, text=True).stdout
+            for line in out.splitlines():
+                if any(line.split()[:1] == [k] for k in ('rx_packets', 'naks', 'replay.requesters', 'replay.bytes',
+                                                         'refusals.sent', 'refusals.suppressed', 'nak.BAD_KEY')):
+                    print('  ' + line)
     finally:
         dev.terminate()
         dev.wait()
