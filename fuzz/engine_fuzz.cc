@@ -9,6 +9,9 @@
 //                      3: two datagrams: byte 1 (mod the rest's size + 1) is
 //                         the size of the first; the rest is the second
 //   control bit 4     small device limits (max payload 512, replay window 4)
+//   control bit 5     address validation on (amplification limit 3, a
+//                     cluster-wide cookie secret) and the peer's requests
+//                     carry no valid cookie unless the fuzzer finds it
 // Chain packets are followed hop by hop: every hop is this same device.
 // Chains parked until an ARM (Device::park) are run after each datagram, as
 // the daemon's loop does.
@@ -22,7 +25,14 @@
 //   - a forwarded datagram parses and is not a response;
 //   - an AGGREGATE answer (the Action or the fan-out of a completed block)
 //     is a header and its 8-byte record, length = record + data;
-//   - memory outside every region that was ever writable keeps its canary.
+//   - memory outside every region that was ever writable keeps its canary;
+//   - every datagram goes to the source of the datagram that caused it or
+//     to an address the destination policy permits for that source (the
+//     source's /24 or the configured 192.0.2.0/24), never elsewhere;
+//   - with address validation on, an input none of whose datagrams showed
+//     its cookie makes the device send (answers and forwards, AGGREGATE's
+//     fan-out to other contributors aside) at most 3x the bytes it sent.
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -50,6 +60,8 @@ constexpr uint64_t kRoBase = 32 * 1024, kRoSize = 16 * 1024;  // key 9, read-onl
 // [48 KiB, 64 KiB) is in no region.
 constexpr uint32_t kBoot = 0x5EED0001;
 constexpr Address kNextHopSender{0x0A0000FE, 7000};
+constexpr std::array<uint64_t, 2> kCookieSecret{0x0123456789abcdefull, 0xfedcba9876543210ull};
+constexpr uint32_t kAmplification = 3;
 
 #define FUZZ_CHECK(cond)                                                        \
   do {                                                                          \
@@ -79,10 +91,17 @@ bool Inside(std::span<const std::byte> s, std::span<const std::byte> buf) {
 }
 
 struct World {
-  explicit World(bool small) : mem(CanaryImage()) {
+  World(bool small, bool validating) : mem(CanaryImage()) {
     DeviceConfig c;
     c.boot_id = kBoot;
     c.admin_key = 0xAD;
+    c.destinations.any = false;
+    c.destinations.allow.push_back(Cidr{0xC0000200, 24});
+    if (validating) {
+      c.amplification_limit = kAmplification;
+      c.cookie_secret = kCookieSecret;
+      c.cookie_shared = true;
+    }
     if (small) {
       c.max_payload = kMinPayload;
       c.replay_window = 4;
@@ -102,12 +121,14 @@ struct World {
       if (r.perms & kPermWrite) writable.insert({r.base, r.base + r.size});
   }
 
-  void CheckAction(const Action& a, std::span<const std::byte> d) {
+  void CheckAction(const Action& a, Address from, std::span<const std::byte> d) {
     const auto& cfg = dev->config();
     if (a.kind == Action::Kind::kNone) {
       FUZZ_CHECK(a.head.empty() && a.data.empty());
       return;
     }
+    FUZZ_CHECK(a.to == from || cfg.destinations.permits(from.ip, a.to.ip));
+    sent += a.size();
     for (auto s : {a.head, a.data}) FUZZ_CHECK(Inside(s, d) || Inside(s, out) || Inside(s, mem));
     FUZZ_CHECK(a.head.size() >= kHeaderSize);
     Header h = decode_header(a.head.data());
@@ -154,15 +175,35 @@ struct World {
   // Handles one datagram and then the chain hops it causes; then, as the
   // daemon's loop does, runs the chains parked until an ARM, if one came.
   void Deliver(Address from, std::span<const uint8_t> bytes) {
+    received += bytes.size();
+    if (bytes.size() >= kHeaderSize) {
+      // A cookie for the source, or for an explicit reply-to, validates it.
+      const std::byte* b = reinterpret_cast<const std::byte*>(bytes.data());
+      const uint32_t boot = load_be<uint32_t>(b + hdr::kBoot);
+      uint32_t ip = from.ip;
+      if (bytes.size() >= kHeaderSize + kSrPreambleSize && load_be<uint8_t>(b + hdr::kSegCount) > 0 &&
+          load_be<uint32_t>(b + kHeaderSize) != 0)
+        ip = load_be<uint32_t>(b + kHeaderSize);
+      if (boot != 0 && (boot == address_cookie(kCookieSecret, ip) || boot == address_cookie(kCookieSecret, from.ip)))
+        showed_cookie = true;
+    }
     Follow(from, std::vector<std::byte>(reinterpret_cast<const std::byte*>(bytes.data()),
                                         reinterpret_cast<const std::byte*>(bytes.data()) + bytes.size()));
     for (auto& p : dev->unpark()) Follow(p.from, std::move(p.datagram));
   }
 
+  void CheckAmplification() const {
+    if (dev->config().amplification_limit == 0 || showed_cookie) return;
+    if (sent > kAmplification * received) {
+      std::fprintf(stderr, "sent %zu bytes for %zu received without a cookie\n", sent, received);
+      std::abort();
+    }
+  }
+
   void Follow(Address from, std::vector<std::byte> d) {
     for (int hop = 0; hop <= static_cast<int>(kMaxSegments); ++hop) {
       Action a = eng->handle(from, d, out);
-      CheckAction(a, d);
+      CheckAction(a, from, d);
       for (const Fanout& f : eng->fanout()) {
         CheckAggregateAnswer(decode_header(f.head.data()), f.head, f.data);
       }
@@ -203,6 +244,8 @@ struct World {
   std::unique_ptr<Engine> eng;
   std::vector<std::byte> out;
   std::set<std::pair<uint64_t, uint64_t>> writable;  // [begin, end) of writable regions
+  size_t received = 0, sent = 0;  // bytes the device got from the peer, and sent
+  bool showed_cookie = false;
 };
 
 }  // namespace
@@ -213,7 +256,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::span<const uint8_t> rest(data + 1, size - 1);
   const Address peer{0x0A000001, static_cast<uint16_t>(1000 + (control & 3))};
   const Address other{0x0A000001, static_cast<uint16_t>(1000 + ((control + 1) & 3))};
-  World w((control >> 4) & 1);
+  World w((control >> 4) & 1, (control >> 5) & 1);
   switch ((control >> 2) & 3) {
     case 0: w.Deliver(peer, rest); break;
     case 1:
@@ -235,5 +278,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
   w.CheckMemory();
+  w.CheckAmplification();
   return 0;
 }

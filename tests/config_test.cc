@@ -30,7 +30,34 @@ TEST(Config, ExampleFileParses) {
   ASSERT_EQ(cfg.regions.size(), 2u);
   EXPECT_EQ(cfg.regions[1].base, 192ull << 20);
   EXPECT_EQ(cfg.regions[1].perms, core::kPermRead);
+  EXPECT_EQ(cfg.replay_bytes, 64ull << 20);
+  EXPECT_EQ(cfg.refusals_per_second, 1000u);
+  EXPECT_EQ(cfg.amplification_limit, 3u);
+  EXPECT_FALSE(cfg.allow_any);
   EXPECT_FALSE(validate(cfg));
+}
+
+TEST(Config, SecuritySettings) {
+  DaemonConfig cfg;
+  auto path = write_temp(
+      "allow = [\"10.1.0.0/16\", \"192.0.2.7\"]\nallow_source_subnet = 16\nrefusals_per_second = 5\n"
+      "amplification_limit = 0\ncookie_secret = \"00112233445566778899aabbccddeeff\"\n"
+      "replay_bytes = \"8MiB\"\n");
+  auto err = load_config_file(path, cfg);
+  std::remove(path.c_str());
+  ASSERT_FALSE(err) << *err;
+  ASSERT_EQ(cfg.allow.size(), 2u);
+  EXPECT_EQ(cfg.allow[0].to_string(), "10.1.0.0/16");
+  EXPECT_EQ(cfg.allow[1].to_string(), "192.0.2.7/32");
+  EXPECT_EQ(cfg.allow_source_subnet, 16u);
+  EXPECT_EQ(cfg.refusals_per_second, 5u);
+  EXPECT_EQ(cfg.amplification_limit, 0u);
+  ASSERT_TRUE(cfg.cookie_secret);
+  EXPECT_EQ((*cfg.cookie_secret)[0], 0x0011223344556677ull);
+  EXPECT_EQ(cfg.replay_bytes, 8ull << 20);
+  EXPECT_FALSE(validate(cfg));
+  cfg.replay_window = 1 << 20;  // 16 windows of 32 MiB do not fit in 8 MiB
+  EXPECT_TRUE(validate(cfg));
 }
 
 TEST(Config, ErrorsNameTheSetting) {
@@ -46,6 +73,12 @@ TEST(Config, ErrorsNameTheSetting) {
       {"[[region]]\nsize = 10\nkey = 0", "'region.key'"},
       {"[[region]]\nsize = 10\nkey = 3\nperms = \"x\"", "'region.perms'"},
       {"memory = [", "line"},
+      {"allow = [\"10.0.0.0/33\"]", "'allow'"},
+      {"allow = \"10.0.0.0/8\"", "'allow'"},
+      {"allow_source_subnet = 33", "'allow_source_subnet'"},
+      {"amplification_limit = -1", "'amplification_limit'"},
+      {"cookie_secret = \"abc\"", "'cookie_secret'"},
+      {"replay_bytes = 10", "'replay_bytes'"},
   };
   for (const auto& c : cases) {
     DaemonConfig cfg;

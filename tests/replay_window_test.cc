@@ -19,6 +19,7 @@ const char* Name(V v) {
     case V::kExecuted: return "executed";
     case V::kReplayed: return "replayed";
     case V::kStale: return "stale";
+    case V::kAhead: return "ahead";
   }
   return "?";
 }

@@ -63,6 +63,10 @@ struct DeviceInfo {
   uint32_t regions = 0;
   uint32_t replay_window = 0;
   uint8_t version = 0;
+  // The address-validation cookie the device gave this client's address
+  // (PROTOCOL.md 9.6), sent in every request's boot field; 0: the device
+  // does not validate addresses.
+  uint32_t cookie = 0;
 };
 
 struct RegionInfo {
@@ -144,6 +148,11 @@ class Client {
 
   // --- synchronous calls -------------------------------------------------
   Result<DeviceInfo> ping();
+  // PINGs another device to learn the address cookie it gives this client's
+  // address (PROTOCOL.md 9.6). Chains that start there then carry it, so
+  // their answers may exceed 3x the request (a READ hop's data).
+  // Group::setup does this for every device of its group.
+  Error learn_cookie(const Hop& device);
   Result<std::vector<std::pair<std::string, uint64_t>>> stats();
   Error read(uint64_t addr, std::span<std::byte> out, uint32_t rkey = 0);
   Error write(uint64_t addr, std::span<const std::byte> data, uint32_t rkey = 0);
@@ -267,6 +276,7 @@ class Client {
   void receive(std::byte* buf, size_t len, const transport::Endpoint& from);
   void check_timers();
   void finish(Packet& p, Error e);
+  uint32_t boot_for(const Packet& p) const;
   void fail_op(detail::OpState& op, Error e);
 
   std::unique_ptr<transport::Transport> transport_;
@@ -277,6 +287,7 @@ class Client {
   std::deque<std::unique_ptr<Packet>> queue_;
   bool defer_sends_ = false;
   std::map<uint64_t, std::unique_ptr<Packet>> inflight_;  // by txn: oldest first
+  std::map<uint64_t, uint32_t> cookies_;  // other devices' cookies for us, by IPv4:port
   size_t inflight_bytes_ = 0;
   struct Recovery;  // per route class: RTT, timers, loss detection
   std::unique_ptr<Recovery> recovery_;

@@ -102,8 +102,10 @@ enum class Status : uint8_t {
   kUnavailable = 20,       // a device of the allocation is not answering; retry later
   kAlreadyExists = 21,     // POOL_ALLOC: the name is taken
   kNoOptimizer = 22,       // OPT_STEP: the region has no optimizer config (OPT_CONFIG first)
+  kTxnAhead = 23,          // txn 2^48 or more above the requester's newest: refused, not adopted
+  kNotValidated = 24,      // the answer would be over 3x the request and the source showed no cookie
 };
-inline constexpr uint8_t kStatusCount = 23;
+inline constexpr uint8_t kStatusCount = 25;
 
 enum class DType : uint8_t {
   kBytes = 0,  // raw bytes: READ/WRITE/FILL/COPY only

@@ -54,6 +54,7 @@ struct Client::Packet {
   std::vector<std::byte> chain_head;  // CHAIN: header + routing preamble + segments
   transport::Endpoint to{};           // CHAIN: the first hop (others: the device, unless elsewhere)
   bool elsewhere = false;             // a plain request to another device than the client's
+  bool boot_zero = false;             // send boot = 0 (learning another device's cookie)
   bool aggregate = false;             // an AGGREGATE contribution: the answer starts with its record
   bool held = false;                  // AGGREGATE: the device has it and answers when all are in
   client_detail::LossRecovery* recovery = nullptr;  // AGGREGATE: its device's estimator, once looked up
@@ -165,6 +166,35 @@ Result<std::unique_ptr<Client>> Client::connect(std::string_view device, ClientO
   auto t = transport::UdpTransport::open(u, &why);
   if (!t) return Error::transport(why);
   return connect(std::move(t), *ep, opts);
+}
+
+Error Client::learn_cookie(const Hop& at) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kPing;
+  Packet& p = new_packet(op, Opcode::kPing, 0, 0, 0);
+  aim(p, &at);
+  p.boot_zero = true;
+  Op h = start(op);
+  if (Error e = wait(h)) return e;
+  if (op->answer.size() < core::kPingPayloadSize)
+    return Error::protocol(fmt::format("PING answer of {} bytes", op->answer.size()));
+  cookies_[(uint64_t{at.ip} << 16) | at.port] = load_be<uint32_t>(op->answer.data() + 28);
+  return {};
+}
+
+// The boot field of a request. The cookie proves our address and implies
+// the boot check (it changes with every start of its device); a chain
+// crosses devices with different boot ids and carries only its first
+// device's cookie.
+uint32_t Client::boot_for(const Packet& p) const {
+  if (p.boot_zero) return 0;
+  if (p.routed() && !(p.to == *device_)) {
+    auto it = cookies_.find((uint64_t{p.to.ip} << 16) | p.to.port);
+    if (it != cookies_.end() && it->second != 0) return it->second;
+    return opts_.detect_restart && !p.is_chain() ? info_.boot_id : 0;
+  }
+  if (info_.cookie != 0) return info_.cookie;
+  return opts_.detect_restart && !p.is_chain() ? info_.boot_id : 0;
 }
 
 Result<std::unique_ptr<Client>> Client::connect(std::unique_ptr<transport::Transport> t,
@@ -472,6 +502,7 @@ Result<DeviceInfo> Client::ping() {
   d.regions = load_be<uint32_t>(p + 16);
   d.replay_window = load_be<uint32_t>(p + 20);
   d.version = load_be<uint8_t>(p + 24);
+  d.cookie = load_be<uint32_t>(p + 28);
   if (opts_.detect_restart && info_.boot_id != 0 && d.boot_id != info_.boot_id)
     return Error::restarted(fmt::format("device {} restarted (boot id {:#x} -> {:#x})",
                                         device_address(), info_.boot_id, d.boot_id));
@@ -716,8 +747,7 @@ void Client::send_queued() {
     auto p = std::move(queue_.front());
     queue_.pop_front();
     p->h.txn = next_txn_++;
-    // A chain crosses devices with different boot ids: it carries none.
-    p->h.boot = opts_.detect_restart && !p->is_chain() ? info_.boot_id : 0;
+    p->h.boot = boot_for(*p);
     core::encode_header(p->h, p->is_chain() ? p->chain_head.data() : p->wire.data());
     p->first_sent = p->last_sent = transport_->now();
     p->sends = 1;

@@ -197,6 +197,10 @@ Error Group::setup() {
     multicast_.port = group->port;
   }
   if (Error e = parse_hops(opts_.devices, "device", devices_)) return e;
+  // Chains start at every device of the group: learn the address cookie
+  // each gives us, so their READ hops may answer us (PROTOCOL.md 9.6). Best
+  // effort: a device that is not up yet fails only the chains that need it.
+  for (const Hop& d : devices_) (void)client_->learn_cookie(d);
   // A chain packet carries 2p segments next to its payload; keep the whole
   // datagram within the device's payload limit, in whole 64-byte units.
   const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
@@ -276,6 +280,9 @@ Error Group::setup_aggregation() {
   else if (Error e = parse_hops(opts_.aggregators, "aggregator", aggs))
     return e;
   const size_t max_payload = client_->options().max_payload;
+  // Contributions without data get the whole block back: learn every
+  // aggregator's cookie for us (PROTOCOL.md 9.6), as for devices.
+  for (const Hop& a : aggs) (void)client_->learn_cookie(a);
   agg_stride_ = aggregate_stride(max_payload);
   if (agg_stride_ == 0)
     return Error::invalid(fmt::format("device max payload {} too small for aggregation", max_payload));

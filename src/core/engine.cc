@@ -6,6 +6,8 @@
 #include <cstring>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "core/endian.h"
 #include "core/optimizer.h"
 #include "core/reduce.h"
@@ -60,6 +62,13 @@ Status check_reduce_types(const Header& h, uint64_t addr) {
   return Status::kOk;
 }
 
+// Replay-window identities: a plain request's is its source (48 bits, see
+// Address::key), a chain segment's has bit 63 set, so the two can never
+// collide whatever reply-to a chain names.
+uint64_t chain_requester(Address reply_to, uint8_t seg_index) {
+  return (uint64_t{1} << 63) | (uint64_t{seg_index} << 48) | reply_to.key();
+}
+
 }  // namespace
 
 struct Engine::Request {
@@ -84,8 +93,9 @@ Device::Device(std::span<std::byte> memory, DeviceConfig config)
     : memory_(memory),
       config_(config),
       regions_(memory.size()),
-      replay_(config.replay_window, config.replay_requesters),
-      aggregator_(memory) {
+      replay_(config.replay_window, config.replay_requesters, config.replay_bytes),
+      aggregator_(memory),
+      refusals_(config.refusals_per_second) {
   config_.max_payload = std::clamp(config_.max_payload, kMinPayload, kMaxPayloadLimit);
 }
 
@@ -100,8 +110,22 @@ void Device::detach(const Stats* s) {
 }
 
 StatList Device::stats() const {
-  std::lock_guard lock(engines_mu_);
-  return collect(engines_);
+  StatList out;
+  {
+    std::lock_guard lock(engines_mu_);
+    out = collect(engines_);
+  }
+  // Device-wide state, then the heaviest refused sources (approximate,
+  // docs/PROTOCOL.md 6.2), last because their names change.
+  out.emplace_back("replay.requesters", replay_.requesters());
+  out.emplace_back("replay.bytes", replay_.bytes());
+  out.emplace_back("refusals.sent", refusals_.sent());
+  out.emplace_back("refusals.suppressed", refusals_.suppressed());
+  for (const auto& src : refusals_.top())
+    out.emplace_back(fmt::format("refused_from.{}.{}.{}.{}", src.ip >> 24, (src.ip >> 16) & 255,
+                                 (src.ip >> 8) & 255, src.ip & 255),
+                     src.count);
+  return out;
 }
 
 bool Device::park(Address from, std::span<const std::byte> datagram) {
@@ -198,6 +222,7 @@ Engine::~Engine() { device_.detach(&stats_); }
 
 Action Engine::handle(Address from, std::span<std::byte> d, std::span<std::byte> out) {
   fanout_.clear();
+  from_ = from;
   Stats::inc(stats_.rx_packets);
   Stats::inc(stats_.rx_bytes, d.size());
 
@@ -226,13 +251,23 @@ Action Engine::handle(Address from, std::span<std::byte> d, std::span<std::byte>
   if ((p.h.flags & ~kFlagsKnown) || (p.h.flags & kFlagSparseOk) ||  // SPARSE_OK: chains only
       ((p.h.flags & kFlagSparse) && !takes_sparse(q.op)))
     return answer(p.h, from, Status::kBadFlags, {}, out);
-  if (p.h.boot != 0 && p.h.boot != device_.config().boot_id)
+  // `boot` is 0, the boot id, or (address validation) the source's cookie,
+  // which is derived from this boot's secret: a restart changes it too.
+  const uint32_t limit = device_.config().amplification_limit;
+  const bool validated = limit == 0 || (p.h.boot != 0 && p.h.boot == cookie(from.ip));
+  if (p.h.boot != 0 && p.h.boot != device_.config().boot_id && !(limit && validated))
     return answer(p.h, from, Status::kBootMismatch, {}, out);
   if (p.h.flags & kFlagSparse) Stats::inc(stats_.sparse);
 
   Result r = execute(q, out);
   if (r.status != Status::kOk) return answer(p.h, from, r.status, {}, out);
   if (r.silent) return {};
+  // A source that showed no cookie may be spoofed: no answer over `limit`
+  // times the request (READ, STATS, REGION_LIST) goes there.
+  if (!validated && kHeaderSize + r.data.size() > uint64_t{limit} * d.size()) {
+    Stats::inc(stats_.unvalidated_refused);
+    return answer(p.h, from, Status::kNotValidated, {}, out);
+  }
   return answer(p.h, from, Status::kOk, r.data, out);
 }
 
@@ -245,10 +280,23 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
   Header h = p.h;
   if (h.opcode != Opcode::kChain) return answer(h, from, Status::kBadSegment, {}, out);
   const Address reply_to = p.sr.reply_ip ? Address{p.sr.reply_ip, p.sr.reply_port} : from;
+  // An explicit reply-to and every address this device forwards to must be
+  // permitted for this source: no reflection to third parties, not even of
+  // a NAK, so this comes before any answer to the reply-to.
+  const DestinationPolicy& policy = device_.config().destinations;
+  if (p.sr.reply_ip && !policy.permits(from.ip, reply_to.ip)) {
+    Stats::inc(stats_.policy_refused);
+    return answer(h, from, Status::kNotPermitted, {}, out);
+  }
   // A chain crosses devices with different boot ids; its hops do not check.
   if (h.flags & ~kFlagsKnown) return answer(h, reply_to, Status::kBadFlags, {}, out);
   if (h.flags & kFlagSparse) Stats::inc(stats_.sparse);
   auto segment = [&](size_t i) { return decode_segment(p.segments.data() + i * kSegmentSize); };
+
+  if (!chain_may_amplify(p, reply_to, d.size())) {
+    Stats::inc(stats_.unvalidated_refused);
+    return answer(h, p.sr.reply_ip ? reply_to : from, Status::kNotValidated, {}, out);
+  }
 
   if (segment(h.seg_index).opcode == Opcode::kAggregate)
     return aggregate(h, p, reply_to, segment(h.seg_index), out);
@@ -266,6 +314,11 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
         ((s.flags & kSegStamp) && (s.flags & kSegAwait)) ||  // one aux, one stamp
         (!last && (n.ip == 0 || n.port == 0)))
       return answer(h, reply_to, Status::kBadSegment, {}, out);
+    // Checked before this hop runs, so a refused chain changes nothing here.
+    if (!last && !(n.ip == s.ip && n.port == s.port) && !policy.permits(from.ip, n.ip)) {
+      Stats::inc(stats_.policy_refused);
+      return answer(h, reply_to, Status::kNotPermitted, {}, out);
+    }
     if ((h.flags & kFlagSparse) && !takes_sparse(s.opcode))
       return answer(h, reply_to, Status::kBadFlags, {}, out);
 
@@ -332,7 +385,7 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
       } else {
         // A chain may visit a device more than once with the same txn: each
         // segment is its own request in the replay window.
-        const uint64_t requester = reply_to.key() | (uint64_t{h.seg_index} << 48);
+        const uint64_t requester = chain_requester(reply_to, h.seg_index);
         Request q{h, s.opcode, s.rkey, s.addr, payload, requester, true};
         r = execute(q, out);
         if (r.status != Status::kOk) return answer(h, reply_to, r.status, {}, out);
@@ -415,6 +468,8 @@ Action Engine::answer(const Header& req, Address to, Status status,
   h.boot = device_.config().boot_id;
   h.seg_count = 0;
   h.length = static_cast<uint32_t>(data.size());
+  // Refusals go out at a bounded rate per address (docs/SECURITY.md).
+  if (is_refusal(status) && !device_.refusals_.admit(to.ip)) return {};
   encode_header(h, out.data());
   if (status != Status::kOk) Stats::inc(stats_.naks[static_cast<uint8_t>(status)]);
   Stats::inc(stats_.tx_packets);
@@ -424,6 +479,10 @@ Action Engine::answer(const Header& req, Address to, Status status,
 
 Engine::Result Engine::execute(const Request& q, std::span<std::byte> out) {
   if (!is_mutation(q.op)) return execute_once(q, out);
+  // No replay state is created or consulted for a request that has not
+  // shown a valid key: a keyless datagram can neither allocate a ring nor
+  // move a requester's window (docs/SECURITY.md).
+  if (Status s = key_shown(q); s != Status::kOk) return {s};
   Outcome o;
   // Lock order: the generation lock before the replay window's (a
   // generation-checked REDUCE_MEM hop holds it shared while it runs).
@@ -432,6 +491,7 @@ Engine::Result Engine::execute(const Request& q, std::span<std::byte> out) {
   auto verdict =
       device_.replay().run(q.requester, q.h.txn, q.op, [&] { return run_mutation(q, out); }, o);
   if (verdict == ReplayWindow::Verdict::kStale) return {Status::kStaleTxn};
+  if (verdict == ReplayWindow::Verdict::kAhead) return {Status::kTxnAhead};
   if (verdict == ReplayWindow::Verdict::kReplayed) Stats::inc(stats_.replayed);
   Result r{o.status};
   if (o.status == Status::kOk && o.has_value) {
@@ -444,6 +504,45 @@ Engine::Result Engine::execute(const Request& q, std::span<std::byte> out) {
     }
   }
   return r;
+}
+
+// Whether a chain may make this device (and those after it) send more than
+// the amplification limit allows its request: yes if its initiator showed
+// its cookie, or if no segment from here on can grow the traffic. A
+// chain's cookie is in its header's `boot` (chains are not boot-checked);
+// hops after the first can check it only with a cluster-wide secret, and
+// otherwise trust the first (docs/SECURITY.md says what that leaves open).
+bool Engine::chain_may_amplify(const Packet& p, Address reply_to, size_t request_size) const {
+  const DeviceConfig& c = device_.config();
+  if (c.amplification_limit == 0) return true;
+  if (p.sr.reply_ip && !c.cookie_shared) return true;
+  if (p.h.boot != 0 && p.h.boot == cookie(reply_to.ip)) return true;
+  // Unvalidated: the payload must not grow (READ and OPT_STEP hops replace
+  // it with memory, a sparse payload expands), and the packet may cause at
+  // most `limit` datagrams of its size (forwards and the answer).
+  if (p.h.flags & kFlagSparse) return false;
+  if (size_t{p.h.seg_count} - p.h.seg_index > c.amplification_limit) return false;
+  // AGGREGATE answers with the whole block, also to a contribution that
+  // carried none (zero, relay, staged).
+  if (decode_segment(p.segments.data() + p.h.seg_index * kSegmentSize).opcode == Opcode::kAggregate)
+    return kHeaderSize + kAggAnswerRecordSize + uint64_t{p.h.length} <=
+           uint64_t{c.amplification_limit} * request_size;
+  for (size_t i = p.h.seg_index; i < p.h.seg_count; ++i) {
+    const Opcode op = decode_segment(p.segments.data() + i * kSegmentSize).opcode;
+    if (op == Opcode::kRead || op == Opcode::kOptStep) return false;
+  }
+  return true;
+}
+
+// The key a mutation must show before the replay window is touched: the
+// admin key for region admin, else a registered region's key (the address
+// and permission checks follow when it runs).
+Status Engine::key_shown(const Request& q) const {
+  if (q.op == Opcode::kRegionAdd || q.op == Opcode::kRegionDel) {
+    const auto& admin = device_.config().admin_key;
+    return admin && q.rkey == *admin ? Status::kOk : Status::kNotPermitted;
+  }
+  return device_.regions().find(q.rkey) ? Status::kOk : Status::kBadKey;
 }
 
 // The operand of WRITE / REDUCE_*: the payload itself, or its sparse form
@@ -469,7 +568,7 @@ Engine::Result Engine::execute_once(const Request& q, std::span<std::byte> out) 
   auto mem = device_.memory();
   auto scratch = out.subspan(kHeaderSize);
   switch (q.op) {
-    case Opcode::kPing: return ping(out);
+    case Opcode::kPing: return ping(from_, out);
     case Opcode::kStats: return stats_page(q, out);
     case Opcode::kRegionList: return region_admin(q, out);
     case Opcode::kRead: {
@@ -652,7 +751,7 @@ Status Engine::opt_step(const Request& q, std::span<std::byte> out) {
   return Status::kOk;
 }
 
-Engine::Result Engine::ping(std::span<std::byte> out) {
+Engine::Result Engine::ping(Address from, std::span<std::byte> out) {
   const auto& c = device_.config();
   std::byte* p = out.data() + kHeaderSize;
   std::memset(p, 0, kPingPayloadSize);
@@ -662,6 +761,8 @@ Engine::Result Engine::ping(std::span<std::byte> out) {
   store_be<uint32_t>(p + 16, static_cast<uint32_t>(device_.regions().count()));
   store_be<uint32_t>(p + 20, static_cast<uint32_t>(device_.replay().window()));
   store_be<uint8_t>(p + 24, kVersion);
+  // The asker's address cookie, for the boot field of its requests.
+  if (c.amplification_limit) store_be<uint32_t>(p + 28, cookie(from.ip));
   return {Status::kOk, out.subspan(kHeaderSize, kPingPayloadSize)};
 }
 

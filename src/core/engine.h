@@ -14,7 +14,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/address_cookie.h"
 #include "core/aggregation.h"
+#include "core/destination_policy.h"
+#include "core/refusal_limiter.h"
 #include "core/regions.h"
 #include "core/replay_window.h"
 #include "core/stats.h"
@@ -37,6 +40,22 @@ struct DeviceConfig {
   size_t max_payload = kDefaultMaxPayload;  // [kMinPayload, kMaxPayloadLimit]
   size_t replay_window = 1024;         // txns remembered per requester
   size_t replay_requesters = 4096;     // requesters remembered
+  size_t replay_bytes = size_t{64} << 20;  // bytes of replay state, all requesters
+  // Where chains may send (reply-to, next segment): docs/SECURITY.md.
+  // Open here (in-process fabrics span subnets); netdamd closes it to the
+  // source's /24 and its `allow` list.
+  DestinationPolicy destinations{.allow = {}, .source_subnet_bits = 24, .any = true};
+  // Refusals answered per second per destination IPv4 address; 0: no limit
+  // (the engine has no clock: the owner calls Device::set_now_ms).
+  uint32_t refusals_per_second = 0;
+  // Address validation (core/address_cookie.h): answers larger than this
+  // many times their request go only to a source that sent its cookie;
+  // 0: off. cookie_secret keys the cookies; cookie_shared says every device
+  // of the cluster has the same secret, so hops after the first can check
+  // a chain's cookie too.
+  uint32_t amplification_limit = 0;
+  std::array<uint64_t, 2> cookie_secret{};
+  bool cookie_shared = false;
 };
 inline constexpr size_t kMinPayload = 512;
 
@@ -57,6 +76,10 @@ class Device {
   RegionTable& regions() { return regions_; }
   ReplayWindow& replay() { return replay_; }
   Aggregator& aggregator() { return aggregator_; }
+  RefusalLimiter& refusals() { return refusals_; }
+  // The clock of the refusal rate limit, set by the owner (milliseconds,
+  // any epoch, never going back).
+  void set_now_ms(uint64_t ms) { refusals_.set_now_ms(ms); }
   const DeviceConfig& config() const { return config_; }
 
   // Counters of every engine of this device, added up.
@@ -111,6 +134,7 @@ class Device {
   RegionTable regions_;
   ReplayWindow replay_;
   Aggregator aggregator_;
+  RefusalLimiter refusals_;
   std::array<std::mutex, 64> stripes_;
   std::shared_mutex generation_mu_;  // ARM exclusive, generation-checked hops shared
   std::mutex park_mu_;
@@ -188,12 +212,15 @@ class Engine {
   Action run_chain(Address from, std::span<std::byte> datagram, Packet& p,
                    std::span<std::byte> out);
   Result execute(const Request& q, std::span<std::byte> out);
+  Status key_shown(const Request& q) const;
+  uint32_t cookie(uint32_t ip) const { return address_cookie(device_.config().cookie_secret, ip); }
   Result execute_once(const Request& q, std::span<std::byte> out);
   Outcome run_mutation(const Request& q, std::span<std::byte> out);
   Status opt_config(const Request& q);
   Status opt_step(const Request& q, std::span<std::byte> out);
   Result read_like(const Request& q, std::span<std::byte> out);
-  Result ping(std::span<std::byte> out);
+  Result ping(Address from, std::span<std::byte> out);
+  bool chain_may_amplify(const Packet& p, Address reply_to, size_t request_size) const;
   Result stats_page(const Request& q, std::span<std::byte> out);
   Result region_admin(const Request& q, std::span<std::byte> out);
   Status decode_operand(const Request& q, std::span<std::byte> scratch,
@@ -205,6 +232,7 @@ class Engine {
 
   Device& device_;
   Stats stats_;
+  Address from_;  // the source of the datagram being handled
   std::vector<Fanout> fanout_;
 };
 

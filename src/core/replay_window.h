@@ -1,19 +1,28 @@
 // Exactly-once execution of non-idempotent requests (atomics, REDUCE_MEM,
-// COPY, region admin). Each requester (IPv4:port, or a chain's reply-to) has
-// a window of the last `window` transaction ids it used for such requests,
-// with the outcome of each. A retransmission is answered from the window
-// without running it again; a txn too old to be in the window is refused
-// (STALE_TXN) because we can no longer tell whether it ran.
+// COPY, region admin). Each requester (IPv4:port, or a chain's reply-to and
+// segment) has a window of the last `window` transaction ids it used for
+// such requests, with the outcome of each. A retransmission is answered from
+// the window without running it again; a txn too old to be in the window is
+// refused (STALE_TXN) because we can no longer tell whether it ran.
 //
 // Txn ids must be unique per requester; they need not be dense, and they may
 // arrive out of order as long as the requester keeps the span of its
-// outstanding non-idempotent txns below `window`.
+// outstanding non-idempotent txns below `window`. A txn kMaxAhead or more
+// above the requester's newest is refused (kAhead), not adopted: adopting
+// it would make every later txn of that requester stale.
+//
+// Memory: a requester's ring starts with kFirstRing entries and doubles only
+// when a txn still inside the window would otherwise be overwritten, up to
+// `window`. The whole window is bounded in requesters and in bytes; the
+// least recently seen requester is forgotten first. Callers must check the
+// request's key before run(): a request without one must create nothing.
 //
 // Thread-safety: `run` may be called concurrently; requesters are sharded
 // over mutexes, and one requester's requests are serialised.
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <list>
@@ -34,9 +43,16 @@ struct Outcome {
 
 class ReplayWindow {
  public:
-  enum class Verdict : uint8_t { kExecuted, kReplayed, kStale };
+  enum class Verdict : uint8_t { kExecuted, kReplayed, kStale, kAhead };
 
-  ReplayWindow(size_t window, size_t max_requesters);
+  // 2^48: clients number txns from the wall clock in nanoseconds, so this is
+  // about 78 hours of a requester's silence (docs/PROTOCOL.md 9.2).
+  static constexpr uint64_t kMaxAhead = uint64_t{1} << 48;
+  static constexpr size_t kFirstRing = 8;
+  // Bytes charged per requester besides its ring (map and LRU nodes).
+  static constexpr size_t kRequesterOverhead = 160;
+
+  ReplayWindow(size_t window, size_t max_requesters, size_t max_bytes = size_t{64} << 20);
 
   // Runs `op` unless (requester, txn) ran before. `outcome` receives the
   // result of the run or of the earlier run. `opcode` guards against a
@@ -45,6 +61,10 @@ class ReplayWindow {
               const std::function<Outcome()>& op, Outcome& outcome);
 
   size_t window() const { return window_; }
+  // Bytes held now (rings and per-requester overhead) and requesters known.
+  size_t bytes() const { return bytes_.load(std::memory_order_relaxed); }
+  size_t requesters() const;
+  static size_t entry_size();
 
  private:
   struct Entry {
@@ -63,12 +83,22 @@ class ReplayWindow {
     std::mutex mu;
     std::unordered_map<uint64_t, Requester> requesters;
     std::list<uint64_t> lru;  // front = most recently used
+    size_t bytes = 0;
   };
   static constexpr size_t kShards = 16;
 
+  // Forgets least recently seen requesters of `shard` (never `keep`) until
+  // `need` more bytes fit its share of the budget.
+  void make_room(Shard& shard, size_t need, uint64_t keep);
+  void forget(Shard& shard, uint64_t requester);
+  // Doubles r's ring (rehashing its entries), charging the shard.
+  void grow(Shard& shard, uint64_t requester, Requester& r);
+
   const size_t window_;
   const size_t max_per_shard_;
-  std::array<Shard, kShards> shards_;
+  const size_t bytes_per_shard_;
+  std::atomic<size_t> bytes_{0};
+  mutable std::array<Shard, kShards> shards_;
 };
 
 }  // namespace netdam::core

@@ -32,6 +32,8 @@ StatList collect(const std::vector<const Stats*>& all) {
       {"sparse", sum(all, &Stats::sparse)},     {"skipped", sum(all, &Stats::skipped)},
       {"sparse_forwarded", sum(all, &Stats::sparse_forwarded)},
       {"parked", sum(all, &Stats::parked)},
+      {"policy_refused", sum(all, &Stats::policy_refused)},
+      {"unvalidated_refused", sum(all, &Stats::unvalidated_refused)},
       {"agg.contributions", sum(all, &Stats::agg_contributions)},
       {"agg.duplicates", sum(all, &Stats::agg_duplicates)},
       {"agg.completed", sum(all, &Stats::agg_completed)},

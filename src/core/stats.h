@@ -26,6 +26,8 @@ struct Stats {
   Counter skipped{0};       // chain hops skipped as stale (kSegSkipStale)
   Counter sparse_forwarded{0};  // chain payloads passed on in sparse form
   Counter parked{0};        // chains held until their region was armed
+  Counter policy_refused{0};  // chains refused: reply-to or next hop not permitted
+  Counter unvalidated_refused{0};  // NOT_VALIDATED: would amplify towards an unvalidated address
   Counter agg_contributions{0};  // AGGREGATE contributions accepted (first copies)
   Counter agg_duplicates{0};     // AGGREGATE copies of a contribution already held
   Counter agg_completed{0};      // blocks reduced (every contributor in)

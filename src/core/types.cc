@@ -62,6 +62,8 @@ std::string_view to_string(Status s) {
     case Status::kUnavailable: return "UNAVAILABLE";
     case Status::kAlreadyExists: return "ALREADY_EXISTS";
     case Status::kNoOptimizer: return "NO_OPTIMIZER";
+    case Status::kTxnAhead: return "TXN_AHEAD";
+    case Status::kNotValidated: return "NOT_VALIDATED";
   }
   return "UNKNOWN_STATUS";
 }

@@ -23,6 +23,17 @@ std::optional<uint32_t> parse_key(const std::string& text) {
   return v;
 }
 
+std::optional<std::array<uint64_t, 2>> parse_secret(const std::string& text) {
+  if (text.size() != 32) return std::nullopt;
+  std::array<uint64_t, 2> k{};
+  for (size_t i = 0; i < 2; ++i) {
+    auto [p, ec] = std::from_chars(text.data() + 16 * i, text.data() + 16 * i + 16, k[i], 16);
+    if (ec != std::errc() || p != text.data() + 16 * i + 16) return std::nullopt;
+  }
+  if (k[0] == 0 && k[1] == 0) return std::nullopt;
+  return k;
+}
+
 std::optional<uint32_t> parse_perms(const std::string& text) {
   if (text == "r") return core::kPermRead;
   if (text == "w") return core::kPermWrite;
@@ -82,7 +93,9 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
   };
   static const std::vector<std::string_view> kKnown = {
       "listen", "memory", "threads", "max_payload", "shm", "prefault", "admin_key", "replay_window",
-      "replay_requesters", "default_key", "default_region", "region", "port_file", "log_level"};
+      "replay_requesters", "replay_bytes", "allow", "allow_source_subnet", "allow_any",
+      "refusals_per_second", "refusal_log_seconds", "amplification_limit", "cookie_secret", "default_key", "default_region", "region",
+      "port_file", "log_level"};
   for (const auto& [k, v] : t)
     if (std::find(kKnown.begin(), kKnown.end(), k.str()) == kKnown.end())
       return err(k.str(), "is not a known setting");
@@ -128,6 +141,44 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
     if (*v < 16 || *v > (1 << 20)) return err("replay_requesters", "must be 16..1048576");
     cfg.replay_requesters = static_cast<size_t>(*v);
   }
+  if (auto n = t.get("replay_bytes")) {
+    auto v = size_value(*n);
+    if (!v || *v < (1u << 20) || *v > (64ull << 30)) return err("replay_bytes", "must be a size of 1MiB..64GiB");
+    cfg.replay_bytes = *v;
+  }
+  if (auto n = t.get("allow")) {
+    auto* arr = n->as_array();
+    if (!arr) return err("allow", "must be an array of \"A.B.C.D/N\" strings");
+    for (auto& el : *arr) {
+      auto v = el.value<std::string>();
+      std::string why;
+      auto c = v ? core::parse_cidr(*v, &why) : std::nullopt;
+      if (!c) return err("allow", v ? why : "entries must be strings");
+      cfg.allow.push_back(*c);
+    }
+  }
+  if (auto v = t["allow_source_subnet"].value<int64_t>()) {
+    if (*v < 0 || *v > 32) return err("allow_source_subnet", "must be 0..32");
+    cfg.allow_source_subnet = static_cast<unsigned>(*v);
+  }
+  if (auto v = t["allow_any"].value<bool>()) cfg.allow_any = *v;
+  if (auto v = t["refusals_per_second"].value<int64_t>()) {
+    if (*v < 0 || *v > 1000000) return err("refusals_per_second", "must be 0..1000000");
+    cfg.refusals_per_second = static_cast<unsigned>(*v);
+  }
+  if (auto v = t["refusal_log_seconds"].value<int64_t>()) {
+    if (*v < 0 || *v > 86400) return err("refusal_log_seconds", "must be 0..86400");
+    cfg.refusal_log_seconds = static_cast<unsigned>(*v);
+  }
+  if (auto v = t["amplification_limit"].value<int64_t>()) {
+    if (*v < 0 || *v > 1000) return err("amplification_limit", "must be 0..1000");
+    cfg.amplification_limit = static_cast<unsigned>(*v);
+  }
+  if (auto v = t["cookie_secret"].value<std::string>()) {
+    auto k = parse_secret(*v);
+    if (!k) return err("cookie_secret", "must be 32 hex digits (128 bits), not all zero");
+    cfg.cookie_secret = *k;
+  }
   if (auto n = t.get("region")) {
     auto* arr = n->as_array();
     if (!arr) return err("region", "must be an array of tables ([[region]])");
@@ -160,6 +211,12 @@ std::optional<std::string> validate(const DaemonConfig& cfg) {
   if (cfg.threads < 1 || cfg.threads > 64) return "threads must be 1..64";
   if (cfg.max_payload < core::kMinPayload || cfg.max_payload > kMaxPayloadLimit)
     return fmt::format("max_payload must be {}..{} bytes", core::kMinPayload, kMaxPayloadLimit);
+  // Every shard of the replay window (16) must hold one full ring.
+  const uint64_t ring = cfg.replay_window * core::ReplayWindow::entry_size();
+  if (cfg.replay_bytes / 16 < ring)
+    return fmt::format("replay_bytes ({}) must be at least 16 full windows ({} bytes): raise it or "
+                       "lower replay_window",
+                       cfg.replay_bytes, 16 * ring);
   for (const auto& r : cfg.regions) {
     if (r.size == 0 || r.base > cfg.memory || r.size > cfg.memory - r.base)
       return fmt::format("region key {:#x} [{:#x}, +{}) lies outside the {} bytes of memory", r.key,

@@ -1,11 +1,13 @@
 // netdamd's settings: defaults, then the TOML file (--config), then flags.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "core/destination_policy.h"
 #include "core/regions.h"
 #include "netdam/types.h"
 #include "transport/transport.h"
@@ -22,6 +24,18 @@ struct DaemonConfig {
   std::optional<uint32_t> admin_key;   // region admin over the network
   size_t replay_window = 1024;
   size_t replay_requesters = 4096;
+  uint64_t replay_bytes = 64ull << 20;  // replay state of all requesters together
+  // Where chains may send: the source's /24, loopback, and these
+  // (docs/SECURITY.md). allow_any restores "anywhere".
+  std::vector<core::Cidr> allow;
+  unsigned allow_source_subnet = 24;   // 0..32; 0: the source's subnet is not enough
+  bool allow_any = false;
+  unsigned refusals_per_second = 1000;  // per destination address (not loopback); 0: unlimited
+  unsigned refusal_log_seconds = 60;   // period of the refusal log line; 0: never
+  unsigned amplification_limit = 3;    // answers over 3x their request need the address cookie; 0: off
+  // 32 hex digits: the cookies' secret, the same on every device of a
+  // cluster so every hop of a chain can check them. Unset: random per start.
+  std::optional<std::array<uint64_t, 2>> cookie_secret;
   std::vector<core::Region> regions;   // empty: one region over all memory
   uint32_t default_key = 1;            // key of that region
   bool default_region = true;          // false: start with no region at all (pool devices)
@@ -35,6 +49,8 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
 
 // "BASE:SIZE:KEY[:PERMS]" with sizes as in parse_size and PERMS r, w or rw.
 std::optional<core::Region> parse_region(const std::string& text, std::string* error);
+// 32 hex digits -> a 128-bit secret (not all zero).
+std::optional<std::array<uint64_t, 2>> parse_secret(const std::string& text);
 // "r", "w", "rw" -> permission bits.
 std::optional<uint32_t> parse_perms(const std::string& text);
 // A number in decimal or 0x-hex, at most 32 bits.

@@ -60,6 +60,26 @@ int main(int argc, char** argv) {
   app.add_option("--shm", shm, "back memory with /dev/shm/NAME so a co-located host can map it");
   app.add_option("--region", regions, "register BASE:SIZE:KEY[:PERMS] (repeatable); default: key 1 over all memory");
   app.add_option("--admin-key", admin_key, "key that authorises region admin over the network (default: admin disabled)");
+  std::vector<std::string> allow;
+  bool allow_any = false;
+  int refusals_per_second = -1, amplification_limit = -1;
+  std::string cookie_secret;
+  app.add_option("--amplification-limit", amplification_limit,
+                 "answers larger than N times their request go only to sources that sent their address "
+                 "cookie (PROTOCOL.md 9.6); 0 = off (default 3)")
+      ->check(CLI::Range(0, 1000));
+  app.add_option("--cookie-secret", cookie_secret,
+                 "32 hex digits: the address cookies' secret; give every device of a cluster the same one "
+                 "so every hop of a chain checks cookies (default: random per start)");
+  app.add_option("--allow", allow,
+                 "A.B.C.D/N: chains may also reply to and forward to this subnet (repeatable; the "
+                 "source's /24 and loopback are always allowed)");
+  app.add_flag("--allow-any", allow_any,
+               "chains may send anywhere (reflection to third parties: trusted networks only)");
+  app.add_option("--refusals-per-second", refusals_per_second,
+                 "refusals (BAD_KEY, NOT_PERMITTED, ...) answered per second per address; 0 = no limit "
+                 "(default 1000; loopback is never limited)")
+      ->check(CLI::Range(0, 1000000));
   app.add_option("--port-file", port_file, "write the bound HOST:PORT to this file once serving");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error (default info)");
   // Fault injection on the device's own sends (the kernel may have no netem):
@@ -111,6 +131,20 @@ int main(int argc, char** argv) {
     if (!k || *k == 0) return fail("--admin-key: must be a nonzero 32-bit number");
     cfg.admin_key = *k;
   }
+  for (const auto& a : allow) {
+    std::string why;
+    auto c = core::parse_cidr(a, &why);
+    if (!c) return fail("--allow: " + why);
+    cfg.allow.push_back(*c);
+  }
+  if (allow_any) cfg.allow_any = true;
+  if (refusals_per_second >= 0) cfg.refusals_per_second = static_cast<unsigned>(refusals_per_second);
+  if (amplification_limit >= 0) cfg.amplification_limit = static_cast<unsigned>(amplification_limit);
+  if (!cookie_secret.empty()) {
+    auto k = device::parse_secret(cookie_secret);
+    if (!k) return fail("--cookie-secret: must be 32 hex digits (128 bits), not all zero");
+    cfg.cookie_secret = *k;
+  }
   if (!regions.empty()) cfg.regions.clear();
   for (const auto& r : regions) {
     std::string why;
@@ -150,6 +184,19 @@ int main(int argc, char** argv) {
   dc.max_payload = cfg.max_payload;
   dc.replay_window = cfg.replay_window;
   dc.replay_requesters = cfg.replay_requesters;
+  dc.replay_bytes = cfg.replay_bytes;
+  dc.destinations.allow = cfg.allow;
+  dc.destinations.source_subnet_bits = static_cast<uint8_t>(cfg.allow_source_subnet);
+  dc.destinations.any = cfg.allow_any;
+  dc.refusals_per_second = cfg.refusals_per_second;
+  dc.amplification_limit = cfg.amplification_limit;
+  dc.cookie_shared = cfg.cookie_secret.has_value();
+  if (cfg.cookie_secret) {
+    dc.cookie_secret = *cfg.cookie_secret;
+  } else {
+    std::random_device rd;
+    for (auto& w : dc.cookie_secret) w = (uint64_t{rd()} << 32) | rd();
+  }
   core::Device dev(mem->bytes(), dc);
   if (cfg.regions.empty() && !cfg.default_region) {
     if (!cfg.admin_key)
@@ -232,8 +279,37 @@ int main(int argc, char** argv) {
     std::rename((cfg.port_file + ".tmp").c_str(), cfg.port_file.c_str());
   }
 
+  // The main thread keeps the refusal limit's clock and logs refusals in
+  // aggregate, once a period, until a stop signal arrives.
+  auto now_ms = [] {
+    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     std::chrono::steady_clock::now().time_since_epoch())
+                                     .count());
+  };
+  dev.set_now_ms(now_ms());
   int sig = 0;
-  sigwait(&stop_signals, &sig);
+  uint64_t last_log = now_ms(), sent_before = 0, suppressed_before = 0;
+  for (;;) {
+    const timespec tick{0, 100'000'000};
+    sig = sigtimedwait(&stop_signals, nullptr, &tick);
+    if (sig == SIGINT || sig == SIGTERM) break;
+    const uint64_t now = now_ms();
+    dev.set_now_ms(now);
+    if (cfg.refusal_log_seconds == 0 || now - last_log < cfg.refusal_log_seconds * 1000ull) continue;
+    last_log = now;
+    const uint64_t sent = dev.refusals().sent(), suppressed = dev.refusals().suppressed();
+    if (sent == sent_before && suppressed == suppressed_before) continue;
+    std::string top;
+    for (const auto& src : dev.refusals().top())
+      top += fmt::format("{}{}.{}.{}.{} ({})", top.empty() ? "" : ", ", src.ip >> 24,
+                         (src.ip >> 16) & 255, (src.ip >> 8) & 255, src.ip & 255, src.count);
+    spdlog::warn("refused {} requests in the last {} s ({} answered, {} suppressed by the limit of {}/s "
+                 "per address); top sources since start: {}",
+                 sent - sent_before + suppressed - suppressed_before, cfg.refusal_log_seconds,
+                 sent - sent_before, suppressed - suppressed_before, cfg.refusals_per_second, top);
+    sent_before = sent;
+    suppressed_before = suppressed;
+  }
   spdlog::info("received {}, stopping", sig == SIGINT ? "SIGINT" : "SIGTERM");
   stop = true;
   for (auto& t : workers) t.join();

@@ -79,6 +79,12 @@ std::string_view explain(Status s, std::string_view op) {
       return "a device holding the allocation is not answering; retry later";
     case Status::kAlreadyExists: return "an allocation of that name exists";
     case Status::kNoOptimizer: return "the region has no optimizer config (send OPT_CONFIG first)";
+    case Status::kTxnAhead:
+      return "the txn is far above every txn the device remembers from this UDP port (corrupted, "
+             "or a client from days ago used the port); retry from another port";
+    case Status::kNotValidated:
+      return "the answer would be over 3x the request's size and the request carried no address "
+             "cookie (PING the device and send its cookie in the boot field, docs/PROTOCOL.md 9.6)";
   }
   return "unknown status";
 }
