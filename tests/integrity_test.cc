@@ -50,7 +50,7 @@ std::vector<std::byte> random_bytes(size_t n, uint64_t seed) {
 }
 
 constexpr Crc32cImpl kImpls[] = {Crc32cImpl::kTable, Crc32cImpl::kSse42, Crc32cImpl::kPclmul,
-                                  Crc32cImpl::kVpclmul};
+                                  Crc32cImpl::kVpclmul, Crc32cImpl::kHybrid};
 const char* impl_name(Crc32cImpl impl) {
   switch (impl) {
     case Crc32cImpl::kTable:
@@ -61,6 +61,8 @@ const char* impl_name(Crc32cImpl impl) {
       return "pclmul-4x128";
     case Crc32cImpl::kVpclmul:
       return "vpclmul-4x256";
+    case Crc32cImpl::kHybrid:
+      return "hybrid";
   }
   return "?";
 }
@@ -142,10 +144,18 @@ TEST(Crc32c, FastPathMatchesTable) {
       ASSERT_EQ(crc32c_with(impl, s, init), crc32c_portable(s, init)) << len << " at " << off;
     }
     for (size_t off = 0; off < 64; ++off)
-      for (size_t len : {127, 128, 129, 255, 256, 257, 300, 1023, 1024, 1031, 8192, 65536}) {
+      for (size_t len : {127, 128, 129, 255, 256, 257, 300, 1023, 1024, 1031, 4095, 4096, 8192, 12800, 65536}) {
         const auto s = std::span(data).subspan(off, len);
         ASSERT_EQ(crc32c_with(impl, s, 0), crc32c_portable(s, 0)) << len << " at " << off;
       }
+    // The hybrid's super-blocks: every round count, with every remainder
+    // class (lengths 4 KiB..14 KiB in steps of 7).
+    for (size_t len = 4090; len <= 14 << 10; len += 7) {
+      const size_t off = len % 64;
+      const uint32_t init = static_cast<uint32_t>(rng());
+      const auto s = std::span(data).subspan(off, len);
+      ASSERT_EQ(crc32c_with(impl, s, init), crc32c_portable(s, init)) << len << " at " << off;
+    }
     for (int i = 0; i < 300; ++i) {
       const size_t len = rng() % ((256 << 10) + 1), off = rng() % 64;
       const uint32_t init = static_cast<uint32_t>(rng());

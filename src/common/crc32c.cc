@@ -1,5 +1,6 @@
 #include "common/crc32c.h"
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 
@@ -256,6 +257,108 @@ NETDAM_VPCLMUL_TARGET uint32_t crc_vpclmul(const std::byte* p, size_t n, uint32_
   return n >= kFold128Min ? crc_fold_4x128(p, n, c) : crc_sse42(p, n, c);
 }
 
+// ---- Hybrid: three crc32q streams beside the 32-byte-lane folding ----
+//
+// Here the folding and the three crc32q streams each top out near 8 bytes a
+// cycle; run side by side in one loop they got 15-30% more than the folding
+// alone at 4-64 KiB (medians of 9 interleaved runs: 4 KiB 24.7 against 21.3
+// GB/s, 8 KiB 29.0 / 23.6, 64 KiB 30.3 / 23.2). A
+// super-block of m rounds is laid out as [m x 128 B folded][m x C B stream
+// 1][m x C B stream 2][m x C B stream 3]; the streams start from state 0 and
+// are appended with crc(A||B) = crc(A) x^(8|B|) + crc0(B) mod P.
+
+// a b mod P, both reflected (zlib's multmodp): b times each term of a.
+constexpr uint32_t mulmod(uint32_t a, uint32_t b) {
+  uint32_t p = 0;
+  for (uint32_t m = 0x80000000u; m != 0; m >>= 1) {  // a's coefficients of x^0, x^1, ...
+    if (a & m) p ^= b;
+    b = (b & 1) ? (b >> 1) ^ kPoly : b >> 1;  // b *= x
+  }
+  return p;
+}
+static_assert(mulmod(xpow_mod(100), xpow_mod(23)) == xpow_mod(123));
+static_assert(mulmod(xpow_mod(5000), xpow_mod(3000)) == xpow_mod(8000));
+
+constexpr size_t kHybridC = 24;      // bytes of each crc32q stream per round
+constexpr size_t kHybridRounds = 64;  // rounds per super-block, at most
+constexpr size_t kHybridRound = 128 + 3 * kHybridC;
+constexpr size_t kHybridMin = 4096;  // measured to pay from here; not tried below
+
+// kHybridShift[m] = x^(8 m C - 33) mod P: the constant that moves a state over
+// one stream's m x C bytes (see shift_by).
+constexpr std::array<uint32_t, kHybridRounds + 1> kHybridShift = [] {
+  std::array<uint32_t, kHybridRounds + 1> t{};
+  const uint32_t step = xpow_mod(8 * kHybridC);
+  t[1] = xpow_mod(8 * kHybridC - 33);
+  for (size_t m = 2; m <= kHybridRounds; ++m) t[m] = mulmod(t[m - 1], step);
+  return t;
+}();
+
+// s x^(e+33) mod P for k = x^e mod P: the carry-less product of two reflected
+// 32-bit values is s k x in 64 reflected bits, and crc32q(0, v) = v x^32 mod P.
+NETDAM_VPCLMUL_TARGET inline uint32_t shift_by(uint32_t s, uint32_t k) {
+  const __m128i prod = _mm_clmulepi64_si128(_mm_cvtsi32_si128(static_cast<int>(s)),
+                                            _mm_cvtsi32_si128(static_cast<int>(k)), 0x00);
+  return static_cast<uint32_t>(__builtin_ia32_crc32di(0, static_cast<uint64_t>(_mm_cvtsi128_si64(prod))));
+}
+
+NETDAM_VPCLMUL_TARGET uint32_t crc_hybrid(const std::byte* p, size_t n, uint32_t c) {
+  constexpr size_t C = kHybridC;
+  const __m256i k1024 = _mm256_set_epi64x(static_cast<int64_t>(kFold1024.hi), static_cast<int64_t>(kFold1024.lo),
+                                          static_cast<int64_t>(kFold1024.hi), static_cast<int64_t>(kFold1024.lo));
+  const __m256i k256 = _mm256_set_epi64x(static_cast<int64_t>(kFold256.hi), static_cast<int64_t>(kFold256.lo),
+                                         static_cast<int64_t>(kFold256.hi), static_cast<int64_t>(kFold256.lo));
+  const __m128i k128 = _mm_set_epi64x(static_cast<int64_t>(kFold128.hi), static_cast<int64_t>(kFold128.lo));
+  while (n >= kHybridMin) {
+    const size_t m = std::min(n / kHybridRound, kHybridRounds);
+    const std::byte* p1 = p + m * 128;
+    const std::byte* p2 = p1 + m * C;
+    const std::byte* p3 = p2 + m * C;
+    uint64_t c1 = 0, c2 = 0, c3 = 0;
+    // Round 0: the streams' first C bytes, and the first 128 folded bytes
+    // loaded (with the incoming state XORed into their first 32 bits).
+    for (size_t j = 0; j < C; j += 8) {
+      c1 = __builtin_ia32_crc32di(c1, load64(p1 + j));
+      c2 = __builtin_ia32_crc32di(c2, load64(p2 + j));
+      c3 = __builtin_ia32_crc32di(c3, load64(p3 + j));
+    }
+    p1 += C;
+    p2 += C;
+    p3 += C;
+    __m256i y0 = _mm256_xor_si256(load256(p), _mm256_zextsi128_si256(_mm_cvtsi32_si128(static_cast<int>(c))));
+    __m256i y1 = load256(p + 32), y2 = load256(p + 64), y3 = load256(p + 96);
+    const std::byte* pv = p + 128;
+    for (size_t i = 1; i < m; ++i) {
+      y0 = _mm256_xor_si256(fold32(y0, k1024), load256(pv));
+      y1 = _mm256_xor_si256(fold32(y1, k1024), load256(pv + 32));
+      y2 = _mm256_xor_si256(fold32(y2, k1024), load256(pv + 64));
+      y3 = _mm256_xor_si256(fold32(y3, k1024), load256(pv + 96));
+      pv += 128;
+      for (size_t j = 0; j < C; j += 8) {
+        c1 = __builtin_ia32_crc32di(c1, load64(p1 + j));
+        c2 = __builtin_ia32_crc32di(c2, load64(p2 + j));
+        c3 = __builtin_ia32_crc32di(c3, load64(p3 + j));
+      }
+      p1 += C;
+      p2 += C;
+      p3 += C;
+    }
+    __m256i y = _mm256_xor_si256(fold32(y0, k256), y1);
+    y = _mm256_xor_si256(fold32(y, k256), y2);
+    y = _mm256_xor_si256(fold32(y, k256), y3);
+    const __m128i x = _mm_xor_si128(fold16(_mm256_castsi256_si128(y), k128), _mm256_extracti128_si256(y, 1));
+    uint64_t v = __builtin_ia32_crc32di(0, static_cast<uint64_t>(_mm_cvtsi128_si64(x)));
+    v = __builtin_ia32_crc32di(v, static_cast<uint64_t>(_mm_extract_epi64(x, 1)));
+    const uint32_t k = kHybridShift[m];
+    c = shift_by(static_cast<uint32_t>(v), k) ^ static_cast<uint32_t>(c1);
+    c = shift_by(c, k) ^ static_cast<uint32_t>(c2);
+    c = shift_by(c, k) ^ static_cast<uint32_t>(c3);
+    p = p3;  // the end of the super-block
+    n -= m * kHybridRound;
+  }
+  return crc_vpclmul(p, n, c);
+}
+
 // 0 (also before dynamic initialisation): the byte table.
 int detect_level() {
   __builtin_cpu_init();
@@ -281,9 +384,12 @@ bool crc32c_hardware() {
 #endif
 }
 
+// The CPU level an implementation needs (kHybrid needs what kVpclmul does).
+[[maybe_unused]] static int level_of(Crc32cImpl impl) { return std::min(static_cast<int>(impl), 3); }
+
 bool crc32c_supported(Crc32cImpl impl) {
 #if defined(__x86_64__)
-  return static_cast<int>(impl) <= kLevel;
+  return level_of(impl) <= kLevel;
 #else
   return impl == Crc32cImpl::kTable;
 #endif
@@ -291,7 +397,7 @@ bool crc32c_supported(Crc32cImpl impl) {
 
 Crc32cImpl crc32c_best() {
 #if defined(__x86_64__)
-  return static_cast<Crc32cImpl>(kLevel);
+  return kLevel == 3 ? Crc32cImpl::kHybrid : static_cast<Crc32cImpl>(kLevel);
 #else
   return Crc32cImpl::kTable;
 #endif
@@ -299,7 +405,7 @@ Crc32cImpl crc32c_best() {
 
 uint32_t crc32c_with(Crc32cImpl impl, std::span<const std::byte> data, uint32_t crc) {
 #if defined(__x86_64__)
-  if (static_cast<int>(impl) <= kLevel) {
+  if (level_of(impl) <= kLevel) {
     switch (impl) {
       case Crc32cImpl::kTable:
         break;
@@ -309,6 +415,8 @@ uint32_t crc32c_with(Crc32cImpl impl, std::span<const std::byte> data, uint32_t 
         return ~crc_pclmul(data.data(), data.size(), ~crc);
       case Crc32cImpl::kVpclmul:
         return ~crc_vpclmul(data.data(), data.size(), ~crc);
+      case Crc32cImpl::kHybrid:
+        return ~crc_hybrid(data.data(), data.size(), ~crc);
     }
   }
 #else
@@ -321,7 +429,7 @@ uint32_t crc32c(std::span<const std::byte> data, uint32_t crc) {
 #if defined(__x86_64__)
   switch (kLevel) {
     case 3:
-      return ~crc_vpclmul(data.data(), data.size(), ~crc);
+      return ~crc_hybrid(data.data(), data.size(), ~crc);
     case 2:
       return ~crc_pclmul(data.data(), data.size(), ~crc);
     case 1:
