@@ -34,7 +34,7 @@ enum class Crc32cImpl {
   kSse42 = 1,    // three interleaved crc32q streams (SSE4.2)
   kPclmul = 2,   // folding 4 x 16-byte lanes (PCLMULQDQ) from 128 B to 1 KiB, else kSse42
   kVpclmul = 3,  // folding 4 x 32-byte lanes (VPCLMULQDQ, AVX2) from 256 B, 16-byte from 128 B
-  kHybrid = 4,   // kVpclmul with three crc32q streams beside it from 4 KiB; same CPU needs
+  kHybrid = 4,   // kVpclmul with three crc32q streams beside it from 2 KiB; same CPU needs
 };
 bool crc32c_supported(Crc32cImpl impl);
 Crc32cImpl crc32c_best();
