@@ -58,7 +58,7 @@ const char* impl_name(Crc32cImpl impl) {
     case Crc32cImpl::kSse42:
       return "sse42-3way";
     case Crc32cImpl::kPclmul:
-      return "pclmul-4x128";
+      return "pclmul";  // 4 x 16-byte folding for 128 B..1 KiB, else the three-way path
     case Crc32cImpl::kVpclmul:
       return "vpclmul-4x256";
     case Crc32cImpl::kHybrid:
