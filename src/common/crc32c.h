@@ -2,11 +2,13 @@
 // integrity trailer (every datagram, docs/PROTOCOL.md section 3.5) and the
 // dataset format (per-sample and header checksums).
 //
-// On x86-64 with SSE4.2 it runs three crc32q streams side by side (the
-// instruction has a latency of 3 cycles and a throughput of 1, so one stream
-// uses a third of the unit) and combines them with precomputed "shift by N
-// zero bytes" tables, as Mark Adler's crc32c.c does; elsewhere a byte table.
-// Both give the same value. Thread-safe: the only state is read-only tables.
+// On x86-64 it picks at run time the fastest method the CPU has (see
+// Crc32cImpl): folding the buffer with carry-less multiplication
+// (PCLMULQDQ / VPCLMULQDQ, Intel's "Fast CRC Computation for Generic
+// Polynomials Using PCLMULQDQ") from 128 B, three crc32q streams side by side
+// combined with "shift by N zero bytes" tables (as Mark Adler's crc32c.c),
+// or one crc32q stream for short buffers; elsewhere a byte table. All give
+// the same value. Thread-safe: the only state is read-only tables.
 #pragma once
 
 #include <cstddef>
@@ -24,5 +26,19 @@ uint32_t crc32c_portable(std::span<const std::byte> data, uint32_t crc = 0);
 
 // Whether crc32c() uses the hardware instruction on this CPU.
 bool crc32c_hardware();
+
+// The implementations, each usable where the CPU has what it needs (a later
+// one needs everything an earlier one does). crc32c() uses the best one.
+enum class Crc32cImpl {
+  kTable = 0,    // byte table, any CPU
+  kSse42 = 1,    // three interleaved crc32q streams (SSE4.2)
+  kPclmul = 2,   // folding 4 x 16-byte lanes (PCLMULQDQ) from 128 B to 1 KiB, else kSse42
+  kVpclmul = 3,  // folding 4 x 32-byte lanes (VPCLMULQDQ, AVX2) from 256 B, 16-byte from 128 B
+  kHybrid = 4,   // kVpclmul with three crc32q streams beside it from 2 KiB; same CPU needs
+};
+bool crc32c_supported(Crc32cImpl impl);
+Crc32cImpl crc32c_best();
+// crc32c() by `impl`; the byte table if this CPU cannot run it.
+uint32_t crc32c_with(Crc32cImpl impl, std::span<const std::byte> data, uint32_t crc = 0);
 
 }  // namespace netdam
