@@ -368,7 +368,7 @@ TEST_F(CliTest, RegionAdmin) {
   EXPECT_EQ(r.out.substr(0, r.out.find('\n')).find("KEY"), 0u) << r.out;
   EXPECT_NE(r.out.find("0x4d        0x100000            64KiB               r\n"), std::string::npos)
       << r.out;
-  EXPECT_NE(r.out.find("0x1         0x0                 16MiB               rw\n"), std::string::npos)
+  EXPECT_NE(r.out.find("0x1         0x0                 16MiB               rwp\n"), std::string::npos)
       << r.out;
 
   // The new key reads its region but may not write it.

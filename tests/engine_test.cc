@@ -1246,7 +1246,7 @@ TEST_F(EngineTest, RegionAdminErrors) {
   EXPECT_EQ(Add(RegionRecord(~uint64_t{0}, 2, 20, kPermAll)), Status::kOutOfBounds);
   EXPECT_EQ(Add(RegionRecord(16, ~uint64_t{0}, 20, kPermAll)), Status::kOutOfBounds);
   EXPECT_EQ(Add(RegionRecord(0, 0, 20, kPermAll)), Status::kOutOfBounds);  // empty
-  EXPECT_EQ(Add(RegionRecord(0, 16, 20, 0x4)), Status::kBadPayload);       // unknown perm
+  EXPECT_EQ(Add(RegionRecord(0, 16, 20, 0x8)), Status::kBadPayload);       // unknown perm
   Bytes rec = RegionRecord(0, 16, 20, kPermAll);
   rec.pop_back();
   EXPECT_EQ(Add(rec), Status::kBadLength);

@@ -34,7 +34,7 @@ TEST(Regions, AddValid) {
 TEST(Regions, AddRejects) {
   RegionTable t(kMem);
   EXPECT_EQ(t.add({0, 16, 0, kPermAll}), Status::kBadKey);  // key 0 is never valid
-  EXPECT_EQ(t.add({0, 16, 1, kPermAll | 0x4}), Status::kBadPayload);
+  EXPECT_EQ(t.add({0, 16, 1, kPermAll | 0x8}), Status::kBadPayload);
   EXPECT_EQ(t.add({0, 16, 1, 0x80000000}), Status::kBadPayload);
   EXPECT_EQ(t.add({0, 0, 1, kPermAll}), Status::kOutOfBounds);  // empty
   EXPECT_EQ(t.add({kMem, 1, 1, kPermAll}), Status::kOutOfBounds);

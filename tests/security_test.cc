@@ -275,6 +275,32 @@ TEST(Security, ChainsSendOnlyWherePermitted) {
   EXPECT_EQ(n.word(0x100), 5u);
 }
 
+// The implicit default region (netdamd's key 1 over all memory) serves
+// plain requests only: a key anyone may know cannot drive a chain or an
+// aggregation, while a configured region still can.
+TEST(Security, PlainOnlyRegionRefusesChainsAndAggregation) {
+  Node n(Config());
+  constexpr uint32_t kPublic = 1;
+  ASSERT_EQ(n.device().regions().add(Region{0, kMemSize, kPublic, kPermAll | kPermPlainOnly}), Status::kOk);
+  Reply r = n.Send(kAttacker, Plain(Opcode::kWrite, 1, kPublic, 0x200, 8, Le64(9)));
+  EXPECT_EQ(r.status(), Status::kOk);
+  EXPECT_EQ(n.word(0x200), 9u);
+  r = n.Send(kAttacker, Chain(2, {}, {Seg(kDevice, Opcode::kReduceMem, 0x200, kPublic)}, Le64(5)));
+  EXPECT_EQ(r.status(), Status::kNotPermitted);
+  EXPECT_EQ(n.word(0x200), 9u);
+  r = n.Send(kAttacker, Chain(3, {}, {Seg(kDevice, Opcode::kRead, 0x200, kPublic)}, {}));
+  EXPECT_EQ(r.status(), Status::kNotPermitted);
+  EXPECT_TRUE(r.payload.empty());
+  // AGGREGATE is a one-segment chain: refused too (before its record is read).
+  Segment agg = Seg(kDevice, Opcode::kAggregate, 0, kPublic);
+  r = n.Send(kAttacker, Chain(4, {}, {agg}, Bytes(16 + 8), DType::kI64, RedOp::kSum));
+  EXPECT_EQ(r.status(), Status::kNotPermitted);
+  // The same chain on a configured region runs.
+  r = n.Send(kAttacker, Chain(5, {}, {Seg(kDevice, Opcode::kReduceMem, 0x200, kKey)}, Le64(5)));
+  EXPECT_EQ(r.status(), Status::kOk);
+  EXPECT_EQ(n.word(0x200), 14u);
+}
+
 // Attack 6: refusals go out at a bounded rate per address, and STATS names
 // the sources.
 TEST(Security, RefusalsAreRateLimitedPerAddress) {

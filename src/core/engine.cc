@@ -328,11 +328,10 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
       // still running once ARM has answered.
       std::shared_lock gen_lock(device_.generation_mu_, std::defer_lock);
       bool skip = false;
-      std::optional<Region> region;
-      if (s.flags & (kSegGen | kSegStamp | kSegAwait)) {
-        region = device_.regions().find(s.rkey);
-        if (!region) return answer(h, reply_to, Status::kBadKey, {}, out);
-      }
+      std::optional<Region> region = device_.regions().find(s.rkey);
+      if (region && (region->perms & kPermPlainOnly)) return answer(h, reply_to, Status::kNotPermitted, {}, out);
+      if ((s.flags & (kSegGen | kSegStamp | kSegAwait)) && !region)
+        return answer(h, reply_to, Status::kBadKey, {}, out);
       // Check where the stamp goes (or is read from) before anything is
       // written.
       const uint64_t stamp_at = region ? region->base + s.aux : 0;

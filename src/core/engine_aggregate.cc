@@ -16,7 +16,8 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address reply_to, con
   if (h.flags & (kFlagSparse | kFlagSparseOk)) return answer(h, reply_to, Status::kBadFlags, {}, out);
   const std::optional<Region> region = device_.regions().find(s.rkey);
   if (!region) return answer(h, reply_to, Status::kBadKey, {}, out);
-  if ((region->perms & kPermAll) != kPermAll) return answer(h, reply_to, Status::kNotPermitted, {}, out);
+  if ((region->perms & kPermAll) != kPermAll || (region->perms & kPermPlainOnly))
+    return answer(h, reply_to, Status::kNotPermitted, {}, out);
   if (!is_valid_dtype(static_cast<uint8_t>(h.dtype))) return answer(h, reply_to, Status::kBadType, {}, out);
   if (!is_valid_redop(static_cast<uint8_t>(h.redop)) ||
       (h.dtype == DType::kBytes && h.redop != RedOp::kNone))

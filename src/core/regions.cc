@@ -7,7 +7,7 @@ namespace netdam::core {
 
 Status RegionTable::add(const Region& r) {
   if (r.key == 0) return Status::kBadKey;
-  if (r.perms & ~kPermAll) return Status::kBadPayload;
+  if (r.perms & ~(kPermAll | kPermPlainOnly)) return Status::kBadPayload;
   if (r.size == 0 || r.base > memory_size_ || r.size > memory_size_ - r.base)
     return Status::kOutOfBounds;
   std::unique_lock lock(mu_);

@@ -19,6 +19,11 @@ namespace netdam::core {
 inline constexpr uint32_t kPermRead = 0x1;
 inline constexpr uint32_t kPermWrite = 0x2;  // WRITE, FILL, COPY target, atomics, REDUCE_MEM
 inline constexpr uint32_t kPermAll = kPermRead | kPermWrite;
+// Plain requests only: no chain segment (and so no AGGREGATE) may use the
+// region. netdamd's implicit default region (key 1 over all memory when no
+// region is configured) has it: a key anyone may know must not make the
+// device send to, or store for, a third party (docs/SECURITY.md section 6).
+inline constexpr uint32_t kPermPlainOnly = 0x4;
 inline constexpr size_t kMaxRegions = 4096;
 
 struct Region {

@@ -202,9 +202,11 @@ int main(int argc, char** argv) {
     if (!cfg.admin_key)
       return fail("--no-default-region without --admin-key: no region could ever be used");
   } else if (cfg.regions.empty()) {
-    cfg.regions.push_back(core::Region{0, cfg.memory, cfg.default_key, core::kPermAll});
-    spdlog::warn("no regions configured: registering key {:#x} over all {} of memory (read-write); "
-                 "configure [[region]] entries or --region to restrict access",
+    cfg.regions.push_back(core::Region{0, cfg.memory, cfg.default_key, core::kPermAll | core::kPermPlainOnly});
+    spdlog::warn("no regions configured: registering key {:#x} over all {} of memory (read-write, plain "
+                 "requests only: chains and AGGREGATE on it are refused NOT_PERMITTED); configure [[region]] "
+                 "entries or --region to restrict access, or register regions for chains (REGION_ADD with "
+                 "--admin-key, as netdam::Group does)",
                  cfg.default_key, format_size(cfg.memory));
   }
   for (const auto& r : cfg.regions) {

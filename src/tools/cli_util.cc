@@ -202,7 +202,8 @@ std::string perms_string(uint32_t perms) {
   std::string s;
   if (perms & 1) s += 'r';
   if (perms & 2) s += 'w';
-  if (perms & ~3u) s += fmt::format("+{:#x}", perms & ~3u);
+  if (perms & 4) s += "p";  // plain requests only (no chains): netdamd's implicit region
+  if (perms & ~7u) s += fmt::format("+{:#x}", perms & ~7u);
   return s.empty() ? "-" : s;
 }
 

@@ -63,7 +63,8 @@ std::vector<std::byte> hex_arg(std::string_view op, std::string_view what, std::
 // A size as format_size prints it when that is exact ("16MiB"), else the
 // number of bytes; parse_number reads both back.
 std::string exact_size(uint64_t bytes);
-// "r", "w", "rw" or "-" for region permission bits.
+// "r", "w", "rw" or "-" for region permission bits, "p" added for plain
+// requests only (kPermPlainOnly).
 std::string perms_string(uint32_t perms);
 
 // Writes `hexdump -C` style lines; offsets are device addresses starting at
