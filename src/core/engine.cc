@@ -328,10 +328,13 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
       // still running once ARM has answered.
       std::shared_lock gen_lock(device_.generation_mu_, std::defer_lock);
       bool skip = false;
-      std::optional<Region> region = device_.regions().find(s.rkey);
-      if (region && (region->perms & kPermPlainOnly)) return answer(h, reply_to, Status::kNotPermitted, {}, out);
-      if ((s.flags & (kSegGen | kSegStamp | kSegAwait)) && !region)
-        return answer(h, reply_to, Status::kBadKey, {}, out);
+      const std::optional<uint32_t> perms = device_.regions().perms(s.rkey);
+      if (perms && (*perms & kPermPlainOnly)) return answer(h, reply_to, Status::kNotPermitted, {}, out);
+      std::optional<Region> region;
+      if (s.flags & (kSegGen | kSegStamp | kSegAwait)) {
+        region = device_.regions().find(s.rkey);
+        if (!region) return answer(h, reply_to, Status::kBadKey, {}, out);
+      }
       // Check where the stamp goes (or is read from) before anything is
       // written.
       const uint64_t stamp_at = region ? region->base + s.aux : 0;
@@ -541,7 +544,7 @@ Status Engine::key_shown(const Request& q) const {
     const auto& admin = device_.config().admin_key;
     return admin && q.rkey == *admin ? Status::kOk : Status::kNotPermitted;
   }
-  return device_.regions().find(q.rkey) ? Status::kOk : Status::kBadKey;
+  return device_.regions().perms(q.rkey) ? Status::kOk : Status::kBadKey;
 }
 
 // The operand of WRITE / REDUCE_*: the payload itself, or its sparse form

@@ -39,6 +39,13 @@ std::optional<Region> RegionTable::find(uint32_t key) const {
   return it->second;
 }
 
+std::optional<uint32_t> RegionTable::perms(uint32_t key) const {
+  std::shared_lock lock(mu_);
+  auto it = by_key_.find(key);
+  if (it == by_key_.end()) return std::nullopt;
+  return it->second.perms;
+}
+
 Status RegionTable::arm(uint32_t key, uint32_t generation, uint32_t* previous) {
   std::unique_lock lock(mu_);
   auto it = by_key_.find(key);

@@ -50,6 +50,9 @@ class RegionTable {
 
   // A copy of `key`'s region, if registered.
   std::optional<Region> find(uint32_t key) const;
+  // Its permission bits only, if registered: what the per-request gates
+  // (a key shown, a plain-only region) need, without copying the region.
+  std::optional<uint32_t> perms(uint32_t key) const;
   // Sets the armed generation; `previous` receives the old one. kBadKey,
   // or kNotPermitted without write permission.
   Status arm(uint32_t key, uint32_t generation, uint32_t* previous);
