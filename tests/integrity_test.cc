@@ -167,6 +167,10 @@ TEST(Crc32c, FastPathMatchesTable) {
   const auto s = std::span(data).subspan(3, 70000);
   EXPECT_EQ(crc32c(s, 1), crc32c_with(crc32c_best(), s, 1));
   EXPECT_EQ(crc32c(s, 1), crc32c_portable(s, 1));
+  // So is the one for cold data, at every length around its thresholds.
+  for (size_t len : {0, 1, 127, 128, 255, 256, 383, 640, 641, 8192, 8236, 70000})
+    EXPECT_EQ(crc32c_uncached(std::span(data).subspan(5, len), 7), crc32c_portable(std::span(data).subspan(5, len), 7))
+        << len;
 }
 
 // Chaining: the CRC of A then B (any split, through any implementation) is

@@ -230,6 +230,14 @@ NETDAM_VPCLMUL_TARGET inline __m256i load256(const std::byte* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
+// How far ahead the 32-byte-lane folding asks for the cache lines it will
+// fold. A payload the kernel has not just copied (a client's WRITE source,
+// in L3 or memory) otherwise stalls the loop on every line: with it the
+// sealing of 64 KiB WRITEs took the client from 0.80x to 0.89x of its
+// throughput without a trailer (medians of 8 interleaved runs). A prefetch
+// past the end of the buffer is harmless: prefetches never fault.
+constexpr size_t kPrefetchAhead = 512;
+
 // Eight 16-byte lanes as four 32-byte registers, folded 128 bytes at a time
 // (VPCLMULQDQ does two 64x64 products per instruction). n >= 128.
 NETDAM_VPCLMUL_TARGET uint32_t crc_fold_4x256(const std::byte* p, size_t n, uint32_t c) {
@@ -243,6 +251,8 @@ NETDAM_VPCLMUL_TARGET uint32_t crc_fold_4x256(const std::byte* p, size_t n, uint
   p += 128;
   n -= 128;
   for (; n >= 128; p += 128, n -= 128) {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchAhead, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchAhead + 64, _MM_HINT_T0);
     y0 = _mm256_xor_si256(fold32(y0, k1024), load256(p));
     y1 = _mm256_xor_si256(fold32(y1, k1024), load256(p + 32));
     y2 = _mm256_xor_si256(fold32(y2, k1024), load256(p + 64));
@@ -431,6 +441,13 @@ uint32_t crc32c_with(Crc32cImpl impl, std::span<const std::byte> data, uint32_t 
   (void)impl;
 #endif
   return crc32c_portable(data, crc);
+}
+
+uint32_t crc32c_uncached(std::span<const std::byte> data, uint32_t crc) {
+#if defined(__x86_64__)
+  if (kLevel == 3) return ~crc_vpclmul(data.data(), data.size(), ~crc);
+#endif
+  return crc32c(data, crc);
 }
 
 uint32_t crc32c(std::span<const std::byte> data, uint32_t crc) {
