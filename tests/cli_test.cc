@@ -14,7 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "daemon/config.h"
 #include "daemon_fixture.h"
+#include "transport/interface_mtu.h"
 
 namespace {
 
@@ -101,7 +103,11 @@ TEST_F(CliTest, Ping) {
   EXPECT_NE(r.out.find("version        1\n"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("boot id        0x"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("memory         16MiB (16777216 bytes)\n"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("max payload    8192 bytes\n"), std::string::npos) << r.out;
+  // Not configured: the largest power of two that loopback's MTU carries.
+  const auto lo_mtu = netdam::transport::interface_mtu(0x7F000001);
+  ASSERT_TRUE(lo_mtu);
+  const std::string payload = std::to_string(netdam::device::payload_for_mtu(*lo_mtu));
+  EXPECT_NE(r.out.find("max payload    " + payload + " bytes\n"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("regions        1\n"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("replay window  "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("rtt            "), std::string::npos) << r.out;

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "common/units.h"
+#include "core/engine.h"
 #include "daemon/config.h"
 
 namespace netdam::device {
@@ -99,6 +100,24 @@ TEST(Config, ValidateCatchesRegionsOutsideMemory) {
   EXPECT_NE(err->find("outside"), std::string::npos);
   cfg.regions.clear();
   cfg.max_payload = 100;
+  EXPECT_TRUE(validate(cfg));
+}
+
+TEST(Config, PayloadFollowsTheMtu) {
+  EXPECT_EQ(payload_for_mtu(1500), 1024u);   // 1472 B of datagram
+  EXPECT_EQ(payload_for_mtu(9000), kDefaultMaxPayload);
+  EXPECT_EQ(payload_for_mtu(65536), 32768u);  // loopback: 65507 B of datagram at most
+  EXPECT_EQ(payload_for_mtu(1 << 20), 32768u);
+  EXPECT_EQ(payload_for_mtu(576), core::kMinPayload);  // fragmented, but no smaller
+  EXPECT_EQ(payload_for_mtu(0), core::kMinPayload);
+  // The boundary: a 2048-byte payload needs 20 + 8 + 40 + 2048 + 4 = 2120.
+  EXPECT_EQ(payload_for_mtu(2120), 2048u);
+  EXPECT_EQ(payload_for_mtu(2119), 1024u);
+  // Unset is valid (netdamd derives it); a set one must be in range.
+  DaemonConfig cfg;
+  EXPECT_FALSE(cfg.max_payload);
+  EXPECT_FALSE(validate(cfg));
+  cfg.max_payload = kMaxPayloadLimit + 1;
   EXPECT_TRUE(validate(cfg));
 }
 

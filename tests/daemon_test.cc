@@ -14,9 +14,11 @@
 
 #include "core/endian.h"
 #include "core/wire.h"
+#include "daemon/config.h"
 #include "daemon_fixture.h"
 #include "netdam/client.h"
 #include "netdam/local_memory.h"
+#include "transport/interface_mtu.h"
 #include "transport/transport.h"
 
 namespace netdam {
@@ -45,6 +47,18 @@ uint64_t stat(Client& c, const std::string& name) {
   return 0;
 }
 
+TEST(Daemon, ConfiguredPayloadWinsOverTheRoute) {
+  TestDaemon d;
+  ASSERT_TRUE(d.start({"--memory", "1MiB", "--max-payload", "2KiB"})) << d.error();
+  auto c = connect(d);
+  ASSERT_TRUE(c);
+  auto info = c->ping();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->max_payload, 2048u);
+  EXPECT_EQ(c->options().max_payload, 2048u);  // the client follows the device
+  EXPECT_EQ(d.stop(), 0);
+}
+
 TEST(Daemon, ServesEveryKindOfRequest) {
   TestDaemon d;
   ASSERT_TRUE(d.start({"--memory", "16MiB"})) << d.error();
@@ -53,7 +67,10 @@ TEST(Daemon, ServesEveryKindOfRequest) {
   auto info = c->ping();
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->memory_bytes, 16u << 20);
-  EXPECT_EQ(info->max_payload, kDefaultMaxPayload);
+  // Not configured: from loopback's MTU.
+  auto lo_mtu = transport::interface_mtu(0x7F000001);
+  ASSERT_TRUE(lo_mtu);
+  EXPECT_EQ(info->max_payload, device::payload_for_mtu(*lo_mtu));
   EXPECT_NE(info->boot_id, 0u);
 
   auto data = random_bytes(3 << 20, 1);  // 3 MiB: hundreds of packets in flight
@@ -73,7 +90,7 @@ TEST(Daemon, ServesEveryKindOfRequest) {
   ASSERT_FALSE(c->read(8 << 20, std::as_writable_bytes(std::span(sum))));
   for (double v : sum) ASSERT_EQ(v, 1.0);
 
-  EXPECT_GE(stat(*c, "op.WRITE"), (3u << 20) / kDefaultMaxPayload);
+  EXPECT_GE(stat(*c, "op.WRITE"), (3u << 20) / info->max_payload);
   EXPECT_EQ(stat(*c, "op.FETCH_ADD"), 2u);
   EXPECT_EQ(d.stop(), 0);
 }

@@ -1,11 +1,13 @@
 // UdpTransport over real loopback sockets, and endpoint parsing.
 #include "transport/udp.h"
+#include "transport/interface_mtu.h"
 
 #include <gtest/gtest.h>
 
 #include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -106,6 +108,25 @@ TEST(GroupByPeer, GroupsStablyInOrderOfFirstAppearance) {
   EXPECT_EQ(got, want);
   std::vector<OutMsg> none;
   group_by_peer(none);
+}
+
+TEST(InterfaceMtu, LoopbackIsWhatTheKernelSays) {
+  std::ifstream f("/sys/class/net/lo/mtu");
+  size_t sysfs = 0;
+  ASSERT_TRUE(f >> sysfs);
+  auto mtu = interface_mtu(0x7F000001);
+  ASSERT_TRUE(mtu);
+  EXPECT_EQ(*mtu, sysfs);
+  // The wildcard takes the smallest interface that is up: at most loopback's.
+  auto any = interface_mtu(0);
+  ASSERT_TRUE(any);
+  EXPECT_LE(*any, *mtu);
+}
+
+TEST(InterfaceMtu, AddressOfNoInterfaceIsRefusedWithItsName) {
+  std::string why;
+  EXPECT_FALSE(interface_mtu(0xC0000201, &why));  // 192.0.2.1, TEST-NET-1
+  EXPECT_NE(why.find("192.0.2.1"), std::string::npos) << why;
 }
 
 TEST(UdpTransport, BindsEphemeralPort) {

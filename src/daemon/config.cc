@@ -206,10 +206,19 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
   return std::nullopt;
 }
 
+size_t payload_for_mtu(size_t mtu) {
+  constexpr size_t kIpUdp = 20 + 8, kLargestUdp = 65507;
+  const size_t udp = mtu > kIpUdp ? std::min(mtu - kIpUdp, kLargestUdp) : 0;
+  const size_t budget = udp > kHeaderSize + transport::kTrailerSize ? udp - kHeaderSize - transport::kTrailerSize : 0;
+  size_t p = core::kMinPayload;
+  while (2 * p <= budget && 2 * p <= kMaxPayloadLimit) p *= 2;
+  return p;
+}
+
 std::optional<std::string> validate(const DaemonConfig& cfg) {
   if (cfg.memory == 0) return "memory must be at least 1 byte";
   if (cfg.threads < 1 || cfg.threads > 64) return "threads must be 1..64";
-  if (cfg.max_payload < core::kMinPayload || cfg.max_payload > kMaxPayloadLimit)
+  if (cfg.max_payload && (*cfg.max_payload < core::kMinPayload || *cfg.max_payload > kMaxPayloadLimit))
     return fmt::format("max_payload must be {}..{} bytes", core::kMinPayload, kMaxPayloadLimit);
   // Every shard of the replay window (16) must hold one full ring.
   const uint64_t ring = cfg.replay_window * core::ReplayWindow::entry_size();

@@ -14,11 +14,20 @@
 
 namespace netdam::device {
 
+// The largest payload whose datagram (IPv4 + UDP + header + trailer) fits
+// one `mtu`-byte packet: the largest power of two that does, as
+// kDefaultMaxPayload is for a jumbo frame (1500 -> 1024, 9000 -> 8192,
+// loopback's 65536 -> 32768), within [kMinPayload, kMaxPayloadLimit]. Chains
+// add their routing header to it: see docs/PROTOCOL.md section 4.
+size_t payload_for_mtu(size_t mtu);
+
 struct DaemonConfig {
   transport::Endpoint listen{0x7F000001, 7000};
   uint64_t memory = 256ull << 20;
   unsigned threads = 1;
-  size_t max_payload = kDefaultMaxPayload;
+  // Unset: payload_for_mtu() of the listen interface's MTU (netdamd does
+  // that at start), kDefaultMaxPayload if the MTU cannot be learned.
+  std::optional<size_t> max_payload;
   std::string shm;                     // back memory with /dev/shm/NAME
   bool prefault = false;               // write every page once at start
   std::optional<uint32_t> admin_key;   // region admin over the network

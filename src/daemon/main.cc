@@ -19,6 +19,7 @@
 #include "daemon/config.h"
 #include "daemon/device_loop.h"
 #include "transport/faulty.h"
+#include "transport/interface_mtu.h"
 #include "transport/udp.h"
 
 using namespace netdam;
@@ -50,7 +51,7 @@ int main(int argc, char** argv) {
   app.add_option("--memory", memory, "device memory size, e.g. 256MiB, 4GiB (default 256MiB)");
   app.add_option("--threads", threads, "serving threads, each with its own socket (default 1)")
       ->check(CLI::Range(1, 64));
-  app.add_option("--max-payload", max_payload, "largest payload in bytes (default 8192: 9000-byte jumbo frames)");
+  app.add_option("--max-payload", max_payload, "largest payload in bytes (default: the largest power of two whose datagram fits the listen interface's MTU: 1024 for 1500, 8192 for 9000, 32768 on loopback)");
   bool prefault = false, no_default_region = false;
   app.add_flag("--no-default-region", no_default_region,
                "without --region, register no region at all (only the admin key can add them: pool devices)");
@@ -181,7 +182,22 @@ int main(int argc, char** argv) {
   core::DeviceConfig dc;
   dc.boot_id = new_boot_id();
   dc.admin_key = cfg.admin_key;
-  dc.max_payload = cfg.max_payload;
+  // The payload follows the route unless configured: 64 KiB datagrams on
+  // loopback carry a WRITE with an eighth of the per-datagram work of jumbo
+  // frames' 8 KiB ones, and on 1500-byte Ethernet an 8 KiB payload would be
+  // six IP fragments, any of them lost losing all.
+  std::string payload_origin = "configured";
+  if (cfg.max_payload) {
+    dc.max_payload = *cfg.max_payload;
+  } else if (auto mtu = transport::interface_mtu(cfg.listen.ip, &why)) {
+    dc.max_payload = device::payload_for_mtu(*mtu);
+    payload_origin = fmt::format("from MTU {}", *mtu);
+  } else {
+    dc.max_payload = kDefaultMaxPayload;
+    payload_origin = "default";
+    spdlog::warn("cannot learn the MTU of {} ({}): max payload {} B; set --max-payload to fit the path",
+                 cfg.listen.to_string(), why, dc.max_payload);
+  }
   dc.replay_window = cfg.replay_window;
   dc.replay_requesters = cfg.replay_requesters;
   dc.replay_bytes = cfg.replay_bytes;
@@ -270,11 +286,11 @@ int main(int argc, char** argv) {
   for (transport::Transport* t : loops)
     workers.emplace_back([&dev, &stop, t] { device::DeviceLoop(dev, *t).run(stop); });
 
-  spdlog::info("netdamd listening on {} with {} of memory{} ({} thread{}, max payload {} B, "
+  spdlog::info("netdamd listening on {} with {} of memory{} ({} thread{}, max payload {} B {}, "
                "boot id {:#010x}, SIMD {})",
                bound.to_string(), format_size(cfg.memory),
                cfg.shm.empty() ? "" : " in /dev/shm/" + cfg.shm, cfg.threads,
-               cfg.threads == 1 ? "" : "s", dc.max_payload, dc.boot_id, core::reduce_target_name());
+               cfg.threads == 1 ? "" : "s", dc.max_payload, payload_origin, dc.boot_id, core::reduce_target_name());
   spdlog::info("region admin over the network is {}", cfg.admin_key ? "enabled (admin key set)" : "disabled");
   if (!cfg.port_file.empty()) {
     std::ofstream(cfg.port_file + ".tmp") << bound.to_string() << "\n";
