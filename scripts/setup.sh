@@ -8,7 +8,7 @@ packages=(
   clang libclang-rt-14-dev            # libFuzzer and sanitizer runtimes
   libgtest-dev libgmock-dev libbenchmark-dev
   libfmt-dev libspdlog-dev libcli11-dev libtomlplusplus-dev
-  libhwy-dev liburing-dev
+  libhwy-dev
   libsqlite3-dev                      # netdam-mmu's state file
   redis-server                        # the baseline of `netdam-bench pool` (tests do not need it)
   iproute2 procps python3              # python3: the demo's plain UDP pool client
