@@ -412,10 +412,7 @@ TEST_F(AggregateTest, RegisteringTheRegionAgainForgetsItsBlocks) {
   store_be<uint32_t>(key.data(), kKey);
   EXPECT_EQ(admin(Opcode::kRegionDel, key), Status::kOk);
   Bytes rec(kRegionRecordSize);
-  store_be<uint64_t>(rec.data(), 0);
-  store_be<uint64_t>(rec.data() + 8, 256 << 10);
-  store_be<uint32_t>(rec.data() + 16, kKey);
-  store_be<uint32_t>(rec.data() + 20, kPermAll);
+  encode_region_record({0, 256 << 10, kKey, kPermAll}, rec.data());
   EXPECT_EQ(admin(Opcode::kRegionAdd, rec), Status::kOk);
   EXPECT_TRUE(Held(Send({.rank = 0, .ranks = 4, .generation = 1, .data = Floats({1})})));
   EXPECT_TRUE(Held(Send({.rank = 1, .ranks = 4, .generation = 1, .data = Floats({1})})));

@@ -83,12 +83,9 @@ Bytes CopyOperand(uint64_t src, uint32_t key) {
   return b;
 }
 
-Bytes RegionRecord(uint64_t base, uint64_t size, uint32_t key, uint32_t perms) {
+Bytes RegionRecordBytes(uint64_t base, uint64_t size, uint32_t key, uint32_t perms) {
   Bytes b(kRegionRecordSize);
-  store_be<uint64_t>(b.data(), base);
-  store_be<uint64_t>(b.data() + 8, size);
-  store_be<uint32_t>(b.data() + 16, key);
-  store_be<uint32_t>(b.data() + 20, perms);
+  encode_region_record({base, size, key, perms}, b.data());
   return b;
 }
 
@@ -1179,7 +1176,7 @@ std::vector<Region> Records(const Bytes& b) {
 }
 
 TEST_F(EngineTest, RegionAddUseListDelete) {
-  Reply r = Do(Req(Opcode::kRegionAdd, 0, 0, kAdminKey), RegionRecord(0x1000, 0x1000, 11, kPermAll));
+  Reply r = Do(Req(Opcode::kRegionAdd, 0, 0, kAdminKey), RegionRecordBytes(0x1000, 0x1000, 11, kPermAll));
   ASSERT_EQ(r.status(), Status::kOk);
   EXPECT_EQ(Write(0x1000, Pattern(16, 1), 11).status(), Status::kOk);
   EXPECT_EQ(Write(0x1FF8, Pattern(16, 1), 11).status(), Status::kOutOfBounds);
@@ -1239,15 +1236,15 @@ TEST_F(EngineTest, RegionAdminErrors) {
   auto Add = [&](const Bytes& rec, uint32_t key = kAdminKey) {
     return Do(Req(Opcode::kRegionAdd, 0, 0, key), rec).status();
   };
-  EXPECT_EQ(Add(RegionRecord(0, 16, kKeyRW, kPermAll)), Status::kBadKey);  // duplicate key
-  EXPECT_EQ(Add(RegionRecord(0, 16, 0, kPermAll)), Status::kBadKey);       // key 0
-  EXPECT_EQ(Add(RegionRecord(kMemSize - 8, 16, 20, kPermAll)), Status::kOutOfBounds);
-  EXPECT_EQ(Add(RegionRecord(kMemSize, 1, 20, kPermAll)), Status::kOutOfBounds);
-  EXPECT_EQ(Add(RegionRecord(~uint64_t{0}, 2, 20, kPermAll)), Status::kOutOfBounds);
-  EXPECT_EQ(Add(RegionRecord(16, ~uint64_t{0}, 20, kPermAll)), Status::kOutOfBounds);
-  EXPECT_EQ(Add(RegionRecord(0, 0, 20, kPermAll)), Status::kOutOfBounds);  // empty
-  EXPECT_EQ(Add(RegionRecord(0, 16, 20, 0x8)), Status::kBadPayload);       // unknown perm
-  Bytes rec = RegionRecord(0, 16, 20, kPermAll);
+  EXPECT_EQ(Add(RegionRecordBytes(0, 16, kKeyRW, kPermAll)), Status::kBadKey);  // duplicate key
+  EXPECT_EQ(Add(RegionRecordBytes(0, 16, 0, kPermAll)), Status::kBadKey);       // key 0
+  EXPECT_EQ(Add(RegionRecordBytes(kMemSize - 8, 16, 20, kPermAll)), Status::kOutOfBounds);
+  EXPECT_EQ(Add(RegionRecordBytes(kMemSize, 1, 20, kPermAll)), Status::kOutOfBounds);
+  EXPECT_EQ(Add(RegionRecordBytes(~uint64_t{0}, 2, 20, kPermAll)), Status::kOutOfBounds);
+  EXPECT_EQ(Add(RegionRecordBytes(16, ~uint64_t{0}, 20, kPermAll)), Status::kOutOfBounds);
+  EXPECT_EQ(Add(RegionRecordBytes(0, 0, 20, kPermAll)), Status::kOutOfBounds);  // empty
+  EXPECT_EQ(Add(RegionRecordBytes(0, 16, 20, 0x8)), Status::kBadPayload);       // unknown perm
+  Bytes rec = RegionRecordBytes(0, 16, 20, kPermAll);
   rec.pop_back();
   EXPECT_EQ(Add(rec), Status::kBadLength);
   rec.resize(kRegionRecordSize + 1);
@@ -1255,14 +1252,14 @@ TEST_F(EngineTest, RegionAdminErrors) {
   EXPECT_EQ(Do(Req(Opcode::kRegionDel, 0, 0, kAdminKey), Bytes(3)).status(), Status::kBadLength);
   // Regions may overlap (as RDMA memory regions do): a second key over the
   // same bytes, e.g. a read-only view of a writable region, is accepted.
-  EXPECT_EQ(Add(RegionRecord(0x100, 0x100, 21, kPermRead)), Status::kOk);
-  EXPECT_EQ(Add(RegionRecord(kHalf - 0x80, 0x100, 22, kPermAll)), Status::kOk);
+  EXPECT_EQ(Add(RegionRecordBytes(0x100, 0x100, 21, kPermRead)), Status::kOk);
+  EXPECT_EQ(Add(RegionRecordBytes(kHalf - 0x80, 0x100, 22, kPermAll)), Status::kOk);
   EXPECT_EQ(n().dev->regions().count(), 4u);
 }
 
 TEST_F(EngineTest, RegionAdminNeedsAdminKey) {
   for (uint32_t key : {0u, kKeyRW, kAdminKey + 1}) {
-    EXPECT_EQ(Do(Req(Opcode::kRegionAdd, 0, 0, key), RegionRecord(0, 16, 20, kPermAll)).status(),
+    EXPECT_EQ(Do(Req(Opcode::kRegionAdd, 0, 0, key), RegionRecordBytes(0, 16, 20, kPermAll)).status(),
               Status::kNotPermitted);
     Bytes k(4);
     store_be<uint32_t>(k.data(), kKeyRW);
@@ -1277,7 +1274,7 @@ TEST_F(EngineTest, RegionAdminDisabled) {
   c.admin_key.reset();
   Reset(c);
   for (uint32_t key : {0u, kAdminKey}) {
-    EXPECT_EQ(Do(Req(Opcode::kRegionAdd, 0, 0, key), RegionRecord(0, 16, 20, kPermAll)).status(),
+    EXPECT_EQ(Do(Req(Opcode::kRegionAdd, 0, 0, key), RegionRecordBytes(0, 16, 20, kPermAll)).status(),
               Status::kNotPermitted);
     Bytes k(4);
     store_be<uint32_t>(k.data(), kKeyRW);
@@ -1289,7 +1286,7 @@ TEST_F(EngineTest, RegionAdminDisabled) {
 
 TEST_F(EngineTest, RegionAddRetransmissionAppliesOnce) {
   Header h = Req(Opcode::kRegionAdd, 0, 0, kAdminKey);
-  Bytes rec = RegionRecord(0, 16, 30, kPermAll);
+  Bytes rec = RegionRecordBytes(0, 16, 30, kPermAll);
   EXPECT_EQ(Do(h, rec).status(), Status::kOk);
   EXPECT_EQ(Do(h, rec).status(), Status::kOk);  // not BAD_KEY: answered from the window
 }

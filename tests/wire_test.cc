@@ -246,6 +246,52 @@ TEST(Wire, SegmentGoldenBytes) {
   EXPECT_EQ(seg::kAddr, 16u);
 }
 
+TEST(Wire, PingInfoGoldenBytes) {
+  PingInfo i;
+  i.boot_id = 0x603E7BF1;
+  i.max_payload = 8192;
+  i.memory_bytes = 0x0000000101020304;
+  i.regions = 3;
+  i.replay_window = 1024;
+  i.version = 1;
+  i.cookie = 0xC0C1C2C3;
+  constexpr std::string_view kHex =
+      "603e7bf1"          //  0 boot_id
+      "00002000"          //  4 max_payload 8192
+      "0000000101020304"  //  8 memory_bytes
+      "00000003"          // 16 regions
+      "00000400"          // 20 replay_window 1024
+      "01000000"          // 24 version, 3 reserved bytes
+      "c0c1c2c3";         // 28 address cookie
+  std::vector<std::byte> buf(kPingPayloadSize, std::byte{0xEE});
+  encode_ping_info(i, buf.data());
+  EXPECT_EQ(hex(buf), kHex);
+  const PingInfo d = decode_ping_info(unhex(kHex).data());
+  EXPECT_EQ(d.boot_id, i.boot_id);
+  EXPECT_EQ(d.max_payload, i.max_payload);
+  EXPECT_EQ(d.memory_bytes, i.memory_bytes);
+  EXPECT_EQ(d.regions, i.regions);
+  EXPECT_EQ(d.replay_window, i.replay_window);
+  EXPECT_EQ(d.version, i.version);
+  EXPECT_EQ(d.cookie, i.cookie);
+}
+
+TEST(Wire, RegionRecordGoldenBytes) {
+  constexpr std::string_view kHex =
+      "0000000000001000"  //  0 base
+      "0000000000200000"  //  8 size 2 MiB
+      "0000beef"          // 16 key
+      "00000003";         // 20 perms read|write
+  std::vector<std::byte> buf(kRegionRecordSize);
+  encode_region_record({0x1000, 2 << 20, 0xBEEF, 3}, buf.data());
+  EXPECT_EQ(hex(buf), kHex);
+  const RegionRecord r = decode_region_record(unhex(kHex).data());
+  EXPECT_EQ(r.base, 0x1000u);
+  EXPECT_EQ(r.size, 2u << 20);
+  EXPECT_EQ(r.key, 0xBEEFu);
+  EXPECT_EQ(r.perms, 3u);
+}
+
 TEST(Wire, HeaderToStringMentionsFields) {
   std::string s = FullHeader().to_string();
   EXPECT_NE(s.find("REDUCE_MEM"), std::string::npos) << s;

@@ -16,8 +16,10 @@ inline constexpr size_t kHeaderSize = 40;
 inline constexpr size_t kSrPreambleSize = 16;
 inline constexpr size_t kSegmentSize = 24;
 inline constexpr size_t kMaxSegments = 32;
-// Default path MTU is a 9000-byte jumbo frame: IPv4 (20) + UDP (8) leave
-// 8972 bytes of datagram, 8932 after our header; the largest power of two
+// The fallback payload when netdamd cannot learn its interface's MTU (it
+// follows the MTU otherwise, PROTOCOL.md section 4), and netdam-mmu's
+// default: a 9000-byte jumbo frame. IPv4 (20) + UDP (8) leave 8972 bytes of
+// datagram, 8928 after our header and trailer; the largest power of two
 // that fits, 8192 B, is 2048 float32 and keeps blocks aligned. A chain
 // packet adds 16 + 24 per segment: up to 30 segments still fit a jumbo
 // frame with an 8192-byte payload.
@@ -25,7 +27,8 @@ inline constexpr size_t kDefaultMaxPayload = 8192;
 // Payloads are capped at 65536 - 1024 so that a header and a full segment
 // list fit in a 64 KiB loopback datagram.
 inline constexpr size_t kMaxPayloadLimit = 64512;
-// The largest datagram netdam itself produces.
+// The largest datagram netdam itself produces, before the 4-byte integrity
+// trailer (transport::kTrailerSize) that every datagram carries.
 inline constexpr size_t kMaxDatagram =
     kHeaderSize + kSrPreambleSize + kMaxSegments * kSegmentSize + kMaxPayloadLimit;
 // Receive buffers hold any UDP datagram (at most 65507 bytes of IPv4

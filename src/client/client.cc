@@ -178,7 +178,7 @@ Error Client::learn_cookie(const Hop& at) {
   if (Error e = wait(h)) return e;
   if (op->answer.size() < core::kPingPayloadSize)
     return Error::protocol(fmt::format("PING answer of {} bytes", op->answer.size()));
-  cookies_[(uint64_t{at.ip} << 16) | at.port] = load_be<uint32_t>(op->answer.data() + 28);
+  cookies_[(uint64_t{at.ip} << 16) | at.port] = core::decode_ping_info(op->answer.data()).cookie;
   return {};
 }
 
@@ -494,15 +494,15 @@ Result<DeviceInfo> Client::ping() {
   if (Error e = wait(h)) return e;
   if (op->answer.size() < core::kPingPayloadSize)
     return Error::protocol(fmt::format("PING answer of {} bytes", op->answer.size()));
-  const std::byte* p = op->answer.data();
+  const core::PingInfo i = core::decode_ping_info(op->answer.data());
   DeviceInfo d;
-  d.boot_id = load_be<uint32_t>(p);
-  d.max_payload = load_be<uint32_t>(p + 4);
-  d.memory_bytes = load_be<uint64_t>(p + 8);
-  d.regions = load_be<uint32_t>(p + 16);
-  d.replay_window = load_be<uint32_t>(p + 20);
-  d.version = load_be<uint8_t>(p + 24);
-  d.cookie = load_be<uint32_t>(p + 28);
+  d.boot_id = i.boot_id;
+  d.max_payload = i.max_payload;
+  d.memory_bytes = i.memory_bytes;
+  d.regions = i.regions;
+  d.replay_window = i.replay_window;
+  d.version = i.version;
+  d.cookie = i.cookie;
   if (opts_.detect_restart && info_.boot_id != 0 && d.boot_id != info_.boot_id)
     return Error::restarted(fmt::format("device {} restarted (boot id {:#x} -> {:#x})",
                                         device_address(), info_.boot_id, d.boot_id));
@@ -662,10 +662,7 @@ Error Client::region_add(uint32_t admin_key, const RegionInfo& r, const Hop* at)
   Packet& p = new_packet(op, Opcode::kRegionAdd, admin_key, 0, core::kRegionRecordSize);
   aim(p, at);
   p.owned.resize(core::kRegionRecordSize);
-  store_be<uint64_t>(p.owned.data(), r.base);
-  store_be<uint64_t>(p.owned.data() + 8, r.size);
-  store_be<uint32_t>(p.owned.data() + 16, r.key);
-  store_be<uint32_t>(p.owned.data() + 20, r.perms);
+  core::encode_region_record({r.base, r.size, r.key, r.perms}, p.owned.data());
   p.payload = p.owned;
   Op h = start(std::move(op));
   return wait(h);
@@ -689,9 +686,8 @@ Result<std::vector<RegionInfo>> Client::region_list(uint32_t admin_key) {
   std::vector<RegionInfo> out;
   const auto& b = raw.value();
   for (size_t off = 0; off + core::kRegionRecordSize <= b.size(); off += core::kRegionRecordSize) {
-    const std::byte* r = b.data() + off;
-    out.push_back({load_be<uint64_t>(r), load_be<uint64_t>(r + 8), load_be<uint32_t>(r + 16),
-                   load_be<uint32_t>(r + 20)});
+    const core::RegionRecord r = core::decode_region_record(b.data() + off);
+    out.push_back({r.base, r.size, r.key, r.perms});
   }
   return out;
 }

@@ -696,9 +696,8 @@ Outcome Engine::run_mutation(const Request& q, std::span<std::byte> out) {
         return {s};
       }
       if (q.payload.size() != kRegionRecordSize) return {Status::kBadLength};
-      const std::byte* r = q.payload.data();
-      const Region region{load_be<uint64_t>(r), load_be<uint64_t>(r + 8), load_be<uint32_t>(r + 16),
-                          load_be<uint32_t>(r + 20)};
+      const RegionRecord r = decode_region_record(q.payload.data());
+      const Region region{r.base, r.size, r.key, r.perms};
       const Status s = regions.add(region);
       if (s == Status::kOk) device_.aggregator_.drop(region.key);  // a fresh region starts empty
       return {s};
@@ -755,16 +754,16 @@ Status Engine::opt_step(const Request& q, std::span<std::byte> out) {
 
 Engine::Result Engine::ping(Address from, std::span<std::byte> out) {
   const auto& c = device_.config();
-  std::byte* p = out.data() + kHeaderSize;
-  std::memset(p, 0, kPingPayloadSize);
-  store_be<uint32_t>(p, c.boot_id);
-  store_be<uint32_t>(p + 4, static_cast<uint32_t>(c.max_payload));
-  store_be<uint64_t>(p + 8, device_.memory().size());
-  store_be<uint32_t>(p + 16, static_cast<uint32_t>(device_.regions().count()));
-  store_be<uint32_t>(p + 20, static_cast<uint32_t>(device_.replay().window()));
-  store_be<uint8_t>(p + 24, kVersion);
+  PingInfo info;
+  info.boot_id = c.boot_id;
+  info.max_payload = static_cast<uint32_t>(c.max_payload);
+  info.memory_bytes = device_.memory().size();
+  info.regions = static_cast<uint32_t>(device_.regions().count());
+  info.replay_window = static_cast<uint32_t>(device_.replay().window());
+  info.version = kVersion;
   // The asker's address cookie, for the boot field of its requests.
-  if (c.amplification_limit) store_be<uint32_t>(p + 28, cookie(from.ip));
+  if (c.amplification_limit) info.cookie = cookie(from.ip);
+  encode_ping_info(info, out.data() + kHeaderSize);
   return {Status::kOk, out.subspan(kHeaderSize, kPingPayloadSize)};
 }
 
@@ -794,10 +793,7 @@ Engine::Result Engine::region_admin(const Request& q, std::span<std::byte> out) 
   auto regions = device_.regions().list(q.addr, max);
   std::byte* p = out.data() + kHeaderSize;
   for (const Region& r : regions) {
-    store_be<uint64_t>(p, r.base);
-    store_be<uint64_t>(p + 8, r.size);
-    store_be<uint32_t>(p + 16, r.key);
-    store_be<uint32_t>(p + 20, r.perms);
+    encode_region_record({r.base, r.size, r.key, r.perms}, p);
     p += kRegionRecordSize;
   }
   return {Status::kOk, out.subspan(kHeaderSize, regions.size() * kRegionRecordSize)};

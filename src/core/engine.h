@@ -59,12 +59,6 @@ struct DeviceConfig {
 };
 inline constexpr size_t kMinPayload = 512;
 
-// Layout of the PING answer's payload (big-endian), see PROTOCOL.md.
-inline constexpr size_t kPingPayloadSize = 32;
-// Region records (REGION_ADD payload, REGION_LIST answer): base u64, size
-// u64, key u32, perms u32.
-inline constexpr size_t kRegionRecordSize = 24;
-
 // State shared by all engines of one device: memory, regions, replay window.
 class Device {
  public:

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <cstring>
+
 #include "core/endian.h"
 
 namespace netdam::core {
@@ -106,6 +108,40 @@ std::string Header::to_string() const {
       version, netdam::to_string(opcode), flags, netdam::to_string(status),
       netdam::to_string(dtype), netdam::to_string(redop), seg_index, seg_count, rkey, txn,
       addr, length, boot);
+}
+
+void encode_ping_info(const PingInfo& info, std::byte* out) {
+  std::memset(out, 0, kPingPayloadSize);
+  store_be<uint32_t>(out, info.boot_id);
+  store_be<uint32_t>(out + 4, info.max_payload);
+  store_be<uint64_t>(out + 8, info.memory_bytes);
+  store_be<uint32_t>(out + 16, info.regions);
+  store_be<uint32_t>(out + 20, info.replay_window);
+  store_be<uint8_t>(out + 24, info.version);
+  store_be<uint32_t>(out + 28, info.cookie);
+}
+
+PingInfo decode_ping_info(const std::byte* in) {
+  PingInfo i;
+  i.boot_id = load_be<uint32_t>(in);
+  i.max_payload = load_be<uint32_t>(in + 4);
+  i.memory_bytes = load_be<uint64_t>(in + 8);
+  i.regions = load_be<uint32_t>(in + 16);
+  i.replay_window = load_be<uint32_t>(in + 20);
+  i.version = load_be<uint8_t>(in + 24);
+  i.cookie = load_be<uint32_t>(in + 28);
+  return i;
+}
+
+void encode_region_record(const RegionRecord& r, std::byte* out) {
+  store_be<uint64_t>(out, r.base);
+  store_be<uint64_t>(out + 8, r.size);
+  store_be<uint32_t>(out + 16, r.key);
+  store_be<uint32_t>(out + 20, r.perms);
+}
+
+RegionRecord decode_region_record(const std::byte* in) {
+  return {load_be<uint64_t>(in), load_be<uint64_t>(in + 8), load_be<uint32_t>(in + 16), load_be<uint32_t>(in + 20)};
 }
 
 }  // namespace netdam::core

@@ -208,14 +208,16 @@ void Proxy::send_answers() {
 }
 
 void Proxy::answer_ping(const Endpoint& to, const core::Header& h) {
-  std::array<std::byte, core::kPingPayloadSize> p{};
   const auto st = catalog_.stat();
-  store_be<uint32_t>(p.data(), pool_id());
-  store_be<uint32_t>(p.data() + 4, static_cast<uint32_t>(opts_.max_payload));
-  store_be<uint64_t>(p.data() + 8, st.capacity);
-  store_be<uint32_t>(p.data() + 16, st.allocations);
-  store_be<uint32_t>(p.data() + 20, static_cast<uint32_t>(opts_.replay_window));
-  p[24] = std::byte{kVersion};
+  core::PingInfo info;
+  info.boot_id = pool_id();
+  info.max_payload = static_cast<uint32_t>(opts_.max_payload);
+  info.memory_bytes = st.capacity;
+  info.regions = st.allocations;
+  info.replay_window = static_cast<uint32_t>(opts_.replay_window);
+  info.version = kVersion;
+  std::array<std::byte, core::kPingPayloadSize> p;
+  core::encode_ping_info(info, p.data());
   reply(to, h, Status::kOk, p);
 }
 
@@ -794,10 +796,10 @@ void Proxy::health_receive() {
       if (!h.is_response() || h.opcode != Opcode::kPing || h.status != Status::kOk || id >= conns_.size() ||
           !(catalog_.devices()[id].endpoint == in[i].from))
         continue;
-      const std::byte* p = d.data() + kHeaderSize;
+      const core::PingInfo info = core::decode_ping_info(d.data() + kHeaderSize);
       liveness_.resize(catalog_.devices().size());
       liveness_.probe_answered(id, h.txn & 0xFFFFFFFF, health_->now());
-      device_seen(static_cast<uint32_t>(id), load_be<uint32_t>(p), load_be<uint64_t>(p + 8));
+      device_seen(static_cast<uint32_t>(id), info.boot_id, info.memory_bytes);
     }
     if (n < in.size()) break;
   }
