@@ -1,12 +1,12 @@
 """Sends the netdam requests the CLI cannot make, for tests/wireshark/wireshark_test.sh.
 
-Usage: send_raw.py HOST:PORT
+Usage: send_raw.py HOST:PORT HOST2:PORT2
 
-The device must have regions 9 (at 64 KiB) and 10 (at 128 KiB, 64 KiB each,
-read-write, chains allowed). Plain UDP and docs/PROTOCOL.md only, so the
+Both devices must have region 9 (at 64 KiB), the first also region 10 (at
+128 KiB), 64 KiB each, read-write, chains allowed, and share a cookie secret. Plain UDP and docs/PROTOCOL.md only, so the
 capture holds bytes built by a second, independent encoder. Sends, in order:
-a PING (for the cookie), ARM, a two-segment chain (REDUCE_PAYLOAD > WRITE),
-a one-segment READ chain, OPT_CONFIG and OPT_STEP, an AGGREGATE of one
+a PING (for the cookie), ARM, a chain over both devices (REDUCE_PAYLOAD at
+the first > WRITE at the second), a one-segment READ chain at the second, OPT_CONFIG and OPT_STEP, an AGGREGATE of one
 contributor, and a PING whose CRC32C trailer is wrong (txn 0xBADC0DE), which
 the device drops. Exits non-zero if an answer is missing or not OK.
 """
@@ -37,9 +37,12 @@ def crc32c(b):
     return c ^ 0xFFFFFFFF
 
 
-host, port = sys.argv[1].rsplit(':', 1)
-dev = (host, int(port))
-ip = socket.inet_aton(host)
+def endpoint(text):
+    host, port = text.rsplit(':', 1)
+    return host, int(port)
+
+
+dev, dev2 = endpoint(sys.argv[1]), endpoint(sys.argv[2])
 sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 sock.settimeout(0.2)
 txn = time.time_ns()
@@ -50,11 +53,11 @@ def seal(pkt):
     return pkt + struct.pack('>I', crc32c(pkt))
 
 
-def segment(op, rkey, addr, flags=0, aux=0):
-    return ip + struct.pack('>HBBIIQ', dev[1], op, flags, rkey, aux, addr)
+def segment(at, op, rkey, addr, flags=0, aux=0):
+    return socket.inet_aton(at[0]) + struct.pack('>HBBIIQ', at[1], op, flags, rkey, aux, addr)
 
 
-def send(op, payload=b'', rkey=0, addr=0, length=None, dtype=0, redop=0, segs=(),
+def send(op, payload=b'', to=dev, rkey=0, addr=0, length=None, dtype=0, redop=0, segs=(),
          generation=0, expect_answer=True):
     global txn
     txn += 1
@@ -66,7 +69,7 @@ def send(op, payload=b'', rkey=0, addr=0, length=None, dtype=0, redop=0, segs=()
     pkt = seal(HDR.pack(MAGIC, 1, op, 0, 0, dtype, redop, len(segs), 0, rkey, txn, addr, length,
                         boot) + routing + payload)
     for _ in range(10):
-        sock.sendto(pkt, dev)
+        sock.sendto(pkt, to)
         try:
             while True:
                 data, _src = sock.recvfrom(65536)
@@ -86,11 +89,14 @@ info = send(PING)
 boot = struct.unpack_from('>I', info, 28)[0] or struct.unpack_from('>I', info, 0)[0]
 
 send(ARM, struct.pack('>I', 5), rkey=9)
-# f32 [0.5, 0.25] + memory (zero) at 0x10100, stored at 0x10200.
+# f32 [0.5, 0.25] + the first device's memory (zero) at 0x10100, stored at
+# 0x10200 of the second: the first forwards, the second answers.
 send(CHAIN, struct.pack('<2f', 0.5, 0.25), dtype=F32, redop=SUM,
-     segs=(segment(REDUCE_PAYLOAD, 9, 0x10100), segment(WRITE, 9, 0x10200)))
-# Reads the stored pair back: the answer's opcode is CHAIN, its payload READ data.
-send(CHAIN, length=8, segs=(segment(READ, 9, 0x10200),))
+     segs=(segment(dev, REDUCE_PAYLOAD, 9, 0x10100), segment(dev2, WRITE, 9, 0x10200)))
+# Reads the stored pair back: the answer's opcode is CHAIN, its payload READ
+# data. A READ chain needs the cookie (PROTOCOL.md 9.6): the test starts
+# both devices with one --cookie-secret, so the first's cookie is valid here.
+send(CHAIN, to=dev2, length=8, segs=(segment(dev2, READ, 9, 0x10200),))
 
 # SGD, step 1, lr 0.5, grad_scale 1: the parameter at 0x10300 goes 0 -> -1.0.
 opt = struct.pack('>BB6xQdddddd', 1, 0, 1, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0) + struct.pack('>QQ', 0, 0)
@@ -100,7 +106,7 @@ send(OPT_STEP, struct.pack('<f', 2.0), rkey=9, addr=0x10300, dtype=F32)
 # One contributor of one: the block completes at once; generation 7, block 2.
 record = struct.pack('>HHIII', 0, 1, 512, 0, 0)
 send(CHAIN, record + struct.pack('<f', 1.5), length=4, dtype=F32, redop=SUM, generation=7,
-     segs=(segment(AGGREGATE, 10, 0, aux=2),))
+     segs=(segment(dev, AGGREGATE, 10, 0, aux=2),))
 
 # A PING with a wrong trailer: dropped by the device, shown as bad.
 bad = HDR.pack(MAGIC, 1, PING, 0, 0, 0, 0, 0, 0, 0, BAD_TXN, 0, 0, 0)

@@ -48,11 +48,20 @@ wait_file() {  # wait_file F: until F is non-empty, at most 5 s
 # ------------------------------------------------------- daemons, capture ---
 # Key 7 for plain requests, 9 and 10 for chains (the implicit key 1 would
 # refuse them), an admin key for REGION_* and for the proxy.
+# A second device for a chain that hops; one cookie secret for both, so the
+# cookie the first gives validates a chain at the second (PROTOCOL.md 9.6).
+secret=000102030405060708090a0b0c0d0e0f
 "$netdamd" --listen 127.0.0.1:0 --port-file "$work/dev.port" --memory 1MiB --admin-key 0xAD \
-  --region 0:64KiB:7 --region 64KiB:64KiB:9 --region 128KiB:64KiB:10 >"$work/netdamd.log" 2>&1 &
+  --cookie-secret $secret --region 0:64KiB:7 --region 64KiB:64KiB:9 --region 128KiB:64KiB:10 \
+  >"$work/netdamd.log" 2>&1 &
+pids+=($!)
+"$netdamd" --listen 127.0.0.1:0 --port-file "$work/dev2.port" --memory 1MiB --cookie-secret $secret \
+  --region 64KiB:64KiB:9 >"$work/netdamd2.log" 2>&1 &
 pids+=($!)
 wait_file "$work/dev.port" || { cat "$work/netdamd.log"; echo "FAIL: netdamd did not start"; exit 1; }
+wait_file "$work/dev2.port" || { cat "$work/netdamd2.log"; echo "FAIL: netdamd 2 did not start"; exit 1; }
 dev=$(cat "$work/dev.port")
+dev2=$(cat "$work/dev2.port")
 "$mmu" --listen 127.0.0.1:0 --port-file "$work/mmu.port" --device "$dev" --device-admin-key 0xAD \
   --insecure >"$work/mmu.log" 2>&1 &
 pids+=($!)
@@ -60,7 +69,7 @@ wait_file "$work/mmu.port" || { cat "$work/mmu.log"; echo "FAIL: netdam-mmu did 
 proxy=$(cat "$work/mmu.port")
 
 cap="$work/cap.pcapng"
-dumpcap -q -i lo -f "udp port ${dev##*:} or udp port ${proxy##*:}" -w "$cap" 2>"$work/dumpcap.log" &
+dumpcap -q -i lo -f "udp port ${dev##*:} or udp port ${dev2##*:} or udp port ${proxy##*:}" -w "$cap" 2>"$work/dumpcap.log" &
 dumpcap_pid=$!
 pids+=($dumpcap_pid)
 # dumpcap says so once the filter is installed; traffic before that is lost.
@@ -88,7 +97,7 @@ must nd --admin-key 0xAD region add 0x8000 4KiB 0x55 --perms r
 must nd --admin-key 0xAD region ls
 must nd --admin-key 0xAD region del 0x55
 nd -k 0x4242 read 0 8 && fail "a read with an unknown key succeeded"
-must "$py" "$here/send_raw.py" "$dev" >>"$work/cli.log" 2>&1
+must "$py" "$here/send_raw.py" "$dev" "$dev2" >>"$work/cli.log" 2>&1
 
 np() { "$cli" -d "$proxy" "$@" >>"$work/cli.log" 2>&1; }
 head -c 8192 /dev/urandom >"$work/blob"
@@ -218,14 +227,21 @@ chain="$(op 0x40) && $req && f[\"netdam.seg_count\"] == \"2\""
 check "CHAIN request" "$chain" netdam.seg.opcode 0x31,0x11
 check "CHAIN request" "$chain" netdam.seg.addr 0x0000000000010100,0x0000000000010200
 check "CHAIN request" "$chain" netdam.seg.rkey 0x00000009,0x00000009
-check "CHAIN request" "$chain" netdam.seg.port "${dev##*:},${dev##*:}"
+check "CHAIN request" "$chain" netdam.seg.port "${dev##*:},${dev2##*:}"
 check "CHAIN request" "$chain" netdam.seg.ip 127.0.0.1,127.0.0.1
 check "CHAIN request" "$chain" netdam.sr.reply_ip 0.0.0.0
 check "CHAIN request" "$chain" netdam.elem.f32 0.5,0.25
 check "CHAIN request" "$chain" netdam.dtype 1
-check "CHAIN forwarded" "$(op 0x40) && $req && f[\"netdam.seg_index\"] == \"1\"" netdam.sr.reply_ip 127.0.0.1
+fwd="$(op 0x40) && $req && f[\"netdam.seg_index\"] == \"1\""
+check "CHAIN forwarded" "$fwd" netdam.sr.reply_ip 127.0.0.1
+check "CHAIN forwarded" "$fwd" netdam.sr.reply_port "$(q "$chain" udp.srcport)"
+check "CHAIN forwarded" "$fwd" udp.dstport "${dev2##*:}"
+check "CHAIN forwarded" "$fwd" netdam.elem.f32 0.5,0.25
 ctxn=$(q "$chain" netdam.txn)
 check "CHAIN answer" "$(op 0x40) && $ans && f[\"netdam.txn\"] == \"$ctxn\"" netdam.seg_index 1
+check "CHAIN answer" "$(op 0x40) && $ans && f[\"netdam.txn\"] == \"$ctxn\"" udp.srcport "${dev2##*:}"
+check "CHAIN answer names its request" "$(op 0x40) && $ans && f[\"netdam.txn\"] == \"$ctxn\"" \
+  netdam.request_in "$(q "$chain" frame.number)"
 check "CHAIN answer" "$(op 0x40) && $ans && f[\"netdam.txn\"] == \"$ctxn\"" netdam.seg_count 0
 check "READ chain answer" "$(op 0x40) && $ans && f[\"netdam.length\"] == \"8\"" netdam.data 0000003f0000803e
 check "OPT_CONFIG request" "$(op 0x33) && $req" netdam.opt.kind 1

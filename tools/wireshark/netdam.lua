@@ -575,7 +575,10 @@ end
 -- of the segment being executed in a chain).
 local function request_payload(tvb, tree, off, len, op, h)
   if op == OP.WRITE then
+    -- dtype matters to a WRITE only when sparse, but a typed chain's
+    -- elements are easier read as numbers.
     if h.sparse then return sparse_elements(tvb, tree, off, len, h.dtype) end
+    if h.dtype ~= 0 then return dense_elements(tvb, tree, off, len, h.dtype) end
     return raw_data(tvb, tree, off, len)
   elseif op == OP.REDUCE_MEM or op == OP.REDUCE_PAYLOAD or op == OP.OPT_STEP then
     return element_payload(tvb, tree, off, len, h.dtype, h.sparse)
