@@ -11,7 +11,7 @@ set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 build="${NETDAM_BUILD_DIR:-$repo/build}"
-lua="$repo/tools/wireshark/netdam.lua"
+lua="${NETDAM_WIRESHARK_LUA:-$repo/tools/wireshark/netdam.lua}"  # or an installed copy
 netdamd="$build/src/daemon/netdamd"
 cli="$build/src/tools/netdam"
 mmu="$build/src/mmu/netdam-mmu"
@@ -156,6 +156,11 @@ check() {
   got=$(q "$2" "$3")
   [[ "$got" == "$4" ]] && ok "$1: $3 = $4" || fail "$1: $3 is '$got', want '$4'"
 }
+none() {  # none WHAT CONDITION: no frame satisfies CONDITION
+  local n
+  n=$(q "$2" frame.number)
+  [[ "$n" == "<no such frame>" ]] && ok "$1" || fail "$1: frame $n"
+}
 op() { echo "f[\"netdam.opcode\"] == \"$1\""; }  # op 0x11: that opcode
 req='f["netdam.flags.response"] == "0"'
 ans='f["netdam.flags.response"] == "1"'
@@ -164,8 +169,19 @@ sport="f[\"udp.srcport\"] == \"${dev##*:}\""
 pport="f[\"udp.dstport\"] == \"${proxy##*:}\""
 
 # Header, flags, matching.
-check "every frame" 'f["netdam.magic"] != "0x4e44414d"' frame.number "<no such frame>"
-check "every frame" 'f["netdam.version"] != "1"' frame.number "<no such frame>"
+none "every frame has magic 0x4e44414d" 'f["netdam.magic"] != "0x4e44414d"'
+none "every frame has version 1" 'f["netdam.version"] != "1"'
+none "every answer is matched to its request by txn" "$ans && f[\"netdam.request_in\"] == \"\""
+none "every answer has flags exactly RESPONSE" "$ans && f[\"netdam.flags\"] != \"0x01\""
+for name in PING STATS READ WRITE FILL COPY ARM FETCH_ADD COMPARE_SWAP SWAP REDUCE_MEM OPT_CONFIG \
+  OPT_STEP CHAIN REGION_ADD REGION_DEL REGION_LIST POOL_ALLOC POOL_FREE POOL_LOOKUP POOL_LIST POOL_MAP \
+  POOL_STAT; do
+  for kind in request answer; do
+    [[ $(q "index(f[\"_ws.col.Info\"], \"$name $kind \") == 1" frame.number) != "<no such frame>" ]] ||
+      fail "no frame shows as '$name $kind'"
+  done
+done
+ok "opcode names of requests and answers in the Info column"
 check "PING request" "$(op 0x01) && $req && $dport" netdam.length 0
 check "PING answer" "$(op 0x01) && $ans && $sport" netdam.ping.version 1
 check "PING answer" "$(op 0x01) && $ans && $sport" netdam.ping.memory_bytes 1048576
@@ -258,7 +274,7 @@ check "AGGREGATE answer" "$(op 0x40) && $ans && f[\"netdam.agg.generation\"] != 
 check "AGGREGATE answer" "$(op 0x40) && $ans && f[\"netdam.agg.generation\"] != \"\"" netdam.elem.f32 1.5
 
 # The integrity trailer: every datagram good but the one sent bad.
-check "CRC" "f[\"netdam.crc.status\"] != \"1\"" netdam.txn 195936478
+check "CRC good on all but one" "f[\"netdam.crc.status\"] != \"1\"" netdam.txn 195936478
 check "bad CRC" 'f["netdam.txn"] == "195936478"' netdam.crc.status 0
 computed=$(q 'f["netdam.txn"] == "195936478"' netdam.crc.computed)
 sent=$(q 'f["netdam.txn"] == "195936478"' netdam.crc)
@@ -267,7 +283,7 @@ sent=$(q 'f["netdam.txn"] == "195936478"' netdam.crc)
 expert=$(ts -Y 'netdam.crc.bad' -T fields -e netdam.txn)
 [[ "$expert" == 195936478 ]] && ok "expert info netdam.crc.bad on the bad datagram only" ||
   fail "expert netdam.crc.bad on '$expert'"
-check "bad CRC answered" "$(op 0x01) && $ans && f[\"netdam.txn\"] == \"195936478\"" frame.number "<no such frame>"
+none "bad CRC not answered" "$(op 0x01) && $ans && f[\"netdam.txn\"] == \"195936478\""
 
 # The pool proxy (section 17).
 check "POOL_ALLOC request" "$(op 0x60) && $req" netdam.pool.name blob
