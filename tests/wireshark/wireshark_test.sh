@@ -36,6 +36,8 @@ ok() { echo "ok: $*"; }
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done
+  # NETDAM_WIRESHARK_KEEP=FILE keeps the capture: a ready example to open.
+  [[ -n "${NETDAM_WIRESHARK_KEEP:-}" && -s "$work/cap.pcapng" ]] && cp "$work/cap.pcapng" "$NETDAM_WIRESHARK_KEEP"
   rm -rf "$work"
 }
 trap cleanup EXIT

@@ -327,11 +327,19 @@ local function add_element(tree, dtype, r, label)
   return item
 end
 
+-- "Data (N bytes): 0102..." with at most 32 bytes in hex: a tree item may
+-- stand for 64 KiB.
+local function data_text(tvb, off, len, name)
+  local shown = math.min(len, 32)
+  local hex = string.lower(tostring(tvb(off, shown):bytes()))
+  return string.format("%s (%d bytes): %s%s", name or "Data", len, hex, len > shown and "..." or "")
+end
+
 -- Dense elements: their count, the bytes, and the first few decoded.
 local function dense_elements(tvb, tree, off, len, dtype, name)
   local es = dtype_size[dtype]
   local t = tree:add(f.data, tvb(off, len))
-  t:set_text(string.format("%s: %d bytes", name or "Data", len))
+  t:set_text(data_text(tvb, off, len, name))
   if not es or es == 1 and dtype == 0 then return t end
   local n = math.floor(len / es)
   t:add(f.elements, n):set_generated()
@@ -367,8 +375,7 @@ end
 
 local function raw_data(tvb, tree, off, len, name)
   if len == 0 then return end
-  local t = tree:add(f.data, tvb(off, len))
-  t:set_text(string.format("%s: %d bytes", name or "Data", len))
+  tree:add(f.data, tvb(off, len)):set_text(data_text(tvb, off, len, name))
 end
 
 local function expect_len(tvb, tree, off, len, want, what)
@@ -803,13 +810,13 @@ local function dissect(tvb, pinfo, root)
 
   -- Payload (section 6, 17).
   local plen = body - off
-  if plen > 0 or h.response then
+  if plen > 0 then
     local pt = tree:add(tvb(off, plen), string.format("Payload (%d bytes)", plen))
     pt:add(f.payload_len, plen):set_generated()
     if h.response then
       if h.status ~= 0 then
-        if plen > 0 then pt:add_proto_expert_info(ef.unexpected, "a NAK carries no payload") end
-      elseif plen > 0 then
+        pt:add_proto_expert_info(ef.unexpected, "a NAK carries no payload")
+      else
         local op = h.opcode
         if op == OP.CHAIN and req and req.seg_ops[h.seg_index] then op = req.seg_ops[h.seg_index] end
         -- A chain that ends in WRITE or REDUCE_MEM answers an ACK.
@@ -823,6 +830,7 @@ local function dissect(tvb, pinfo, root)
   end
 
   if h.response then
+    if h.opcode == OP.CHAIN then info = info .. " seg " .. h.seg_index end
     local sname = status_names[h.status] or string.format("status %d", h.status)
     if h.status ~= 0 then
       st:add_proto_expert_info(ef.nak, "NAK " .. sname)
