@@ -303,6 +303,12 @@ check "POOL_MAP answer" "$(op 0x64) && $ans" netdam.pool.slot.flags 0x01
 check "POOL_FREE request" "$(op 0x61) && $req && $pport" netdam.pool.name blob
 cmp -s "$work/blob" "$work/blob.back" && ok "pool data round trip" || fail "pool data differs"
 
+# With two passes (-2) a request names its answer too.
+pair=$(ts -2 -Y "netdam.txn == $ctxn && netdam.seg_index == 0 && netdam.flags.response == 0" -T fields -e netdam.response_in)
+want=$(q "$(op 0x40) && $ans && f[\"netdam.txn\"] == \"$ctxn\"" frame.number)
+[[ "$pair" == "$want" ]] && ok "tshark -2: CHAIN request names its answer, frame $want" ||
+  fail "tshark -2: CHAIN request's answer is '$pair', want '$want'"
+
 # The tree: names as a reader sees them.
 ts -V -Y "netdam.opcode == 0x20 && netdam.flags.response == 1" -c 400 >"$work/verbose.txt"
 for line in "Opcode: FETCH_ADD (0x20)" "RESPONSE: True" "Status: OK (0)" "Previous value: 0" \
