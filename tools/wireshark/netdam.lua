@@ -260,7 +260,7 @@ netdam.prefs.ports = Pref.range("UDP ports", "7000,7100",
                                 "Ports decoded as netdam: netdamd's 7000 and netdam-mmu's 7100. " ..
                                 "Other ports are found by the heuristic on the magic.", 65535)
 netdam.prefs.max_items = Pref.uint("Elements shown", 16,
-                                   "Largest number of elements, sparse pairs or STATS entries " ..
+                                   "Largest number of elements or sparse pairs " ..
                                    "listed one by one; longer lists show their first ones")
 
 -------------------------------------------------------------------- CRC32C --
@@ -498,8 +498,10 @@ local function pool_stat(tvb, tree, off, len)
   end
 end
 
+-- Every entry, unlike elements: a page has a few hundred at most, and
+-- filtering on a counter's name is why one looks at STATS.
 local function stats_page(tvb, tree, off, len)
-  local p, n, listed = off, 0, 0
+  local p, n = off, 0
   local stop = off + len
   while p < stop do
     local nl = tvb(p, 1):uint()
@@ -507,20 +509,14 @@ local function stats_page(tvb, tree, off, len)
       tree:add_proto_expert_info(ef.malformed, "STATS entry runs past the payload")
       break
     end
-    if listed < max_items() then
-      local name = tvb(p + 1, nl):string()
-      local value = tvb(p + 1 + nl, 8):uint64()
-      local t = tree:add(f.stats_entry, tvb(p, 1 + nl + 8))
-      t:set_text(string.format("%s = %s", name, tostring(value)))
-      t:add(f.stats_name, tvb(p + 1, nl))
-      t:add(f.stats_value, tvb(p + 1 + nl, 8))
-      listed = listed + 1
-    end
+    local t = tree:add(f.stats_entry, tvb(p, 1 + nl + 8))
+    t:set_text(string.format("%s = %s", tvb(p + 1, nl):string(), tostring(tvb(p + 1 + nl, 8):uint64())))
+    t:add(f.stats_name, tvb(p + 1, nl))
+    t:add(f.stats_value, tvb(p + 1 + nl, 8))
     n = n + 1
     p = p + 1 + nl + 8
   end
   tree:add(f.stats_entries, n):set_generated()
-  if n > listed then tree:add(string.format("... %d more entries", n - listed)) end
 end
 
 local function opt_config(tvb, tree, off, len)
