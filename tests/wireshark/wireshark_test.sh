@@ -103,6 +103,14 @@ must nd -k 7 copy 0x4000 0x1000 12
 "$py" -c 'import struct,sys; sys.stdout.buffer.write(struct.pack("<4f", 0.0, 10.0, 0.0, 100.0))' >"$work/sparse.f32"
 must nd -k 7 reduce 0x5000 --type f32 --op sum --sparse never "$work/dense.f32"
 must nd -k 7 reduce 0x6000 --type f32 --op max --sparse always "$work/sparse.f32"
+# One reduction per element type, at addresses that tell them apart.
+mk() { "$py" -c "import struct,sys; sys.stdout.buffer.write($1)" >"$work/$2"; }
+mk 'struct.pack("<2e", 0.5, -2.0)' f16.bin
+mk 'struct.pack("<2H", 0x3f80, 0xc040)' bf16.bin  # 1.0, -3.0
+mk 'struct.pack("<d", 1.25)' f64.bin
+mk 'struct.pack("<2i", -1, 7)' i32.bin
+mk 'struct.pack("<q", -5)' i64.bin
+for t in f16 bf16 f64 i32 i64; do must nd -k 7 reduce 0x7000 --type $t --op min --sparse never "$work/$t.bin"; done
 must nd stats
 must nd --admin-key 0xAD region add 0x8000 4KiB 0x55 --perms r
 must nd --admin-key 0xAD region ls
@@ -131,7 +139,8 @@ fields=(frame.number udp.srcport udp.dstport _ws.col.Info
   netdam.magic netdam.version netdam.opcode netdam.flags netdam.flags.response netdam.flags.ack_req
   netdam.flags.sparse netdam.status netdam.dtype netdam.redop netdam.seg_count netdam.seg_index
   netdam.rkey netdam.txn netdam.addr netdam.length netdam.boot netdam.request_in netdam.response_in
-  netdam.payload.len netdam.data netdam.elem.f32 netdam.sparse.pairs netdam.sparse.index
+  netdam.payload.len netdam.data netdam.elem.f32 netdam.elem.f16 netdam.elem.bf16 netdam.elem.f64
+  netdam.elem.i32 netdam.elem.i64 netdam.sparse.pairs netdam.sparse.index
   netdam.ping.boot_id netdam.ping.max_payload netdam.ping.memory_bytes netdam.ping.version netdam.ping.cookie
   netdam.stats.entries netdam.stats.name netdam.stats.value netdam.fill.pattern
   netdam.copy.src_addr netdam.copy.src_key netdam.arm.generation netdam.arm.previous
@@ -229,6 +238,13 @@ check "REDUCE_MEM dense" "$(op 0x30) && $req && $dport && f[\"netdam.flags.spars
 check "REDUCE_MEM sparse" "$(op 0x30) && $req && $dport && f[\"netdam.flags.sparse\"] == \"1\"" netdam.sparse.index 1,3
 check "REDUCE_MEM sparse" "$(op 0x30) && $req && $dport && f[\"netdam.flags.sparse\"] == \"1\"" netdam.elem.f32 10,100
 check "REDUCE_MEM sparse" "$(op 0x30) && $req && $dport && f[\"netdam.flags.sparse\"] == \"1\"" netdam.length 16
+typed() { echo "$(op 0x30) && $req && f[\"netdam.dtype\"] == \"$1\""; }
+check "REDUCE_MEM f16" "$(typed 2)" netdam.elem.f16 0.5,-2
+check "REDUCE_MEM bf16" "$(typed 3)" netdam.elem.bf16 1,-3
+check "REDUCE_MEM f64" "$(typed 4)" netdam.elem.f64 1.25
+check "REDUCE_MEM i32" "$(typed 5)" netdam.elem.i32 -1,7
+check "REDUCE_MEM i64" "$(typed 6)" netdam.elem.i64 -5
+check "REDUCE_MEM i64" "$(typed 6)" netdam.redop 2
 
 # STATS, regions.
 names=$(q "$(op 0x02) && $ans && f[\"netdam.addr\"] == \"0x0000000000000000\"" netdam.stats.name)

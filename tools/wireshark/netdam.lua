@@ -627,7 +627,7 @@ local function request_payload(tvb, tree, off, len, op, h)
   end
 end
 
-local function answer_payload(tvb, tree, off, len, op, h, req)
+local function answer_payload(tvb, tree, off, len, op, h)
   if op == OP.PING then
     if not expect_len(tvb, tree, off, len, 32, "PING info") then return end
     tree:add(f.ping_boot_id, tvb(off, 4))
@@ -756,6 +756,8 @@ local function dissect(tvb, pinfo, root)
   ht:add(f.boot, tvb(36, 4))
   tree:add(f.is_response, h.response):set_generated()
   if tvb(0, 4):uint() ~= MAGIC then ht:add_proto_expert_info(ef.malformed, "wrong magic") end
+  if band(h.flags, 0xF0) ~= 0 then fl:add_proto_expert_info(ef.unexpected, "reserved flag bits set: BAD_FLAGS") end
+  if h.seg_count > 32 then ht:add_proto_expert_info(ef.malformed, "more than 32 segments: BAD_SEGMENT") end
 
   local opname = opcode_names[h.opcode] or string.format("opcode 0x%02x", h.opcode)
   local info = string.format("%s %s txn=%s", opname, h.response and "answer" or "request", tostring(h.txn))
@@ -815,8 +817,7 @@ local function dissect(tvb, pinfo, root)
       else
         local op = h.opcode
         if op == OP.CHAIN and req and req.seg_ops[h.seg_index] then op = req.seg_ops[h.seg_index] end
-        -- A chain that ends in WRITE or REDUCE_MEM answers an ACK.
-        answer_payload(tvb, pt, off, plen, op, h, req)
+        answer_payload(tvb, pt, off, plen, op, h)
       end
     else
       local op = h.opcode
