@@ -5,7 +5,7 @@
 # a datagram with a bad trailer), captured on lo with dumpcap and decoded by
 # tshark with the plugin; then the decoded field values are compared with
 # what was sent. Exits 77 (skipped) without tshark/dumpcap or the right to
-# capture. About 10 s.
+# capture. About 5 s.
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
