@@ -15,6 +15,7 @@ packages=(
   iputils-ping                         # tests/cluster: ping across the emulated cluster
   python3-dev pybind11-dev python3-numpy  # the netdam Python module (for /usr/bin/python3)
   python3-torch libtorch-dev           # the torch.distributed backend and optimizer offload
+  tshark                               # tests/wireshark: decodes a capture with tools/wireshark/netdam.lua
 )
 
 missing=()
