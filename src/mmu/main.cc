@@ -13,6 +13,7 @@
 
 #include "common/units.h"
 #include "daemon/config.h"
+#include "metrics/server.h"
 #include "mmu/proxy.h"
 
 using namespace netdam;
@@ -28,7 +29,7 @@ int main(int argc, char** argv) {
   CLI::App app{"netdam-mmu: the NetDAM memory pool proxy (one address in front of many devices)"};
   app.set_config("--config", "", "TOML/INI file with these options (flags override it)");
   std::string listen = "127.0.0.1:7100", device_admin_key, admin_key, state, port_file, log_level = "info",
-              max_payload;
+              max_payload, metrics;
   std::vector<std::string> devices;
   int ping_ms = 100, timeout_ms = 500;
   bool insecure = false;
@@ -49,6 +50,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(20, 600000));
   app.add_option("--max-payload", max_payload, "largest payload clients may send (default 8192)");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error (default info)");
+  app.add_option("--metrics", metrics,
+                 "HOST:PORT to serve Prometheus metrics on (GET /metrics: counters and per-opcode latency "
+                 "histograms; port 0 = any; bind a management address: docs/METRICS.md)");
   CLI11_PARSE(app, argc, argv);
 
   mmu::ProxyOptions o;
@@ -91,8 +95,23 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
+  if (!metrics.empty() && !metrics::Server::available()) {
+    metrics::Server::start(metrics, {}, &why);
+    return fail("--metrics: " + why);
+  }
   auto proxy = mmu::Proxy::create(o, &why);
   if (!proxy) return fail(why);
+  // --metrics: the proxy times its requests into one shard (it is one
+  // thread); the endpoint reads it and the proxy's counters when scraped.
+  metrics::Latencies latencies;
+  std::unique_ptr<metrics::Server> metrics_server;
+  if (!metrics.empty()) {
+    proxy->time_requests(&latencies.new_shard());
+    metrics_server = metrics::Server::start(
+        metrics, {.stats = [p = proxy.get()] { return p->stats(); }, .extra = {}, .latency = &latencies}, &why);
+    if (!metrics_server) return fail("--metrics: " + why);
+    spdlog::info("serving metrics on http://{}/metrics", metrics_server->endpoint());
+  }
   const auto bound = proxy->local();
   const auto st = proxy->catalog().stat();
   spdlog::info("netdam-mmu listening on {}: {} device(s), {} of capacity, {} allocation(s), pool id {:#010x}{}",
