@@ -35,6 +35,8 @@ class Server {
   static std::unique_ptr<Server> start(const std::string& host_port, Sources sources, std::string* error);
   // Whether this build has the endpoint at all.
   static bool available();
+  // Stops the HTTP threads; civetweb's listener notices within its 2 s poll
+  // period, so a daemon with --metrics can take that long to exit.
   ~Server();
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;
