@@ -286,6 +286,23 @@ TEST(Metrics, ProxyScrapeMatchesStatsAndRequests) {
   expect_histogram(before, "FETCH_ADD", 2);
   expect_histogram(before, "POOL_ALLOC", 1);
 
+  // The pool's view is published at the proxy's health ticks (100 ms).
+  Scrape view;
+  for (auto deadline = std::chrono::steady_clock::now() + 5s; std::chrono::steady_clock::now() < deadline;) {
+    view = parse(http_get(port, "/metrics"));
+    if (value(view, "netdam_pool_allocations") == 1 && value(view, "netdam_pool_used_bytes") > 0) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_EQ(value(view, "netdam_pool_allocations"), 1);
+  EXPECT_EQ(value(view, "netdam_pool_capacity_bytes"), 2 * 8 << 20);
+  for (const auto& dev : devs) {
+    const std::string label = "{device=\"" + dev->endpoint() + "\"}";
+    EXPECT_EQ(value(view, "netdam_pool_device_up" + label), 1) << label;
+    EXPECT_GT(value(view, "netdam_pool_device_answers_total" + label), 0) << label;
+    EXPECT_GE(value(view, "netdam_pool_device_sent_packets_total" + label),
+              value(view, "netdam_pool_device_answers_total" + label)) << label;
+  }
+
   auto stats = (*c)->stats();
   ASSERT_TRUE(stats) << stats.error().to_string();
   const Scrape after = scrape_when_timed(port, {{"STATS", 1}});

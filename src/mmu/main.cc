@@ -23,6 +23,42 @@ int fail(const std::string& msg) {
   std::fprintf(stderr, "netdam-mmu: %s\n", msg.c_str());
   return 2;
 }
+
+// The pool's state and the proxy's traffic to each device, for --metrics
+// (docs/METRICS.md).
+std::vector<metrics::Sample> pool_samples(const mmu::Proxy::View& v) {
+  using Type = metrics::Sample::Type;
+  std::vector<metrics::Sample> out = {
+      {"netdam_pool_capacity_bytes", "Bytes of device memory in the pool", Type::kGauge, {}, double(v.stat.capacity)},
+      {"netdam_pool_used_bytes", "Bytes of the pool allocated", Type::kGauge, {}, double(v.stat.used)},
+      {"netdam_pool_allocations", "Allocations in the pool", Type::kGauge, {}, double(v.stat.allocations)},
+  };
+  for (size_t i = 0; i < v.stat.devices.size(); ++i) {
+    const auto& d = v.stat.devices[i];
+    const std::vector<std::pair<std::string, std::string>> device = {
+        {"device", transport::Endpoint{d.ip, d.port}.to_string()}};
+    out.push_back({"netdam_pool_device_up", "1 if the device is up, 0 if down or not yet seen", Type::kGauge,
+                   device, d.state == pool::DeviceState::kUp ? 1.0 : 0.0});
+    out.push_back({"netdam_pool_device_capacity_bytes", "The device's memory in the pool", Type::kGauge, device,
+                   double(d.capacity)});
+    out.push_back({"netdam_pool_device_used_bytes", "Bytes of the device allocated", Type::kGauge, device,
+                   double(d.used)});
+    if (i >= v.clients.size()) continue;
+    const Client::Counters& c = v.clients[i];
+    // Counted by the proxy's client of the current incarnation of the
+    // device: they restart from 0 when the device does.
+    out.push_back({"netdam_pool_device_sent_packets_total", "Datagrams the proxy sent to the device",
+                   Type::kCounter, device, double(c.packets_sent)});
+    out.push_back({"netdam_pool_device_retransmits_total", "Datagrams the proxy sent to the device again",
+                   Type::kCounter, device, double(c.retransmits)});
+    out.push_back({"netdam_pool_device_answers_total", "Answers the proxy received from the device",
+                   Type::kCounter, device, double(c.answers)});
+    out.push_back({"netdam_pool_device_integrity_drops_total",
+                   "Answers from the device dropped for a bad CRC32C trailer", Type::kCounter, device,
+                   double(c.integrity_drops)});
+  }
+  return out;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -106,9 +142,12 @@ int main(int argc, char** argv) {
   metrics::Latencies latencies;
   std::unique_ptr<metrics::Server> metrics_server;
   if (!metrics.empty()) {
-    proxy->time_requests(&latencies.new_shard());
-    metrics_server = metrics::Server::start(
-        metrics, {.stats = [p = proxy.get()] { return p->stats(); }, .extra = {}, .latency = &latencies}, &why);
+    proxy->serve_metrics(latencies.new_shard());
+    metrics_server = metrics::Server::start(metrics,
+                                            {.stats = [p = proxy.get()] { return p->stats(); },
+                                             .extra = [p = proxy.get()] { return pool_samples(p->view()); },
+                                             .latency = &latencies},
+                                            &why);
     if (!metrics_server) return fail("--metrics: " + why);
     spdlog::info("serving metrics on http://{}/metrics", metrics_server->endpoint());
   }

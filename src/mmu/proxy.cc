@@ -784,10 +784,21 @@ void Proxy::finish(Job& j) {
 
 // ---------------------------------------------------------------- health
 
+Proxy::View Proxy::view() const {
+  std::lock_guard lock(view_mu_);
+  return view_;
+}
+
 void Proxy::health_tick() {
   const auto now = health_->now();
   if (now < next_health_) return;
   next_health_ = now + opts_.ping_interval;
+  if (latency_) {
+    View v{catalog_.stat(), {}};
+    for (const auto& c : conns_) v.clients.push_back(c->client ? c->client->counters() : Client::Counters{});
+    std::lock_guard lock(view_mu_);
+    view_ = std::move(v);
+  }
   auto& devs = catalog_.devices();
   liveness_.resize(devs.size());
   // A device that answers data traffic is alive, whatever became of PINGs.

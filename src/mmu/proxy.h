@@ -16,6 +16,7 @@
 #include <deque>
 #include <list>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -63,8 +64,17 @@ class Proxy {
   core::StatList stats() const { return core::collect({&stats_}); }
   // netdam-mmu --metrics: from now on each request is timed from the turn
   // of the loop that received it to the turn that handed its answer to the
-  // socket. Call before run().
-  void time_requests(metrics::LatencyShard* shard) { latency_ = shard; }
+  // socket, and the pool's view below is published. Call before run().
+  void serve_metrics(metrics::LatencyShard& shard) { latency_ = &shard; }
+  // The pool and, per device (in the order of stat.devices), what the
+  // proxy's client of it has counted. The loop copies it at every health
+  // tick: a scrape must not touch the catalog or the clients, which the
+  // loop replaces when a device restarts. Any thread.
+  struct View {
+    pool::PoolStat stat;
+    std::vector<Client::Counters> clients;
+  };
+  View view() const;
 
   // Serves until `stop` (checked at least every 20 ms).
   void run(const std::atomic<bool>& stop);
@@ -134,6 +144,8 @@ class Proxy {
   core::Stats stats_;  // written by the loop only
   uint64_t integrity_drops_seen_ = 0;
   metrics::LatencyShard* latency_ = nullptr;
+  mutable std::mutex view_mu_;
+  View view_;  // published by health_tick() when serving metrics
 };
 
 }  // namespace netdam::mmu
