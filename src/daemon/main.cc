@@ -287,7 +287,8 @@ int main(int argc, char** argv) {
   std::atomic<bool> stop{false};
   std::vector<std::thread> workers;
   for (size_t i = 0; i < loops.size(); ++i)
-    workers.emplace_back([&dev, &stop, t = loops[i], shard = shards[i]] { device::DeviceLoop(dev, *t, shard).run(stop); });
+    workers.emplace_back(
+        [&dev, &stop, t = loops[i], shard = shards[i]] { device::DeviceLoop(dev, *t, shard).run(stop); });
 
   spdlog::info("netdamd listening on {} with {} of memory{} ({} thread{}, max payload {} B, "
                "boot id {:#010x}, SIMD {})",

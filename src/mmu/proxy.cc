@@ -167,7 +167,8 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
     if (n < kRxBatch) break;
   }
   if (const uint64_t bad = listen_->integrity_drops(); bad != integrity_drops_seen_) {
-    core::Stats::inc(stats_.dropped[static_cast<size_t>(core::ParseError::kBadIntegrity)], bad - integrity_drops_seen_);
+    core::Stats::inc(stats_.dropped[static_cast<size_t>(core::ParseError::kBadIntegrity)],
+                     bad - integrity_drops_seen_);
     integrity_drops_seen_ = bad;
   }
   health_receive();
