@@ -10,6 +10,7 @@ packages=(
   libfmt-dev libspdlog-dev libcli11-dev libtomlplusplus-dev
   libhwy-dev
   libsqlite3-dev                      # netdam-mmu's state file
+  prometheus-cpp-dev                  # --metrics (optional: NETDAM_METRICS)
   redis-server                        # the baseline of `netdam-bench pool` (tests do not need it)
   iproute2 procps python3              # python3: the demo's plain UDP pool client
   iputils-ping                         # tests/cluster: ping across the emulated cluster

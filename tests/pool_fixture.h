@@ -48,6 +48,13 @@ class TestMmu {
     kill_now();
     return start(args_, endpoint_);
   }
+  // SIGTERM, then waits; returns the exit code (-1 if not running).
+  int stop(std::chrono::milliseconds wait = std::chrono::seconds(10)) {
+    if (pid_ <= 0) return -1;
+    const int status = common::stop_child(pid_, wait);
+    pid_ = 0;
+    return detail::exit_code_of(status);
+  }
   void kill_now() {
     if (pid_ > 0) {
       kill(pid_, SIGKILL);

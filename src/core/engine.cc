@@ -223,6 +223,7 @@ Engine::~Engine() { device_.detach(&stats_); }
 Action Engine::handle(Address from, std::span<std::byte> d, std::span<std::byte> out) {
   fanout_.clear();
   from_ = from;
+  last_opcode_ = -1;
   Stats::inc(stats_.rx_packets);
   Stats::inc(stats_.rx_bytes, d.size());
 
@@ -243,6 +244,7 @@ Action Engine::handle(Address from, std::span<std::byte> d, std::span<std::byte>
     return {};
   }
   Stats::inc(stats_.requests[static_cast<uint8_t>(p.h.opcode)]);
+  last_opcode_ = static_cast<uint8_t>(p.h.opcode);
 
   if (p.h.seg_count > 0) return run_chain(from, d, p, out);
   if (p.h.opcode == Opcode::kChain) return answer(p.h, from, Status::kBadSegment, {}, out);
@@ -770,19 +772,8 @@ Engine::Result Engine::ping(Address from, std::span<std::byte> out) {
 // STATS answers a page of (name, value) entries starting at entry `addr`;
 // a client asks for the next page until it gets an empty one.
 Engine::Result Engine::stats_page(const Request& q, std::span<std::byte> out) {
-  StatList all = device_.stats();
-  const size_t cap = device_.config().max_payload;
-  size_t used = 0;
-  std::byte* p = out.data() + kHeaderSize;
-  for (uint64_t i = q.addr; i < all.size(); ++i) {
-    const auto& [name, value] = all[i];
-    const size_t need = 1 + name.size() + 8;
-    if (used + need > cap) break;
-    store_be<uint8_t>(p + used, static_cast<uint8_t>(name.size()));
-    std::memcpy(p + used + 1, name.data(), name.size());
-    store_be<uint64_t>(p + used + 1 + name.size(), value);
-    used += need;
-  }
+  const size_t used = encode_stats_page(device_.stats(), q.addr,
+                                        out.subspan(kHeaderSize, device_.config().max_payload));
   return {Status::kOk, out.subspan(kHeaderSize, used)};
 }
 

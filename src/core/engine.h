@@ -189,6 +189,10 @@ class Engine {
   Action handle(Address from, std::span<std::byte> datagram, std::span<std::byte> out);
 
   const Stats& stats() const { return stats_; }
+  // The opcode the last handle() counted as a request (STATS op.*), or -1
+  // if it dropped or refused the datagram before that: the device loop's
+  // latency histograms use it to count exactly what STATS counts.
+  int last_opcode() const { return last_opcode_; }
   Device& device() { return device_; }
   // Datagrams the transport dropped for a bad integrity trailer (they never
   // reach handle()): counted here so that STATS shows them, drop.bad_crc.
@@ -227,6 +231,7 @@ class Engine {
   Device& device_;
   Stats stats_;
   Address from_;  // the source of the datagram being handled
+  int last_opcode_ = -1;
   std::vector<Fanout> fanout_;
 };
 

@@ -2,6 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <cstring>
+
+#include "core/endian.h"
+
 namespace netdam::core {
 
 namespace {
@@ -63,6 +67,21 @@ StatList collect(const std::vector<const Stats*>& all) {
     out.emplace_back("op." + name, v);
   }
   return out;
+}
+
+size_t encode_stats_page(const StatList& all, uint64_t first, std::span<std::byte> out) {
+  size_t used = 0;
+  std::byte* p = out.data();
+  for (uint64_t i = first; i < all.size(); ++i) {
+    const auto& [name, value] = all[i];
+    const size_t need = 1 + name.size() + 8;
+    if (used + need > out.size()) break;
+    store_be<uint8_t>(p + used, static_cast<uint8_t>(name.size()));
+    std::memcpy(p + used + 1, name.data(), name.size());
+    store_be<uint64_t>(p + used + 1 + name.size(), value);
+    used += need;
+  }
+  return used;
 }
 
 }  // namespace netdam::core

@@ -6,6 +6,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,5 +46,9 @@ struct Stats {
 // opcodes and statuses are left out to keep the answer short.
 using StatList = std::vector<std::pair<std::string, uint64_t>>;
 StatList collect(const std::vector<const Stats*>& all);
+
+// The STATS answer's payload: entries from index `first` on, as many as fit
+// in `out`. Returns the bytes written. Devices and the pool proxy share it.
+size_t encode_stats_page(const StatList& all, uint64_t first, std::span<std::byte> out);
 
 }  // namespace netdam::core

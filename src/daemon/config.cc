@@ -95,7 +95,7 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
       "listen", "memory", "threads", "max_payload", "shm", "prefault", "admin_key", "replay_window",
       "replay_requesters", "replay_bytes", "allow", "allow_source_subnet", "allow_any",
       "refusals_per_second", "refusal_log_seconds", "amplification_limit", "cookie_secret", "default_key", "default_region", "region",
-      "port_file", "log_level"};
+      "port_file", "log_level", "metrics"};
   for (const auto& [k, v] : t)
     if (std::find(kKnown.begin(), kKnown.end(), k.str()) == kKnown.end())
       return err(k.str(), "is not a known setting");
@@ -124,6 +124,11 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
   if (auto v = t["prefault"].value<bool>()) cfg.prefault = *v;
   if (auto v = t["port_file"].value<std::string>()) cfg.port_file = *v;
   if (auto v = t["log_level"].value<std::string>()) cfg.log_level = *v;
+  if (auto v = t["metrics"].value<std::string>()) {
+    std::string why;
+    if (!transport::parse_endpoint(*v, &why)) return err("metrics", why);
+    cfg.metrics = *v;
+  }
   if (auto v = t["admin_key"].value<int64_t>()) {
     if (*v <= 0 || *v > UINT32_MAX) return err("admin_key", "must be 1..2^32-1");
     cfg.admin_key = static_cast<uint32_t>(*v);

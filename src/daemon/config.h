@@ -49,6 +49,7 @@ struct DaemonConfig {
   uint32_t default_key = 1;            // key of that region
   bool default_region = true;          // false: start with no region at all (pool devices)
   std::string port_file;               // write "HOST:PORT" here once listening
+  std::string metrics;                 // HOST:PORT of the Prometheus endpoint; empty: none
   std::string log_level = "info";
 };
 

@@ -9,20 +9,28 @@ core::Address to_core(const transport::Endpoint& e) { return {e.ip, e.port}; }
 transport::Endpoint to_transport(const core::Address& a) { return {a.ip, a.port}; }
 }  // namespace
 
-DeviceLoop::DeviceLoop(core::Device& device, transport::Transport& transport)
+DeviceLoop::DeviceLoop(core::Device& device, transport::Transport& transport,
+                       metrics::LatencyShard* latency)
     : engine_(device),
       transport_(transport),
       rx_(kBatch * kRxBufferSize),
       out_size_(core::Engine::out_buffer_size(device.config())),
-      in_(kBatch) {
+      in_(kBatch),
+      latency_(latency) {
   out_.resize(kBatch * out_size_);
   for (size_t i = 0; i < kBatch; ++i)
     in_[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);
   send_.reserve(kBatch);
+  batch_ops_.reserve(kBatch);
 }
 
 size_t DeviceLoop::poll_once(transport::Duration timeout) {
   const size_t n = transport_.recv_batch(in_, timeout);
+  // Two clock readings per batch, not per datagram: every request of the
+  // batch is charged the whole batch's time, an upper bound of its own.
+  const bool timed = latency_ != nullptr && n > 0;
+  const transport::TimePoint received = timed ? transport_.now() : transport::TimePoint{};
+  batch_ops_.clear();
   if (const uint64_t bad = transport_.integrity_drops(); bad != integrity_drops_seen_) {
     engine_.count_integrity_drops(bad - integrity_drops_seen_);
     integrity_drops_seen_ = bad;
@@ -33,6 +41,7 @@ size_t DeviceLoop::poll_once(transport::Duration timeout) {
     auto& m = in_[i];
     auto out = std::span(out_).subspan(i * out_size_, out_size_);
     core::Action a = engine_.handle(to_core(m.from), m.data(), out);
+    if (timed && engine_.last_opcode() >= 0) batch_ops_.push_back(static_cast<uint8_t>(engine_.last_opcode()));
     if (a.kind != core::Action::Kind::kNone)
       send_.push_back(transport::OutMsg{to_transport(a.to), {a.head, a.data}});
     for (const core::Fanout& f : engine_.fanout()) {  // a completed aggregation's other answers
@@ -44,6 +53,10 @@ size_t DeviceLoop::poll_once(transport::Duration timeout) {
   transport::group_by_peer(send_);
   for (size_t sent = 0; sent < send_.size();)
     sent += transport_.send_batch(std::span(send_).subspan(sent));
+  if (timed) {
+    const auto took = std::chrono::duration_cast<std::chrono::nanoseconds>(transport_.now() - received);
+    latency_->observe(batch_ops_, static_cast<uint64_t>(took.count()));
+  }
   release_parked(engine_, transport_, parked_out_);
   return n;
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/engine.h"
+#include "metrics/latency.h"
 #include "transport/transport.h"
 
 namespace netdam::device {
@@ -17,7 +18,11 @@ class DeviceLoop {
  public:
   static constexpr size_t kBatch = 64;
 
-  DeviceLoop(core::Device& device, transport::Transport& transport);
+  // With `latency` (netdamd --metrics), each batch's requests are timed
+  // from their receipt to their answers' hand-over to the transport; without
+  // it the loop reads no clock.
+  DeviceLoop(core::Device& device, transport::Transport& transport,
+             metrics::LatencyShard* latency = nullptr);
 
   // Receives one batch (waiting up to `timeout` for its first datagram),
   // executes it and sends what it produced. Returns datagrams handled.
@@ -43,6 +48,8 @@ class DeviceLoop {
   std::deque<core::Fanout> fanout_;  // this batch's extra answers, until sent
   std::vector<std::byte> parked_out_;
   uint64_t integrity_drops_seen_ = 0;  // transport_.integrity_drops() already counted in STATS
+  metrics::LatencyShard* latency_;
+  std::vector<uint8_t> batch_ops_;  // opcodes of this batch's requests, for latency_
 };
 
 }  // namespace netdam::device

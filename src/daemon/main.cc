@@ -18,6 +18,7 @@
 #include "core/reduce.h"
 #include "daemon/config.h"
 #include "daemon/device_loop.h"
+#include "metrics/server.h"
 #include "transport/faulty.h"
 #include "transport/interface_mtu.h"
 #include "transport/udp.h"
@@ -42,7 +43,7 @@ uint32_t new_boot_id() {
 
 int main(int argc, char** argv) {
   CLI::App app{"netdamd: a NetDAM device serving its memory over UDP"};
-  std::string config_file, listen, memory, shm, port_file, log_level, admin_key, max_payload;
+  std::string config_file, listen, memory, shm, port_file, log_level, admin_key, max_payload, metrics;
   unsigned threads = 0;
   std::vector<std::string> regions;
   app.add_option("--config", config_file, "TOML file with settings (flags override it)")
@@ -83,6 +84,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1000000));
   app.add_option("--port-file", port_file, "write the bound HOST:PORT to this file once serving");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error (default info)");
+  app.add_option("--metrics", metrics,
+                 "HOST:PORT to serve Prometheus metrics on (GET /metrics: counters and per-opcode latency "
+                 "histograms; port 0 = any; bind a management address: docs/METRICS.md)");
   // Fault injection on the device's own sends (the kernel may have no netem):
   // for tests and benchmarks only, never for a device in real use.
   transport::FaultModel inject;
@@ -127,6 +131,7 @@ int main(int argc, char** argv) {
   if (no_default_region) cfg.default_region = false;
   if (!port_file.empty()) cfg.port_file = port_file;
   if (!log_level.empty()) cfg.log_level = log_level;
+  if (!metrics.empty()) cfg.metrics = metrics;
   if (!admin_key.empty()) {
     auto k = device::parse_key(admin_key);
     if (!k || *k == 0) return fail("--admin-key: must be a nonzero 32-bit number");
@@ -281,10 +286,25 @@ int main(int argc, char** argv) {
     if (spdlog::get_level() > spdlog::level::warn) std::fprintf(stderr, "netdamd: %s\n", msg.c_str());
   }
 
+  // --metrics: a latency shard per serving thread, and the HTTP endpoint
+  // that reads them and the engines' counters when scraped. Both outlive
+  // the threads (declared before them).
+  metrics::Latencies latencies;
+  std::vector<metrics::LatencyShard*> shards(loops.size(), nullptr);
+  std::unique_ptr<metrics::Server> metrics_server;
+  if (!cfg.metrics.empty()) {
+    for (auto& s : shards) s = &latencies.new_shard();
+    metrics_server = metrics::Server::start(
+        cfg.metrics, {.stats = [&dev] { return dev.stats(); }, .extra = {}, .latency = &latencies}, &why);
+    if (!metrics_server) return fail("--metrics: " + why);
+    spdlog::info("serving metrics on http://{}/metrics", metrics_server->endpoint());
+  }
+
   std::atomic<bool> stop{false};
   std::vector<std::thread> workers;
-  for (transport::Transport* t : loops)
-    workers.emplace_back([&dev, &stop, t] { device::DeviceLoop(dev, *t).run(stop); });
+  for (size_t i = 0; i < loops.size(); ++i)
+    workers.emplace_back(
+        [&dev, &stop, t = loops[i], shard = shards[i]] { device::DeviceLoop(dev, *t, shard).run(stop); });
 
   spdlog::info("netdamd listening on {} with {} of memory{} ({} thread{}, max payload {} B {}, "
                "boot id {:#010x}, SIMD {})",

@@ -13,6 +13,7 @@
 
 #include "common/units.h"
 #include "daemon/config.h"
+#include "metrics/server.h"
 #include "mmu/proxy.h"
 
 using namespace netdam;
@@ -22,13 +23,49 @@ int fail(const std::string& msg) {
   std::fprintf(stderr, "netdam-mmu: %s\n", msg.c_str());
   return 2;
 }
+
+// The pool's state and the proxy's traffic to each device, for --metrics
+// (docs/METRICS.md).
+std::vector<metrics::Sample> pool_samples(const mmu::Proxy::View& v) {
+  using Type = metrics::Sample::Type;
+  std::vector<metrics::Sample> out = {
+      {"netdam_pool_capacity_bytes", "Bytes of device memory in the pool", Type::kGauge, {}, double(v.stat.capacity)},
+      {"netdam_pool_used_bytes", "Bytes of the pool allocated", Type::kGauge, {}, double(v.stat.used)},
+      {"netdam_pool_allocations", "Allocations in the pool", Type::kGauge, {}, double(v.stat.allocations)},
+  };
+  for (size_t i = 0; i < v.stat.devices.size(); ++i) {
+    const auto& d = v.stat.devices[i];
+    const std::vector<std::pair<std::string, std::string>> device = {
+        {"device", transport::Endpoint{d.ip, d.port}.to_string()}};
+    out.push_back({"netdam_pool_device_up", "1 if the device is up, 0 if down or not yet seen", Type::kGauge,
+                   device, d.state == pool::DeviceState::kUp ? 1.0 : 0.0});
+    out.push_back({"netdam_pool_device_capacity_bytes", "The device's memory in the pool", Type::kGauge, device,
+                   double(d.capacity)});
+    out.push_back({"netdam_pool_device_used_bytes", "Bytes of the device allocated", Type::kGauge, device,
+                   double(d.used)});
+    if (i >= v.clients.size()) continue;
+    const Client::Counters& c = v.clients[i];
+    // Counted by the proxy's client of the current incarnation of the
+    // device: they restart from 0 when the device does.
+    out.push_back({"netdam_pool_device_sent_packets_total", "Datagrams the proxy sent to the device",
+                   Type::kCounter, device, double(c.packets_sent)});
+    out.push_back({"netdam_pool_device_retransmits_total", "Datagrams the proxy sent to the device again",
+                   Type::kCounter, device, double(c.retransmits)});
+    out.push_back({"netdam_pool_device_answers_total", "Answers the proxy received from the device",
+                   Type::kCounter, device, double(c.answers)});
+    out.push_back({"netdam_pool_device_integrity_drops_total",
+                   "Answers from the device dropped for a bad CRC32C trailer", Type::kCounter, device,
+                   double(c.integrity_drops)});
+  }
+  return out;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"netdam-mmu: the NetDAM memory pool proxy (one address in front of many devices)"};
   app.set_config("--config", "", "TOML/INI file with these options (flags override it)");
   std::string listen = "127.0.0.1:7100", device_admin_key, admin_key, state, port_file, log_level = "info",
-              max_payload;
+              max_payload, metrics;
   std::vector<std::string> devices;
   int ping_ms = 100, timeout_ms = 500;
   bool insecure = false;
@@ -49,6 +86,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(20, 600000));
   app.add_option("--max-payload", max_payload, "largest payload clients may send (default 8192)");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error (default info)");
+  app.add_option("--metrics", metrics,
+                 "HOST:PORT to serve Prometheus metrics on (GET /metrics: counters and per-opcode latency "
+                 "histograms; port 0 = any; bind a management address: docs/METRICS.md)");
   CLI11_PARSE(app, argc, argv);
 
   mmu::ProxyOptions o;
@@ -91,8 +131,26 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
+  if (!metrics.empty() && !metrics::Server::available()) {
+    metrics::Server::start(metrics, {}, &why);
+    return fail("--metrics: " + why);
+  }
   auto proxy = mmu::Proxy::create(o, &why);
   if (!proxy) return fail(why);
+  // --metrics: the proxy times its requests into one shard (it is one
+  // thread); the endpoint reads it and the proxy's counters when scraped.
+  metrics::Latencies latencies;
+  std::unique_ptr<metrics::Server> metrics_server;
+  if (!metrics.empty()) {
+    proxy->serve_metrics(latencies.new_shard());
+    metrics_server = metrics::Server::start(metrics,
+                                            {.stats = [p = proxy.get()] { return p->stats(); },
+                                             .extra = [p = proxy.get()] { return pool_samples(p->view()); },
+                                             .latency = &latencies},
+                                            &why);
+    if (!metrics_server) return fail("--metrics: " + why);
+    spdlog::info("serving metrics on http://{}/metrics", metrics_server->endpoint());
+  }
   const auto bound = proxy->local();
   const auto st = proxy->catalog().stat();
   spdlog::info("netdam-mmu listening on {}: {} device(s), {} of capacity, {} allocation(s), pool id {:#010x}{}",

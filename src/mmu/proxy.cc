@@ -58,6 +58,7 @@ struct Proxy::Conn {
 struct Proxy::Job {
   Endpoint from;
   core::Header req;
+  Arrival arrival;
   uint64_t alloc_id = 0;
   bool mutation = false;
   std::vector<std::byte> buf;  // READ answer, WRITE/FILL data, atomic operands
@@ -147,14 +148,28 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
   // Device operations in flight need their retransmission timers run.
   const int ms = jobs_.empty() ? static_cast<int>(timeout.count()) : 1;
   ::poll(fds.data(), fds.size(), ms);
+  // One clock reading per turn, and none without --metrics: every request
+  // received in this turn arrived "now".
+  if (latency_) arrival_.at = listen_->now();
 
   std::array<transport::InMsg, kRxBatch> in;
   for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);
   for (int round = 0; round < 4; ++round) {
     const size_t n = listen_->recv_batch(in, 0ns);
-    for (size_t i = 0; i < n; ++i)
-      if (!in[i].truncated) handle(in[i].data(), in[i].from);
+    for (size_t i = 0; i < n; ++i) {
+      if (!in[i].truncated) {
+        handle(in[i].data(), in[i].from);
+        continue;
+      }
+      core::Stats::inc(stats_.rx_packets);
+      core::Stats::inc(stats_.dropped[static_cast<size_t>(core::ParseError::kTruncated)]);
+    }
     if (n < kRxBatch) break;
+  }
+  if (const uint64_t bad = listen_->integrity_drops(); bad != integrity_drops_seen_) {
+    core::Stats::inc(stats_.dropped[static_cast<size_t>(core::ParseError::kBadIntegrity)],
+                     bad - integrity_drops_seen_);
+    integrity_drops_seen_ = bad;
   }
   health_receive();
   const auto now = listen_->now();
@@ -188,14 +203,18 @@ void Proxy::reply(const Endpoint& to, const core::Header& req, Status s, std::ve
   if (s != Status::kOk) payload.clear();
   h.length = static_cast<uint32_t>(payload.size());
   h.boot = pool_id();
+  core::Stats::inc(stats_.tx_packets);
+  core::Stats::inc(stats_.tx_bytes, kHeaderSize + payload.size());
+  if (s != Status::kOk) core::Stats::inc(stats_.naks[static_cast<uint8_t>(s)]);
   Answer& a = answers_.emplace_back();
   a.to = to;
+  a.arrival = arrival_;
   core::encode_header(h, a.head.data());
   a.payload = std::move(payload);
 }
 
 void Proxy::send_answers() {
-  if (answers_.empty()) return;
+  if (answers_.empty() && unanswered_.empty()) return;
   std::vector<transport::OutMsg> msgs;
   msgs.reserve(answers_.size());
   for (const Answer& a : answers_) msgs.push_back({a.to, {std::span<const std::byte>(a.head), a.payload}});
@@ -204,6 +223,15 @@ void Proxy::send_answers() {
     if (n == 0) break;  // the socket refused everything for ~100 ms: the clients retransmit
     sent += n;
   }
+  if (latency_) {
+    const auto took = [now = listen_->now()](const Arrival& a) {
+      return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now - a.at).count());
+    };
+    for (const Answer& a : answers_)
+      if (a.arrival.opcode >= 0) latency_->observe(static_cast<uint8_t>(a.arrival.opcode), took(a.arrival));
+    for (const Arrival& a : unanswered_) latency_->observe(static_cast<uint8_t>(a.opcode), took(a));
+  }
+  unanswered_.clear();
   answers_.clear();
 }
 
@@ -221,9 +249,19 @@ void Proxy::answer_ping(const Endpoint& to, const core::Header& h) {
   reply(to, h, Status::kOk, p);
 }
 
+void Proxy::answer_stats(const Endpoint& to, const core::Header& h) {
+  std::vector<std::byte> page(opts_.max_payload);
+  page.resize(core::encode_stats_page(stats(), h.addr, page));
+  reply(to, h, Status::kOk, std::move(page));
+}
+
 void Proxy::handle(std::span<std::byte> datagram, const Endpoint& from) {
+  core::Stats::inc(stats_.rx_packets);
+  core::Stats::inc(stats_.rx_bytes, datagram.size());
+  arrival_.opcode = -1;
   core::Packet pkt;
   const core::ParseError pe = core::parse(datagram, pkt);
+  if (pe != core::ParseError::kNone) core::Stats::inc(stats_.dropped[static_cast<size_t>(pe)]);
   switch (pe) {
     case core::ParseError::kNone: break;
     case core::ParseError::kBadVersion: return reply(from, pkt.h, Status::kBadVersion);
@@ -231,12 +269,15 @@ void Proxy::handle(std::span<std::byte> datagram, const Endpoint& from) {
     default: return;  // truncated, bad magic, an answer: dropped
   }
   const core::Header& h = pkt.h;
+  core::Stats::inc(stats_.requests[static_cast<uint8_t>(h.opcode)]);
+  arrival_.opcode = static_cast<uint8_t>(h.opcode);
   // The proxy does not route chains: a chain names devices, not global addresses.
   if (h.seg_count != 0 || h.opcode == Opcode::kChain) return reply(from, h, Status::kBadSegment);
   if (h.flags & ~kFlagAckReq) return reply(from, h, Status::kBadFlags);
   if (h.boot != 0 && h.boot != pool_id()) return reply(from, h, Status::kBootMismatch);
   switch (h.opcode) {
     case Opcode::kPing: return answer_ping(from, h);
+    case Opcode::kStats: return answer_stats(from, h);
     case Opcode::kPoolAlloc:
     case Opcode::kPoolFree:
     case Opcode::kPoolLookup:
@@ -290,7 +331,9 @@ void Proxy::control(const Endpoint& from, const core::Header& h, std::span<const
     switch (replay_.check(requester, h.txn, h.opcode, &remembered)) {
       case ProxyReplay::Verdict::kExecute: break;
       case ProxyReplay::Verdict::kInFlight: return;
-      case ProxyReplay::Verdict::kReplay: return reply(from, h, remembered->status, remembered->payload);
+      case ProxyReplay::Verdict::kReplay:
+        core::Stats::inc(stats_.replayed);
+        return reply(from, h, remembered->status, remembered->payload);
       case ProxyReplay::Verdict::kStale: return reply(from, h, Status::kStaleTxn);
     }
   }
@@ -424,13 +467,16 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
     switch (replay_.check(from.key(), h.txn, h.opcode, &remembered)) {
       case ProxyReplay::Verdict::kExecute: break;
       case ProxyReplay::Verdict::kInFlight: return;
-      case ProxyReplay::Verdict::kReplay: return reply(from, h, remembered->status, remembered->payload);
+      case ProxyReplay::Verdict::kReplay:
+        core::Stats::inc(stats_.replayed);
+        return reply(from, h, remembered->status, remembered->payload);
       case ProxyReplay::Verdict::kStale: return reply(from, h, Status::kStaleTxn);
     }
   }
   auto job = std::make_unique<Job>();
   job->from = from;
   job->req = h;
+  job->arrival = arrival_;
   job->mutation = atomic;
   job->alloc_id = pool::allocation_of(h.addr);
   auto fail = [&](Status s) {
@@ -731,16 +777,31 @@ void Proxy::finish(Job& j) {
     }
   }
   if (j.mutation) replay_.done(j.from.key(), j.req.txn, j.status, payload);
-  if (j.req.opcode == Opcode::kWrite && j.status == Status::kOk && !(j.req.flags & kFlagAckReq)) return;
+  if (j.req.opcode == Opcode::kWrite && j.status == Status::kOk && !(j.req.flags & kFlagAckReq)) {
+    if (latency_) unanswered_.push_back(j.arrival);
+    return;
+  }
+  arrival_ = j.arrival;
   reply(j.from, j.req, j.status, std::move(payload));
 }
 
 // ---------------------------------------------------------------- health
 
+Proxy::View Proxy::view() const {
+  std::lock_guard lock(view_mu_);
+  return view_;
+}
+
 void Proxy::health_tick() {
   const auto now = health_->now();
   if (now < next_health_) return;
   next_health_ = now + opts_.ping_interval;
+  if (latency_) {
+    View v{catalog_.stat(), {}};
+    for (const auto& c : conns_) v.clients.push_back(c->client ? c->client->counters() : Client::Counters{});
+    std::lock_guard lock(view_mu_);
+    view_ = std::move(v);
+  }
   auto& devs = catalog_.devices();
   liveness_.resize(devs.size());
   // A device that answers data traffic is alive, whatever became of PINGs.

@@ -16,11 +16,14 @@
 #include <deque>
 #include <list>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "core/stats.h"
 #include "core/wire.h"
+#include "metrics/latency.h"
 #include "mmu/catalog.h"
 #include "mmu/health.h"
 #include "mmu/replay.h"
@@ -56,6 +59,23 @@ class Proxy {
   uint32_t pool_id() const { return static_cast<uint32_t>(catalog_.pool_id()); }
   Catalog& catalog() { return catalog_; }
 
+  // The proxy's counters, as STATS answers them (device names, docs/POOL.md):
+  // safe to call from any thread.
+  core::StatList stats() const { return core::collect({&stats_}); }
+  // netdam-mmu --metrics: from now on each request is timed from the turn
+  // of the loop that received it to the turn that handed its answer to the
+  // socket, and the pool's view below is published. Call before run().
+  void serve_metrics(metrics::LatencyShard& shard) { latency_ = &shard; }
+  // The pool and, per device (in the order of stat.devices), what the
+  // proxy's client of it has counted. The loop copies it at every health
+  // tick: a scrape must not touch the catalog or the clients, which the
+  // loop replaces when a device restarts. Any thread.
+  struct View {
+    pool::PoolStat stat;
+    std::vector<Client::Counters> clients;
+  };
+  View view() const;
+
   // Serves until `stop` (checked at least every 20 ms).
   void run(const std::atomic<bool>& stop);
   // One turn of the loop, waiting up to `timeout` for input.
@@ -73,6 +93,7 @@ class Proxy {
   void reply(const transport::Endpoint& to, const core::Header& req, Status s, std::vector<std::byte>&& payload);
   void send_answers();
   void answer_ping(const transport::Endpoint& to, const core::Header& h);
+  void answer_stats(const transport::Endpoint& to, const core::Header& h);
   void control(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload);
   std::vector<std::byte> pool_alloc(std::span<const std::byte> payload, Status* s);
   Status pool_free(std::span<const std::byte> payload);
@@ -105,12 +126,26 @@ class Proxy {
   uint64_t health_seq_ = 0;
   transport::TimePoint next_health_{};
   std::vector<std::byte> rx_;
+  // When the request being handled (or finished) arrived, and whether it
+  // counted as a request (STATS op.*): what reply() charges its latency to.
+  struct Arrival {
+    transport::TimePoint at{};
+    int opcode = -1;  // -1: not a request (a malformed datagram's NAK)
+  };
+  Arrival arrival_;
   struct Answer {
     transport::Endpoint to;
     std::array<std::byte, kHeaderSize> head;
     std::vector<std::byte> payload;
+    Arrival arrival;
   };
   std::vector<Answer> answers_;  // queued by reply(), sent by send_answers()
+  std::vector<Arrival> unanswered_;  // finished this turn without an answer (WRITE without ACK_REQ)
+  core::Stats stats_;  // written by the loop only
+  uint64_t integrity_drops_seen_ = 0;
+  metrics::LatencyShard* latency_ = nullptr;
+  mutable std::mutex view_mu_;
+  View view_;  // published by health_tick() when serving metrics
 };
 
 }  // namespace netdam::mmu
