@@ -7,7 +7,8 @@ and is stopped when the object is closed (or leaves a ``with`` block).
     with netdam.local.Device(memory="16MiB", admin_key=0xAD) as dev:
         c = netdam.Client(dev.endpoint)
 
-The executables are those of the build the package was assembled in
+The executables are those of the build the package was assembled in, or,
+for a pip-installed package, those installed with it in ``netdam/bin``
 (``netdam._paths``); ``NETDAMD`` and ``NETDAM_MMU`` in the environment
 override them.
 """
