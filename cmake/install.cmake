@@ -3,8 +3,9 @@
 # targets netdam::client, ...) and netdam.pc; docs/INSTALL.md.
 #
 # The private headers under src/ stay behind: every exported library has
-# src/ as a PRIVATE include directory, and include/ as a BUILD_INTERFACE /
-# INSTALL_INTERFACE pair. The public headers include only the standard
+# src/ as a PRIVATE include directory, and include/ as a BUILD_INTERFACE one,
+# which the installed targets replace by the install's include directory
+# (INCLUDES DESTINATION below). The public headers include only the standard
 # library, so a consumer needs nothing else to compile; to link the static
 # archives it needs fmt and Highway, found by netdamConfig.cmake
 # (find_dependency) or named in netdam.pc (Requires).

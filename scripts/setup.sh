@@ -17,6 +17,7 @@ packages=(
   python3-dev pybind11-dev python3-numpy  # the netdam Python module (for /usr/bin/python3)
   python3-torch libtorch-dev           # the torch.distributed backend and optimizer offload
   tshark                               # tests/wireshark: decodes a capture with tools/wireshark/netdam.lua
+  python3-venv python3-setuptools python3-wheel  # pip install . into a venv (tests/install)
 )
 
 missing=()
