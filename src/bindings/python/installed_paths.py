@@ -7,4 +7,3 @@ import os
 _BIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin")
 NETDAMD = os.path.join(_BIN, "netdamd")
 NETDAM_MMU = os.path.join(_BIN, "netdam-mmu")
-NETDAM_CLI = os.path.join(_BIN, "netdam")
