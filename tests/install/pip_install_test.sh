@@ -5,7 +5,8 @@
 # NETDAM_CMAKE_BUILD_DIR: the files still go through a wheel into the
 # venv, only the compiling is saved), then, from another directory and
 # without PYTHONPATH, imports netdam, starts a device with the netdamd the
-# package installed and writes and reads it.
+# package installed and writes and reads it; runs the commands pip put on
+# the venv's PATH; imports the torch backend if there is one.
 # Exit 77 (CTest: skipped) where a venv with pip cannot be made.
 set -euo pipefail
 
@@ -62,6 +63,14 @@ with netdam.local.Device(memory="4MiB") as dev:
 print(f"netdam {netdam.__version__} from {os.path.dirname(netdam.__file__)}: "
       f"{len(data)} bytes written and read back through {os.path.basename(netdam.local.netdamd_path())}")
 EOF
+
+# The commands on the venv's PATH run the package's executables.
+version=$(env -u PYTHONPATH PATH="$tmp/venv/bin:$PATH" netdam --version) || fail "netdam --version"
+[[ $version == "netdam $(env -u PYTHONPATH "$venv_python" -c 'import netdam; print(netdam.__version__)')" ]] ||
+  fail "netdam --version printed '$version'"
+env -u PYTHONPATH PATH="$tmp/venv/bin:$PATH" netdamd --help >/dev/null || fail "netdamd --help"
+env -u PYTHONPATH PATH="$tmp/venv/bin:$PATH" netdam-mmu --help >/dev/null || fail "netdam-mmu --help"
+echo "commands: $version; netdamd, netdam-mmu"
 
 # The torch backend, when this build has it: it loads against Debian's torch.
 if [[ -n $(find "$tmp/venv" -name '_torch_backend*.so' -print -quit) ]]; then
