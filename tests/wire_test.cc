@@ -247,7 +247,7 @@ TEST(Wire, SegmentGoldenBytes) {
 }
 
 TEST(Wire, PingInfoGoldenBytes) {
-  PingInfo i;
+  DeviceInfo i;
   i.boot_id = 0x603E7BF1;
   i.max_payload = 8192;
   i.memory_bytes = 0x0000000101020304;
@@ -266,7 +266,7 @@ TEST(Wire, PingInfoGoldenBytes) {
   std::vector<std::byte> buf(kPingPayloadSize, std::byte{0xEE});
   encode_ping_info(i, buf.data());
   EXPECT_EQ(hex(buf), kHex);
-  const PingInfo d = decode_ping_info(unhex(kHex).data());
+  const DeviceInfo d = decode_ping_info(unhex(kHex).data());
   EXPECT_EQ(d.boot_id, i.boot_id);
   EXPECT_EQ(d.max_payload, i.max_payload);
   EXPECT_EQ(d.memory_bytes, i.memory_bytes);
@@ -285,7 +285,7 @@ TEST(Wire, RegionRecordGoldenBytes) {
   std::vector<std::byte> buf(kRegionRecordSize);
   encode_region_record({0x1000, 2 << 20, 0xBEEF, 3}, buf.data());
   EXPECT_EQ(hex(buf), kHex);
-  const RegionRecord r = decode_region_record(unhex(kHex).data());
+  const RegionInfo r = decode_region_record(unhex(kHex).data());
   EXPECT_EQ(r.base, 0x1000u);
   EXPECT_EQ(r.size, 2u << 20);
   EXPECT_EQ(r.key, 0xBEEFu);

@@ -56,26 +56,6 @@ struct ClientOptions {
   bool detect_restart = true;                     // fail if the boot id changes
 };
 
-struct DeviceInfo {
-  uint32_t boot_id = 0;
-  uint32_t max_payload = 0;
-  uint64_t memory_bytes = 0;
-  uint32_t regions = 0;
-  uint32_t replay_window = 0;
-  uint8_t version = 0;
-  // The address-validation cookie the device gave this client's address
-  // (PROTOCOL.md 9.6), sent in every request's boot field; 0: the device
-  // does not validate addresses.
-  uint32_t cookie = 0;
-};
-
-struct RegionInfo {
-  uint64_t base = 0;
-  uint64_t size = 0;
-  uint32_t key = 0;
-  uint32_t perms = 3;  // bit 0 read, bit 1 write
-};
-
 // When reduce() sends a block as (index, value) pairs.
 enum class Sparse : uint8_t { kAuto, kNever, kAlways };
 

@@ -143,6 +143,28 @@ constexpr size_t dtype_size(DType t) {
   return 0;
 }
 
+// What PING answers (PROTOCOL.md 6.1): core/wire encodes and decodes it.
+struct DeviceInfo {
+  uint32_t boot_id = 0;
+  uint32_t max_payload = 0;
+  uint64_t memory_bytes = 0;
+  uint32_t regions = 0;
+  uint32_t replay_window = 0;
+  uint8_t version = 0;
+  // The address-validation cookie the device gave this client's address
+  // (PROTOCOL.md 9.6), sent in every request's boot field; 0: the device
+  // does not validate addresses.
+  uint32_t cookie = 0;
+};
+
+// A region record (REGION_ADD, REGION_LIST; PROTOCOL.md 6.15).
+struct RegionInfo {
+  uint64_t base = 0;
+  uint64_t size = 0;
+  uint32_t key = 0;
+  uint32_t perms = 3;  // bit 0 read, bit 1 write
+};
+
 std::string_view to_string(Opcode op);
 std::string_view to_string(Status s);
 std::string_view to_string(DType t);

@@ -494,15 +494,7 @@ Result<DeviceInfo> Client::ping() {
   if (Error e = wait(h)) return e;
   if (op->answer.size() < core::kPingPayloadSize)
     return Error::protocol(fmt::format("PING answer of {} bytes", op->answer.size()));
-  const core::PingInfo i = core::decode_ping_info(op->answer.data());
-  DeviceInfo d;
-  d.boot_id = i.boot_id;
-  d.max_payload = i.max_payload;
-  d.memory_bytes = i.memory_bytes;
-  d.regions = i.regions;
-  d.replay_window = i.replay_window;
-  d.version = i.version;
-  d.cookie = i.cookie;
+  const DeviceInfo d = core::decode_ping_info(op->answer.data());
   if (opts_.detect_restart && info_.boot_id != 0 && d.boot_id != info_.boot_id)
     return Error::restarted(fmt::format("device {} restarted (boot id {:#x} -> {:#x})",
                                         device_address(), info_.boot_id, d.boot_id));
@@ -662,7 +654,7 @@ Error Client::region_add(uint32_t admin_key, const RegionInfo& r, const Hop* at)
   Packet& p = new_packet(op, Opcode::kRegionAdd, admin_key, 0, core::kRegionRecordSize);
   aim(p, at);
   p.owned.resize(core::kRegionRecordSize);
-  core::encode_region_record({r.base, r.size, r.key, r.perms}, p.owned.data());
+  core::encode_region_record(r, p.owned.data());
   p.payload = p.owned;
   Op h = start(std::move(op));
   return wait(h);
@@ -686,8 +678,7 @@ Result<std::vector<RegionInfo>> Client::region_list(uint32_t admin_key) {
   std::vector<RegionInfo> out;
   const auto& b = raw.value();
   for (size_t off = 0; off + core::kRegionRecordSize <= b.size(); off += core::kRegionRecordSize) {
-    const core::RegionRecord r = core::decode_region_record(b.data() + off);
-    out.push_back({r.base, r.size, r.key, r.perms});
+    out.push_back(core::decode_region_record(b.data() + off));
   }
   return out;
 }

@@ -698,7 +698,7 @@ Outcome Engine::run_mutation(const Request& q, std::span<std::byte> out) {
         return {s};
       }
       if (q.payload.size() != kRegionRecordSize) return {Status::kBadLength};
-      const RegionRecord r = decode_region_record(q.payload.data());
+      const RegionInfo r = decode_region_record(q.payload.data());
       const Region region{r.base, r.size, r.key, r.perms};
       const Status s = regions.add(region);
       if (s == Status::kOk) device_.aggregator_.drop(region.key);  // a fresh region starts empty
@@ -756,7 +756,7 @@ Status Engine::opt_step(const Request& q, std::span<std::byte> out) {
 
 Engine::Result Engine::ping(Address from, std::span<std::byte> out) {
   const auto& c = device_.config();
-  PingInfo info;
+  DeviceInfo info;
   info.boot_id = c.boot_id;
   info.max_payload = static_cast<uint32_t>(c.max_payload);
   info.memory_bytes = device_.memory().size();

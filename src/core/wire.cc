@@ -110,7 +110,7 @@ std::string Header::to_string() const {
       addr, length, boot);
 }
 
-void encode_ping_info(const PingInfo& info, std::byte* out) {
+void encode_ping_info(const DeviceInfo& info, std::byte* out) {
   std::memset(out, 0, kPingPayloadSize);
   store_be<uint32_t>(out, info.boot_id);
   store_be<uint32_t>(out + 4, info.max_payload);
@@ -121,8 +121,8 @@ void encode_ping_info(const PingInfo& info, std::byte* out) {
   store_be<uint32_t>(out + 28, info.cookie);
 }
 
-PingInfo decode_ping_info(const std::byte* in) {
-  PingInfo i;
+DeviceInfo decode_ping_info(const std::byte* in) {
+  DeviceInfo i;
   i.boot_id = load_be<uint32_t>(in);
   i.max_payload = load_be<uint32_t>(in + 4);
   i.memory_bytes = load_be<uint64_t>(in + 8);
@@ -133,14 +133,14 @@ PingInfo decode_ping_info(const std::byte* in) {
   return i;
 }
 
-void encode_region_record(const RegionRecord& r, std::byte* out) {
+void encode_region_record(const RegionInfo& r, std::byte* out) {
   store_be<uint64_t>(out, r.base);
   store_be<uint64_t>(out + 8, r.size);
   store_be<uint32_t>(out + 16, r.key);
   store_be<uint32_t>(out + 20, r.perms);
 }
 
-RegionRecord decode_region_record(const std::byte* in) {
+RegionInfo decode_region_record(const std::byte* in) {
   return {load_be<uint64_t>(in), load_be<uint64_t>(in + 8), load_be<uint32_t>(in + 16), load_be<uint32_t>(in + 20)};
 }
 

@@ -103,31 +103,16 @@ ParseError parse(std::span<std::byte> datagram, Packet& out);
 // ---- Fixed records inside payloads: their layout lives here only ----
 
 // PING's answer payload (PROTOCOL.md 6.1), big-endian; bytes 25-27 are
-// reserved (zero). A pool proxy answers PING with the same record.
+// reserved (zero). A pool proxy answers PING with the same record (its
+// allocations in `regions`).
 inline constexpr size_t kPingPayloadSize = 32;
-struct PingInfo {
-  uint32_t boot_id = 0;
-  uint32_t max_payload = 0;
-  uint64_t memory_bytes = 0;
-  uint32_t regions = 0;  // a proxy: its allocations
-  uint32_t replay_window = 0;
-  uint8_t version = 0;
-  uint32_t cookie = 0;  // the asker's address cookie (9.6), 0 if none
-};
-void encode_ping_info(const PingInfo& info, std::byte* out);  // kPingPayloadSize bytes
-PingInfo decode_ping_info(const std::byte* in);               // kPingPayloadSize bytes
+void encode_ping_info(const DeviceInfo& info, std::byte* out);  // kPingPayloadSize bytes
+DeviceInfo decode_ping_info(const std::byte* in);               // kPingPayloadSize bytes
 
-// A region record (REGION_ADD's payload, REGION_LIST's answer entries,
-// PROTOCOL.md 6.15): base u64, size u64, key u32, perms u32, big-endian.
+// A region record: base u64, size u64, key u32, perms u32, big-endian.
 inline constexpr size_t kRegionRecordSize = 24;
-struct RegionRecord {
-  uint64_t base = 0;
-  uint64_t size = 0;
-  uint32_t key = 0;
-  uint32_t perms = 0;
-};
-void encode_region_record(const RegionRecord& r, std::byte* out);  // kRegionRecordSize bytes
-RegionRecord decode_region_record(const std::byte* in);            // kRegionRecordSize bytes
+void encode_region_record(const RegionInfo& r, std::byte* out);  // kRegionRecordSize bytes
+RegionInfo decode_region_record(const std::byte* in);            // kRegionRecordSize bytes
 
 // Byte offset of the payload for a header with `seg_count` segments.
 constexpr size_t payload_offset(size_t seg_count) {

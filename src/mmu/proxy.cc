@@ -237,7 +237,7 @@ void Proxy::send_answers() {
 
 void Proxy::answer_ping(const Endpoint& to, const core::Header& h) {
   const auto st = catalog_.stat();
-  core::PingInfo info;
+  DeviceInfo info;
   info.boot_id = pool_id();
   info.max_payload = static_cast<uint32_t>(opts_.max_payload);
   info.memory_bytes = st.capacity;
@@ -857,7 +857,7 @@ void Proxy::health_receive() {
       if (!h.is_response() || h.opcode != Opcode::kPing || h.status != Status::kOk || id >= conns_.size() ||
           !(catalog_.devices()[id].endpoint == in[i].from))
         continue;
-      const core::PingInfo info = core::decode_ping_info(d.data() + kHeaderSize);
+      const DeviceInfo info = core::decode_ping_info(d.data() + kHeaderSize);
       liveness_.resize(catalog_.devices().size());
       liveness_.probe_answered(id, h.txn & 0xFFFFFFFF, health_->now());
       device_seen(static_cast<uint32_t>(id), info.boot_id, info.memory_bytes);
