@@ -28,6 +28,10 @@ constexpr const char* kDropNames[kParseErrorCount] = {"none",        "truncated"
                                                       "bad_crc"};
 }  // namespace
 
+std::string opcode_label(uint8_t op) {
+  return is_valid_opcode(op) ? std::string(to_string(static_cast<Opcode>(op))) : fmt::format("unknown_{:#04x}", op);
+}
+
 StatList collect(const std::vector<const Stats*>& all) {
   StatList out = {
       {"rx_packets", sum(all, &Stats::rx_packets)}, {"rx_bytes", sum(all, &Stats::rx_bytes)},
@@ -60,11 +64,7 @@ StatList collect(const std::vector<const Stats*>& all) {
   for (size_t i = 0; i < 256; ++i) {
     uint64_t v = sum_at(all, &Stats::requests, i);
     if (v == 0) continue;
-    auto op = static_cast<Opcode>(i);
-    std::string name = is_valid_opcode(static_cast<uint8_t>(i))
-                           ? std::string(to_string(op))
-                           : fmt::format("unknown_{:#04x}", i);
-    out.emplace_back("op." + name, v);
+    out.emplace_back("op." + opcode_label(static_cast<uint8_t>(i)), v);
   }
   return out;
 }

@@ -45,6 +45,11 @@ struct Stats {
 // (name, value) pairs, the form STATS puts on the wire; zero counters of
 // opcodes and statuses are left out to keep the answer short.
 using StatList = std::vector<std::pair<std::string, uint64_t>>;
+
+// An opcode's name as STATS spells it after "op.": its name, or
+// "unknown_0xNN" for a byte that is no opcode.
+std::string opcode_label(uint8_t op);
+
 StatList collect(const std::vector<const Stats*>& all);
 
 // The STATS answer's payload: entries from index `first` on, as many as fit

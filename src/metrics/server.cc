@@ -15,11 +15,6 @@ namespace netdam::metrics {
 
 namespace {
 
-std::string opcode_name(uint8_t op) {
-  return is_valid_opcode(op) ? std::string(to_string(static_cast<Opcode>(op)))
-                             : fmt::format("unknown_{:#04x}", op);
-}
-
 prometheus::ClientMetric with_labels(const std::vector<std::pair<std::string, std::string>>& labels) {
   prometheus::ClientMetric m;
   for (const auto& [k, v] : labels) m.label.push_back({k, v});
@@ -68,7 +63,7 @@ class Collector : public prometheus::Collectable {
     f.help = "Time from receiving a request to handing its answer to the transport, by opcode";
     f.type = prometheus::MetricType::Histogram;
     for (const LatencySnapshot& s : latency.snapshot()) {
-      prometheus::ClientMetric m = with_labels({{"opcode", opcode_name(s.opcode)}});
+      prometheus::ClientMetric m = with_labels({{"opcode", core::opcode_label(s.opcode)}});
       m.histogram.sample_count = s.count;
       m.histogram.sample_sum = static_cast<double>(s.sum_ns) * 1e-9;
       for (size_t b = 0; b < kLatencyBuckets; ++b) {
