@@ -330,13 +330,14 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
       // still running once ARM has answered.
       std::shared_lock gen_lock(device_.generation_mu_, std::defer_lock);
       bool skip = false;
-      const std::optional<uint32_t> perms = device_.regions().perms(s.rkey);
-      if (perms && (*perms & kPermPlainOnly)) return answer(h, reply_to, Status::kNotPermitted, {}, out);
       std::optional<Region> region;
       if (s.flags & (kSegGen | kSegStamp | kSegAwait)) {
         region = device_.regions().find(s.rkey);
         if (!region) return answer(h, reply_to, Status::kBadKey, {}, out);
       }
+      // One table lookup per hop: the region's bits if it was just found.
+      const std::optional<uint32_t> perms = region ? region->perms : device_.regions().perms(s.rkey);
+      if (perms && (*perms & kPermPlainOnly)) return answer(h, reply_to, Status::kNotPermitted, {}, out);
       // Check where the stamp goes (or is read from) before anything is
       // written.
       const uint64_t stamp_at = region ? region->base + s.aux : 0;
