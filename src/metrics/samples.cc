@@ -64,31 +64,23 @@ constexpr Labelled kLabelled[] = {
      Type::kGauge},
 };
 
+Sample stat_sample(const std::string& stat, double value) {
+  for (const Fixed& f : kFixed)
+    if (stat == f.stat) return {std::string(f.name), std::string(f.help), f.type, {}, value};
+  for (const Labelled& l : kLabelled)
+    if (stat.starts_with(l.prefix))
+      return {std::string(l.name), std::string(l.help), l.type, {{std::string(l.label), stat.substr(l.prefix.size())}},
+              value};
+  return {"netdam_stat", "A STATS entry without a metric of its own", Type::kGauge, {{"name", stat}}, value};
+}
+
 }  // namespace
 
 std::vector<Sample> stat_samples(const core::StatList& stats) {
   std::vector<Sample> out;
   out.reserve(stats.size());
-  for (const auto& [stat, value] : stats) {
-    if (stat == "dropped" || stat == "naks") continue;
-    const auto v = static_cast<double>(value);
-    bool done = false;
-    for (const Fixed& f : kFixed)
-      if (stat == f.stat) {
-        out.push_back({std::string(f.name), std::string(f.help), f.type, {}, v});
-        done = true;
-        break;
-      }
-    for (const Labelled& l : kLabelled)
-      if (!done && stat.starts_with(l.prefix)) {
-        out.push_back({std::string(l.name), std::string(l.help), l.type,
-                       {{std::string(l.label), stat.substr(l.prefix.size())}}, v});
-        done = true;
-      }
-    if (!done)
-      out.push_back({"netdam_stat", "A STATS entry without a metric of its own", Type::kGauge,
-                     {{"name", stat}}, v});
-  }
+  for (const auto& [stat, value] : stats)
+    if (stat != "dropped" && stat != "naks") out.push_back(stat_sample(stat, static_cast<double>(value)));
   return out;
 }
 
