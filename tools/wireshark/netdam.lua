@@ -401,15 +401,26 @@ end
 
 ------------------------------------------------------- payload decoders ----
 
+-- A fixed-layout record: each entry is {field, offset, size}; "le" as a
+-- fourth element for the little-endian memory values (atomics).
+local function add_layout(tree, tvb, off, layout)
+  for _, e in ipairs(layout) do
+    local r = tvb(off + e[2], e[3])
+    if e[4] == "le" then tree:add_le(e[1], r) else tree:add(e[1], r) end
+  end
+end
+
+-- A flags field and its bits, all over range r; returns the flags item.
+local function add_bits(tree, field, r, bits)
+  local item = tree:add(field, r)
+  for _, b in ipairs(bits) do item:add(b, r) end
+  return item
+end
+
 local function region_record(tvb, tree, off)
   local t = tree:add(f.region, tvb(off, 24))
-  t:add(f.region_base, tvb(off, 8))
-  t:add(f.region_size, tvb(off + 8, 8))
-  t:add(f.region_key, tvb(off + 16, 4))
-  local p = t:add(f.region_perms, tvb(off + 20, 4))
-  p:add(f.rp_read, tvb(off + 20, 4))
-  p:add(f.rp_write, tvb(off + 20, 4))
-  p:add(f.rp_plain, tvb(off + 20, 4))
+  add_layout(t, tvb, off, {{f.region_base, 0, 8}, {f.region_size, 8, 8}, {f.region_key, 16, 4}})
+  add_bits(t, f.region_perms, tvb(off + 20, 4), {f.rp_read, f.rp_write, f.rp_plain})
   t:append_text(string.format(": key 0x%x, base 0x%x, %s bytes", tvb(off + 16, 4):uint(),
                               tostring(tvb(off, 8):uint64()), tostring(tvb(off + 8, 8):uint64())))
 end
@@ -422,16 +433,9 @@ local function pool_record(tvb, tree, off, len)
   local n = tvb(off + 28, 1):uint()
   local size = math.min(32 + n, len)
   local t = tree:add(f.pool_record, tvb(off, size))
-  t:add(f.pool_base, tvb(off, 8))
-  t:add(f.pool_size, tvb(off + 8, 8))
-  t:add(f.pool_key, tvb(off + 16, 4))
-  t:add(f.pool_stripe, tvb(off + 20, 4))
-  t:add(f.pool_policy, tvb(off + 24, 1))
-  t:add(f.pool_copies, tvb(off + 25, 1))
-  t:add(f.pool_devices, tvb(off + 26, 1))
-  t:add(f.pool_state, tvb(off + 27, 1))
-  t:add(f.pool_name_len, tvb(off + 28, 1))
-  t:add(f.pool_reserved, tvb(off + 29, 3))
+  add_layout(t, tvb, off, {{f.pool_base, 0, 8}, {f.pool_size, 8, 8}, {f.pool_key, 16, 4}, {f.pool_stripe, 20, 4},
+                           {f.pool_policy, 24, 1}, {f.pool_copies, 25, 1}, {f.pool_devices, 26, 1},
+                           {f.pool_state, 27, 1}, {f.pool_name_len, 28, 1}, {f.pool_reserved, 29, 3}})
   if 32 + n > len then
     t:add_proto_expert_info(ef.malformed, "name runs past the payload")
   elseif n > 0 then
@@ -443,13 +447,8 @@ end
 
 local function pool_map(tvb, tree, off, len)
   if len < 24 then return tree:add_proto_expert_info(ef.malformed, "translation table shorter than 24 bytes") end
-  tree:add(f.pool_base, tvb(off, 8))
-  tree:add(f.pool_size, tvb(off + 8, 8))
-  tree:add(f.pool_stripe, tvb(off + 16, 4))
-  tree:add(f.pool_copies, tvb(off + 20, 1))
-  tree:add(f.pool_slots, tvb(off + 21, 1))
-  tree:add(f.pool_state, tvb(off + 22, 1))
-  tree:add(f.pool_reserved, tvb(off + 23, 1))
+  add_layout(tree, tvb, off, {{f.pool_base, 0, 8}, {f.pool_size, 8, 8}, {f.pool_stripe, 16, 4}, {f.pool_copies, 20, 1},
+                              {f.pool_slots, 21, 1}, {f.pool_state, 22, 1}, {f.pool_reserved, 23, 1}})
   local slots = tvb(off + 21, 1):uint()
   if len ~= 24 + 24 * slots then
     tree:add_proto_expert_info(ef.malformed, "payload is not 24 + 24 x slots bytes")
@@ -459,24 +458,16 @@ local function pool_map(tvb, tree, off, len)
     if s + 24 > off + len then break end
     local t = tree:add(f.pool_slot, tvb(s, 24))
     t:append_text(string.format(" %d: %s:%d", i, tostring(tvb(s, 4):ipv4()), tvb(s + 4, 2):uint()))
-    t:add(f.slot_ip, tvb(s, 4))
-    t:add(f.slot_port, tvb(s + 4, 2))
-    local fl = t:add(f.slot_flags, tvb(s + 6, 1))
-    fl:add(f.slot_live, tvb(s + 6, 1))
-    fl:add(f.slot_lost, tvb(s + 6, 1))
-    t:add(f.pool_reserved, tvb(s + 7, 1))
-    t:add(f.slot_boot, tvb(s + 8, 4))
-    t:add(f.pool_reserved, tvb(s + 12, 4))
-    t:add(f.slot_base, tvb(s + 16, 8))
+    add_layout(t, tvb, s, {{f.slot_ip, 0, 4}, {f.slot_port, 4, 2}})
+    add_bits(t, f.slot_flags, tvb(s + 6, 1), {f.slot_live, f.slot_lost})
+    add_layout(t, tvb, s, {{f.pool_reserved, 7, 1}, {f.slot_boot, 8, 4}, {f.pool_reserved, 12, 4}, {f.slot_base, 16, 8}})
   end
 end
 
 local function pool_stat(tvb, tree, off, len)
   if len < 24 then return tree:add_proto_expert_info(ef.malformed, "pool statistics shorter than 24 bytes") end
-  tree:add(f.pool_capacity, tvb(off, 8))
-  tree:add(f.pool_used, tvb(off + 8, 8))
-  tree:add(f.pool_allocations, tvb(off + 16, 4))
-  tree:add(f.pool_device_count, tvb(off + 20, 4))
+  add_layout(tree, tvb, off, {{f.pool_capacity, 0, 8}, {f.pool_used, 8, 8}, {f.pool_allocations, 16, 4},
+                              {f.pool_device_count, 20, 4}})
   local n = tvb(off + 20, 4):uint()
   if len ~= 24 + 40 * n then
     tree:add_proto_expert_info(ef.malformed, "payload is not 24 + 40 x devices bytes")
@@ -486,15 +477,9 @@ local function pool_stat(tvb, tree, off, len)
     if d + 40 > off + len then break end
     local t = tree:add(f.pool_device, tvb(d, 40))
     t:append_text(string.format(" %d: %s:%d", i, tostring(tvb(d, 4):ipv4()), tvb(d + 4, 2):uint()))
-    t:add(f.dev_ip, tvb(d, 4))
-    t:add(f.dev_port, tvb(d + 4, 2))
-    t:add(f.dev_state, tvb(d + 6, 1))
-    t:add(f.pool_reserved, tvb(d + 7, 1))
-    t:add(f.dev_boot, tvb(d + 8, 4))
-    t:add(f.pool_reserved, tvb(d + 12, 4))
-    t:add(f.dev_capacity, tvb(d + 16, 8))
-    t:add(f.dev_used, tvb(d + 24, 8))
-    t:add(f.dev_largest_free, tvb(d + 32, 8))
+    add_layout(t, tvb, d, {{f.dev_ip, 0, 4}, {f.dev_port, 4, 2}, {f.dev_state, 6, 1}, {f.pool_reserved, 7, 1},
+                           {f.dev_boot, 8, 4}, {f.pool_reserved, 12, 4}, {f.dev_capacity, 16, 8}, {f.dev_used, 24, 8},
+                           {f.dev_largest_free, 32, 8}})
   end
 end
 
@@ -522,18 +507,10 @@ end
 local function opt_config(tvb, tree, off, len)
   if not expect_len(tvb, tree, off, len, 80, "OPT_CONFIG record") then return end
   tree:add(f.opt_kind, tvb(off, 1))
-  local fl = tree:add(f.opt_flags, tvb(off + 1, 1))
-  fl:add(f.opt_nesterov, tvb(off + 1, 1))
-  tree:add(f.opt_reserved, tvb(off + 2, 6))
-  tree:add(f.opt_step, tvb(off + 8, 8))
-  tree:add(f.opt_lr, tvb(off + 16, 8))
-  tree:add(f.opt_wd, tvb(off + 24, 8))
-  tree:add(f.opt_m1, tvb(off + 32, 8))
-  tree:add(f.opt_m2, tvb(off + 40, 8))
-  tree:add(f.opt_eps, tvb(off + 48, 8))
-  tree:add(f.opt_scale, tvb(off + 56, 8))
-  tree:add(f.opt_state1, tvb(off + 64, 8))
-  tree:add(f.opt_state2, tvb(off + 72, 8))
+  add_bits(tree, f.opt_flags, tvb(off + 1, 1), {f.opt_nesterov})
+  add_layout(tree, tvb, off, {{f.opt_reserved, 2, 6}, {f.opt_step, 8, 8}, {f.opt_lr, 16, 8}, {f.opt_wd, 24, 8},
+                              {f.opt_m1, 32, 8}, {f.opt_m2, 40, 8}, {f.opt_eps, 48, 8}, {f.opt_scale, 56, 8},
+                              {f.opt_state1, 64, 8}, {f.opt_state2, 72, 8}})
 end
 
 local function agg_request(tvb, tree, off, len, dtype)
@@ -541,14 +518,8 @@ local function agg_request(tvb, tree, off, len, dtype)
     return tree:add_proto_expert_info(ef.malformed, "AGGREGATE payload shorter than its 16-byte record")
   end
   local t = tree:add(tvb(off, 16), "Aggregation record")
-  t:add(f.agg_contributor, tvb(off, 2))
-  t:add(f.agg_contributors, tvb(off + 2, 2))
-  t:add(f.agg_stride, tvb(off + 4, 4))
-  local fl = t:add(f.agg_flags, tvb(off + 8, 4))
-  fl:add(f.agg_zero, tvb(off + 8, 4))
-  fl:add(f.agg_no_result, tvb(off + 8, 4))
-  fl:add(f.agg_skip, tvb(off + 8, 4))
-  fl:add(f.agg_staged, tvb(off + 8, 4))
+  add_layout(t, tvb, off, {{f.agg_contributor, 0, 2}, {f.agg_contributors, 2, 2}, {f.agg_stride, 4, 4}})
+  add_bits(t, f.agg_flags, tvb(off + 8, 4), {f.agg_zero, f.agg_no_result, f.agg_skip, f.agg_staged})
   t:add(f.agg_reserved, tvb(off + 12, 4))
   t:append_text(string.format(": contributor %d of %d", tvb(off, 2):uint(), tvb(off + 2, 2):uint()))
   if len > 16 then dense_elements(tvb, tree, off + 16, len - 16, dtype, "Block") end
@@ -560,10 +531,7 @@ local function agg_answer(tvb, tree, off, len, dtype)
   end
   local t = tree:add(tvb(off, 8), "Aggregation answer record")
   t:add(f.agg_generation, tvb(off, 4))
-  local fl = t:add(f.agg_answer_flags, tvb(off + 4, 4))
-  fl:add(f.agg_result_zero, tvb(off + 4, 4))
-  fl:add(f.agg_none, tvb(off + 4, 4))
-  fl:add(f.agg_held, tvb(off + 4, 4))
+  add_bits(t, f.agg_answer_flags, tvb(off + 4, 4), {f.agg_result_zero, f.agg_none, f.agg_held})
   if len > 8 then dense_elements(tvb, tree, off + 8, len - 8, dtype, "Result") end
 end
 
@@ -589,9 +557,7 @@ local function request_payload(tvb, tree, off, len, op, h)
     tree:add(f.fill_pattern, tvb(off, len)):append_text(string.format(" (%d bytes)", len))
   elseif op == OP.COPY then
     if not expect_len(tvb, tree, off, len, 16, "COPY descriptor") then return end
-    tree:add(f.copy_src_addr, tvb(off, 8))
-    tree:add(f.copy_src_key, tvb(off + 8, 4))
-    tree:add(f.copy_reserved, tvb(off + 12, 4))
+    add_layout(tree, tvb, off, {{f.copy_src_addr, 0, 8}, {f.copy_src_key, 8, 4}, {f.copy_reserved, 12, 4}})
   elseif op == OP.ARM then
     if expect_len(tvb, tree, off, len, 4, "ARM generation") then tree:add(f.arm_generation, tvb(off, 4)) end
   elseif op == OP.FETCH_ADD then
@@ -600,8 +566,7 @@ local function request_payload(tvb, tree, off, len, op, h)
     if expect_len(tvb, tree, off, len, 8, "new value") then tree:add_le(f.at_new, tvb(off, 8)) end
   elseif op == OP.COMPARE_SWAP then
     if not expect_len(tvb, tree, off, len, 16, "expected and desired") then return end
-    tree:add_le(f.at_expected, tvb(off, 8))
-    tree:add_le(f.at_desired, tvb(off + 8, 8))
+    add_layout(tree, tvb, off, {{f.at_expected, 0, 8, "le"}, {f.at_desired, 8, 8, "le"}})
   elseif op == OP.OPT_CONFIG then
     opt_config(tvb, tree, off, len)
   elseif op == OP.AGGREGATE then
@@ -612,11 +577,8 @@ local function request_payload(tvb, tree, off, len, op, h)
     if expect_len(tvb, tree, off, len, 4, "region key") then tree:add(f.region_key, tvb(off, 4)) end
   elseif op == OP.POOL_ALLOC then
     if len < 17 then return tree:add_proto_expert_info(ef.malformed, "POOL_ALLOC payload shorter than 17 bytes") end
-    tree:add(f.pool_size, tvb(off, 8))
-    tree:add(f.pool_stripe, tvb(off + 8, 4))
-    tree:add(f.pool_policy, tvb(off + 12, 1))
-    tree:add(f.pool_devices, tvb(off + 13, 1))
-    tree:add(f.pool_first_device, tvb(off + 14, 2))
+    add_layout(tree, tvb, off, {{f.pool_size, 0, 8}, {f.pool_stripe, 8, 4}, {f.pool_policy, 12, 1},
+                                {f.pool_devices, 13, 1}, {f.pool_first_device, 14, 2}})
     name_field(tvb, tree, off + 16, len - 16)
   elseif op == OP.POOL_FREE or op == OP.POOL_LOOKUP then
     name_field(tvb, tree, off, len)
@@ -630,14 +592,9 @@ end
 local function answer_payload(tvb, tree, off, len, op, h)
   if op == OP.PING then
     if not expect_len(tvb, tree, off, len, 32, "PING info") then return end
-    tree:add(f.ping_boot_id, tvb(off, 4))
-    tree:add(f.ping_max_payload, tvb(off + 4, 4))
-    tree:add(f.ping_memory, tvb(off + 8, 8))
-    tree:add(f.ping_regions, tvb(off + 16, 4))
-    tree:add(f.ping_window, tvb(off + 20, 4))
-    tree:add(f.ping_version, tvb(off + 24, 1))
-    tree:add(f.ping_reserved, tvb(off + 25, 3))
-    tree:add(f.ping_cookie, tvb(off + 28, 4))
+    add_layout(tree, tvb, off, {{f.ping_boot_id, 0, 4}, {f.ping_max_payload, 4, 4}, {f.ping_memory, 8, 8},
+                                {f.ping_regions, 16, 4}, {f.ping_window, 20, 4}, {f.ping_version, 24, 1},
+                                {f.ping_reserved, 25, 3}, {f.ping_cookie, 28, 4}})
   elseif op == OP.STATS then
     stats_page(tvb, tree, off, len)
   elseif op == OP.READ then
@@ -700,18 +657,9 @@ local function segment_tree(tvb, tree, off, i, current)
   t:set_text(string.format("Segment %d%s: %s %s:%d key 0x%x addr 0x%s", i, current and " (current)" or "",
                            opcode_names[op] or string.format("0x%02x", op), tostring(tvb(off, 4):ipv4()),
                            tvb(off + 4, 2):uint(), tvb(off + 8, 4):uint(), tvb(off + 16, 8):uint64():tohex()))
-  t:add(f.seg_ip, tvb(off, 4))
-  t:add(f.seg_port, tvb(off + 4, 2))
-  t:add(f.seg_opcode, tvb(off + 6, 1))
-  local fl = t:add(f.seg_flags, tvb(off + 7, 1))
-  fl:add(f.sf_gen, tvb(off + 7, 1))
-  fl:add(f.sf_skip_stale, tvb(off + 7, 1))
-  fl:add(f.sf_stamp, tvb(off + 7, 1))
-  fl:add(f.sf_await, tvb(off + 7, 1))
-  fl:add(f.sf_reserved, tvb(off + 7, 1))
-  t:add(f.seg_rkey, tvb(off + 8, 4))
-  t:add(f.seg_aux, tvb(off + 12, 4))
-  t:add(f.seg_addr, tvb(off + 16, 8))
+  add_layout(t, tvb, off, {{f.seg_ip, 0, 4}, {f.seg_port, 4, 2}, {f.seg_opcode, 6, 1}})
+  add_bits(t, f.seg_flags, tvb(off + 7, 1), {f.sf_gen, f.sf_skip_stale, f.sf_stamp, f.sf_await, f.sf_reserved})
+  add_layout(t, tvb, off, {{f.seg_rkey, 8, 4}, {f.seg_aux, 12, 4}, {f.seg_addr, 16, 8}})
   return op
 end
 
@@ -735,25 +683,11 @@ local function dissect(tvb, pinfo, root)
   h.sparse = band(h.flags, 0x04) ~= 0
 
   local ht = tree:add(tvb(0, HEADER), "Header")
-  ht:add(f.magic, tvb(0, 4))
-  ht:add(f.version, tvb(4, 1))
-  ht:add(f.opcode, tvb(5, 1))
-  local fl = ht:add(f.flags, tvb(6, 1))
-  fl:add(f.fl_response, tvb(6, 1))
-  fl:add(f.fl_ack_req, tvb(6, 1))
-  fl:add(f.fl_sparse, tvb(6, 1))
-  fl:add(f.fl_sparse_ok, tvb(6, 1))
-  fl:add(f.fl_reserved, tvb(6, 1))
+  add_layout(ht, tvb, 0, {{f.magic, 0, 4}, {f.version, 4, 1}, {f.opcode, 5, 1}})
+  local fl = add_bits(ht, f.flags, tvb(6, 1), {f.fl_response, f.fl_ack_req, f.fl_sparse, f.fl_sparse_ok, f.fl_reserved})
   local st = ht:add(f.status, tvb(7, 1))
-  ht:add(f.dtype, tvb(8, 1))
-  ht:add(f.redop, tvb(9, 1))
-  ht:add(f.seg_count, tvb(10, 1))
-  ht:add(f.seg_index, tvb(11, 1))
-  ht:add(f.rkey, tvb(12, 4))
-  ht:add(f.txn, tvb(16, 8))
-  ht:add(f.addr, tvb(24, 8))
-  ht:add(f.length, tvb(32, 4))
-  ht:add(f.boot, tvb(36, 4))
+  add_layout(ht, tvb, 0, {{f.dtype, 8, 1}, {f.redop, 9, 1}, {f.seg_count, 10, 1}, {f.seg_index, 11, 1},
+                          {f.rkey, 12, 4}, {f.txn, 16, 8}, {f.addr, 24, 8}, {f.length, 32, 4}, {f.boot, 36, 4}})
   tree:add(f.is_response, h.response):set_generated()
   if tvb(0, 4):uint() ~= MAGIC then ht:add_proto_expert_info(ef.malformed, "wrong magic") end
   if band(h.flags, 0xF0) ~= 0 then fl:add_proto_expert_info(ef.unexpected, "reserved flag bits set: BAD_FLAGS") end
@@ -772,11 +706,8 @@ local function dissect(tvb, pinfo, root)
       off = body
     else
       local pt = tree:add(tvb(off, PREAMBLE), "Segment-routing preamble")
-      pt:add(f.sr_reply_ip, tvb(off, 4))
-      pt:add(f.sr_reply_port, tvb(off + 4, 2))
-      pt:add(f.sr_flags, tvb(off + 6, 2))
-      pt:add(f.sr_generation, tvb(off + 8, 4))
-      pt:add(f.sr_reserved, tvb(off + 12, 4))
+      add_layout(pt, tvb, off, {{f.sr_reply_ip, 0, 4}, {f.sr_reply_port, 4, 2}, {f.sr_flags, 6, 2},
+                                {f.sr_generation, 8, 4}, {f.sr_reserved, 12, 4}})
       if tvb(off, 4):uint() == 0 then pt:append_text(": reply to the source") end
       local names = {}
       for i = 0, h.seg_count - 1 do
