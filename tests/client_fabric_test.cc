@@ -12,6 +12,7 @@
 #include "core/engine.h"
 #include "core/reduce.h"
 #include "daemon/device_loop.h"
+#include "core/wire.h"
 #include "fabric_device.h"
 #include "netdam/client.h"
 #include "transport/fabric.h"
@@ -204,6 +205,32 @@ TEST(Client, WrappingRangesAreRefusedBeforeSending) {
   EXPECT_EQ(c->copy(0, near_end, 16384).code(), Error::Code::kInvalidArgument);
   EXPECT_EQ(dev.memory[0], std::byte{0});  // nothing wrapped around to address 0
   EXPECT_EQ(c->counters().packets_sent, 1u);  // only the PING of connect()
+}
+
+// call(): any opcode, the answer's payload as it came.
+TEST(Client, CallReturnsTheAnswerPayload) {
+  Fabric fabric;
+  FabricDevice dev(fabric, kDeviceAddr, 7, 1 << 20);
+  auto c = connect(fabric);
+  ASSERT_TRUE(c);
+  ASSERT_FALSE(c->write(64, std::vector<std::byte>(8, std::byte{0x42})));
+  auto ping = c->call(Opcode::kPing, 0, 0);
+  ASSERT_TRUE(ping.ok()) << ping.error().to_string();
+  EXPECT_EQ(ping->size(), core::kPingPayloadSize);
+  std::vector<std::byte> add(8);
+  add[0] = std::byte{5};
+  auto old = c->call(Opcode::kFetchAdd, 1, 64, add);
+  ASSERT_TRUE(old.ok()) << old.error().to_string();
+  ASSERT_EQ(old->size(), 8u);
+  EXPECT_EQ((*old)[0], std::byte{0x42});
+  EXPECT_EQ(dev.memory[64], std::byte{0x47});
+  // Refusals: a NAK, a payload over the limit, a key of more than 32 bits for a device.
+  EXPECT_EQ(c->call(Opcode::kFetchAdd, 99, 64, add).error().status(), Status::kBadKey);
+  std::vector<std::byte> big(c->options().max_payload + 1);
+  EXPECT_EQ(c->call(Opcode::kWrite, 1, 0, big).error().code(), Error::Code::kInvalidArgument);
+  EXPECT_EQ(c->call(Opcode::kFetchAdd, uint64_t{1} << 32 | 1, 64, add).error().code(),
+            Error::Code::kInvalidArgument);
+  EXPECT_EQ(dev.memory[64], std::byte{0x47});
 }
 
 TEST(Client, SilentDeviceTimesOutInBoundedTime) {

@@ -6,10 +6,12 @@
 #include <random>
 #include <set>
 
+#include "core/endian.h"
 #include "core/wire.h"
 #include "pool/extent_allocator.h"
 #include "pool/layout.h"
 #include "pool/pool_wire.h"
+#include "transport/transport.h"
 
 using namespace netdam;
 using namespace netdam::pool;
@@ -271,7 +273,7 @@ TEST(PoolWire, RecordGolden) {
   AllocRecord r;
   r.base = uint64_t{5} << 40;
   r.size = 0x10000;
-  r.key = 0xdeadbeef;
+  r.key = 0x0123456789abcdef;
   r.stripe = 0x1000;
   r.policy = Policy::kInterleaved;
   r.copies = 1;
@@ -280,13 +282,13 @@ TEST(PoolWire, RecordGolden) {
   r.name = "w";
   std::vector<std::byte> b;
   append(r, b);
-  EXPECT_EQ(hex(b), "0000050000000000" "0000000000010000" "deadbeef" "00001000" "00" "01" "04" "01"
+  EXPECT_EQ(hex(b), "0000050000000000" "0000000000010000" "0123456789abcdef" "00001000" "00" "01" "04" "01"
                     "01" "000000" "77");
   append(r, b);
   auto list = decode_records(b);
   ASSERT_TRUE(list);
   ASSERT_EQ(list->size(), 2u);
-  EXPECT_EQ((*list)[1].key, 0xdeadbeefu);
+  EXPECT_EQ((*list)[1].key, 0x0123456789abcdefu);
   EXPECT_EQ((*list)[1].state, AllocState::kDegraded);
   EXPECT_EQ((*list)[1].name, "w");
   EXPECT_FALSE(decode_records(std::span(b).first(b.size() - 1)));
@@ -299,15 +301,16 @@ TEST(PoolWire, MapGolden) {
   m.stripe = 0x40;
   m.copies = 2;
   m.state = AllocState::kOk;
-  m.slots.push_back(MapSlot{0x7f000001, 7000, kSlotLive, 0x11223344, 0x2000});
+  m.slots.push_back(MapSlot{0x7f000001, 7000, kSlotLive, 0x11223344, 0x5eed5eed, 0x2000});
   auto b = encode(m);
   EXPECT_EQ(hex(b), "0000010000000000" "0000000000003000" "00000040" "02" "01" "00" "00"
-                    "7f000001" "1b58" "01" "00" "11223344" "00000000" "0000000000002000");
+                    "7f000001" "1b58" "01" "00" "11223344" "5eed5eed" "0000000000002000");
   auto d = decode_map(b);
   ASSERT_TRUE(d);
   ASSERT_EQ(d->slots.size(), 1u);
   EXPECT_EQ(d->slots[0].port, 7000);
   EXPECT_EQ(d->slots[0].boot, 0x11223344u);
+  EXPECT_EQ(d->slots[0].rkey, 0x5eed5eedu);
   EXPECT_EQ(d->slots[0].base, 0x2000u);
   EXPECT_FALSE(decode_map(std::span(b).first(b.size() - 1)));
 }
@@ -339,11 +342,14 @@ TEST(PoolWire, OpcodeAndStatusNames) {
   // A POOL_MAP request is an ordinary header: opcode 0x64 at byte 5.
   core::Header h;
   h.opcode = Opcode::kPoolMap;
-  h.rkey = 0x01020304;
+  h.rkey = 0x01020304;  // key 0x1122334401020304: low half in rkey, high half in boot
+  h.boot = 0x11223344;
   h.txn = 9;
   h.addr = uint64_t{2} << 40;
   std::array<std::byte, kHeaderSize> w{};
   core::encode_header(h, w.data());
   EXPECT_EQ(hex(w), "4e44414d" "01" "64" "00" "00" "00" "00" "00" "00" "01020304" "0000000000000009"
-                    "0000020000000000" "00000000" "00000000");
+                    "0000020000000000" "00000000" "11223344");
+  const std::span<const std::byte> parts[] = {w};
+  EXPECT_EQ(core::load_be<uint32_t>(transport::integrity_trailer(parts).data()), 0x17e8d16cu);
 }

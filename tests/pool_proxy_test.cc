@@ -171,7 +171,8 @@ TEST_F(PoolProxyTest, DuplicateMutationAppliedOnce) {
   auto to = transport::parse_endpoint(mmu_.endpoint());
   core::Header h;
   h.opcode = Opcode::kFetchAdd;
-  h.rkey = a.key;
+  h.rkey = static_cast<uint32_t>(a.key);  // a proxy's key: low half in rkey, high half in boot
+  h.boot = static_cast<uint32_t>(a.key >> 32);
   h.txn = 1000;
   h.addr = a.base + 64;
   h.length = 8;

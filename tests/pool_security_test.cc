@@ -36,7 +36,7 @@ class MmuTest : public ::testing::Test {
     args.insert(args.end(), extra.begin(), extra.end());
     ASSERT_TRUE(mmu_.start(args)) << mmu_.error();
   }
-  std::unique_ptr<Pool> Connect(uint32_t admin_key = 0) {
+  std::unique_ptr<Pool> Connect(uint64_t admin_key = 0) {
     PoolOptions o;
     o.admin_key = admin_key;
     o.timeout = 2000ms;
@@ -81,6 +81,69 @@ TEST_F(MmuTest, AdminKeyRequiredToListAndKeysShownWithIt) {
   auto stranger = Connect(0x123);
   ASSERT_TRUE(stranger);
   EXPECT_FALSE(stranger->list());  // NOT_PERMITTED
+}
+
+// The proxy's keys are 64-bit (PROTOCOL.md 17): the high half travels in
+// boot and is checked; 32 right bits are not enough.
+TEST_F(MmuTest, AdminKeyIs64Bit) {
+  Start(1, {"--admin-key", "0x1122334455667788", "--log-level", "warn"});
+  auto admin = Connect(0x1122334455667788);
+  ASSERT_TRUE(admin);
+  ASSERT_TRUE(admin->alloc("x", 4096));
+  auto low_half = Connect(0x55667788);
+  ASSERT_TRUE(low_half);
+  auto l = low_half->list();
+  ASSERT_FALSE(l);
+  EXPECT_EQ(l.error().status(), Status::kNotPermitted) << l.error().to_string();
+  auto other_high = Connect(0x1122334555667788);
+  ASSERT_TRUE(other_high);
+  EXPECT_FALSE(other_high->alloc("y", 4096));
+  auto r = run_process({build_path("src/mmu/netdam-mmu"), "--device-admin-key", "1", "--device", "127.0.0.1:1",
+                        "--admin-key", "0x10000000000000000"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("64 bits"), std::string::npos) << r.err;
+}
+
+TEST_F(MmuTest, AllocationKeysAre64BitAndNeverReachTheDevices) {
+  Start(2, {"--admin-key", "0xA1", "--log-level", "warn"});
+  auto p = Connect(0xA1);
+  ASSERT_TRUE(p);
+  auto a = p->alloc("k", 2 * 4096);
+  ASSERT_TRUE(a) << a.error().to_string();
+  EXPECT_NE(a->key >> 32, 0u);
+  EXPECT_NE(static_cast<uint32_t>(a->key), 0u);
+  std::vector<std::byte> data(2 * 4096, std::byte{0x3C}), back(data.size());
+  ASSERT_FALSE(p->put(a->base, data, a->key));
+  ASSERT_FALSE(p->get(a->base, back, a->key, Pool::Path::kDirect));
+  EXPECT_EQ(back, data);
+  // The right low half with another high half (or none) is refused.
+  for (uint64_t wrong : {a->key & 0xFFFFFFFFu, a->key ^ (uint64_t{1} << 63), a->key ^ (uint64_t{1} << 32)}) {
+    Error e = p->get(a->base, back, wrong);
+    ASSERT_TRUE(e) << std::hex << wrong;
+    EXPECT_EQ(e.status(), Status::kBadKey) << e.to_string();
+    e = p->get(a->base, back, wrong, Pool::Path::kDirect);  // POOL_MAP needs the whole key too
+    ASSERT_TRUE(e) << std::hex << wrong;
+    EXPECT_EQ(e.status(), Status::kBadKey) << e.to_string();
+  }
+  // A device knows the allocation by its own 32-bit device key, not by
+  // any half of the allocation key.
+  auto dev = Client::connect(devs_[0]->endpoint());
+  ASSERT_TRUE(dev) << dev.error().to_string();
+  auto regions = (*dev)->region_list(0xAD);
+  ASSERT_TRUE(regions) << regions.error().to_string();
+  ASSERT_FALSE(regions->empty());
+  for (const RegionInfo& r : *regions) {
+    EXPECT_NE(r.key, static_cast<uint32_t>(a->key));
+    EXPECT_NE(r.key, static_cast<uint32_t>(a->key >> 32));
+  }
+  // A key of more than 32 bits for a device is refused by the client, not sent.
+  Error e = (*dev)->read(0, back, a->key);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e.code(), Error::Code::kInvalidArgument) << e.to_string();
+  // A device is not a pool proxy.
+  auto not_a_pool = Pool::connect(devs_[0]->endpoint());
+  ASSERT_FALSE(not_a_pool);
+  EXPECT_EQ(not_a_pool.error().code(), Error::Code::kInvalidArgument) << not_a_pool.error().to_string();
 }
 
 // Health: the proxy stopped (as a loaded host deschedules it) for longer

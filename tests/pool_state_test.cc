@@ -38,10 +38,10 @@ pool::AllocRequest Req(const std::string& name, uint64_t size, pool::Policy p = 
   return r;
 }
 
-uint64_t Alloc(Catalog& c, const pool::AllocRequest& r, uint32_t key = 77) {
+uint64_t Alloc(Catalog& c, const pool::AllocRequest& r, uint64_t key = 77, uint32_t device_key = 78) {
   Status s;
   std::string why;
-  auto plan = c.plan(r, key, &s, &why);
+  auto plan = c.plan(r, key, device_key, &s, &why);
   EXPECT_TRUE(plan) << why;
   if (!plan) return 0;
   EXPECT_TRUE(c.commit(*plan, &why)) << why;
@@ -58,7 +58,8 @@ TEST(PoolState, PersistsAndReloads) {
     auto c = Open(db, 3);
     pool_id = c->pool_id();
     EXPECT_NE(pool_id, 0u);
-    EXPECT_EQ(Alloc(*c, Req("a", 10000)), 1u);
+    // A 64-bit key with the top bit set: SQLite keeps it as a signed integer.
+    EXPECT_EQ(Alloc(*c, Req("a", 10000), 0xF123456789ABCDEF, 0x5EED), 1u);
     EXPECT_EQ(Alloc(*c, Req("b", 5000, pool::Policy::kReplicated)), 2u);
     EXPECT_EQ(Alloc(*c, Req("c", 100, pool::Policy::kSingle)), 3u);
     std::string why;
@@ -72,8 +73,9 @@ TEST(PoolState, PersistsAndReloads) {
   const Allocation* a = c->find("a");
   ASSERT_NE(a, nullptr);
   EXPECT_EQ(a->row.id, 1u);
-  EXPECT_EQ(a->row.key, 77u);
+  EXPECT_EQ(a->row.key, 0xF123456789ABCDEFu);
   EXPECT_EQ(a->layout.slots, 3u);
+  for (const auto& e : a->slots) EXPECT_EQ(e.key, 0x5EEDu);  // the device key
   EXPECT_EQ(a->slots[2].device_id, 2u);
   ASSERT_EQ(c->releasing().size(), 1u);
   EXPECT_EQ(c->releasing()[0].alloc_id, 3u);
@@ -119,7 +121,7 @@ TEST(PoolState, PlanIsAllOrNothing) {
   }
   // Needs 100 pages on each of 3 devices: device 2 has 64, nothing is kept.
   Status s;
-  auto p = c->plan(Req("x", 300 * 4096), 5, &s, &why);
+  auto p = c->plan(Req("x", 300 * 4096), 5, 6, &s, &why);
   EXPECT_FALSE(p);
   EXPECT_EQ(s, Status::kNoSpace);
   EXPECT_NE(why.find("device 2"), std::string::npos) << why;
@@ -127,7 +129,7 @@ TEST(PoolState, PlanIsAllOrNothing) {
   // Two devices are enough when asked for: the proxy picks the roomiest.
   auto r = Req("x", 300 * 4096);
   r.devices = 2;
-  p = c->plan(r, 5, &s, &why);
+  p = c->plan(r, 5, 6, &s, &why);
   ASSERT_TRUE(p) << why;
   EXPECT_EQ(p->alloc.slots[0].device_id, 0u);
   EXPECT_EQ(p->alloc.slots[1].device_id, 1u);
@@ -136,21 +138,21 @@ TEST(PoolState, PlanIsAllOrNothing) {
   // Bad requests.
   r = Req("y", 4096, pool::Policy::kReplicated);
   r.devices = 1;
-  EXPECT_FALSE(c->plan(r, 5, &s, &why));
+  EXPECT_FALSE(c->plan(r, 5, 6, &s, &why));
   EXPECT_EQ(s, Status::kBadPayload);
   r = Req("y", 0);
-  EXPECT_FALSE(c->plan(r, 5, &s, &why));
+  EXPECT_FALSE(c->plan(r, 5, 6, &s, &why));
   EXPECT_EQ(s, Status::kBadLength);
   r = Req("y", 4096);
   r.stripe = 100;
-  EXPECT_FALSE(c->plan(r, 5, &s, &why));
+  EXPECT_FALSE(c->plan(r, 5, 6, &s, &why));
   EXPECT_EQ(s, Status::kBadPayload);
   c->devices()[1].state = pool::DeviceState::kDown;
   r = Req("y", 4096);
   r.devices = 3;
-  EXPECT_FALSE(c->plan(r, 5, &s, &why));
+  EXPECT_FALSE(c->plan(r, 5, 6, &s, &why));
   EXPECT_EQ(s, Status::kUnavailable);
   Alloc(*c, Req("y", 4096));
-  EXPECT_FALSE(c->plan(Req("y", 4096), 5, &s, &why));
+  EXPECT_FALSE(c->plan(Req("y", 4096), 5, 6, &s, &why));
   EXPECT_EQ(s, Status::kAlreadyExists);
 }

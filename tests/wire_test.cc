@@ -261,7 +261,7 @@ TEST(Wire, PingInfoGoldenBytes) {
       "0000000101020304"  //  8 memory_bytes
       "00000003"          // 16 regions
       "00000400"          // 20 replay_window 1024
-      "01000000"          // 24 version, 3 reserved bytes
+      "01000000"          // 24 version, 25 flags (0x01 pool proxy), 2 reserved bytes
       "c0c1c2c3";         // 28 address cookie
   std::vector<std::byte> buf(kPingPayloadSize, std::byte{0xEE});
   encode_ping_info(i, buf.data());
@@ -274,6 +274,12 @@ TEST(Wire, PingInfoGoldenBytes) {
   EXPECT_EQ(d.replay_window, i.replay_window);
   EXPECT_EQ(d.version, i.version);
   EXPECT_EQ(d.cookie, i.cookie);
+  EXPECT_FALSE(d.pool_proxy);
+  // A pool proxy says so in byte 25 (its keys are 64-bit, PROTOCOL.md 17).
+  i.pool_proxy = true;
+  encode_ping_info(i, buf.data());
+  EXPECT_EQ(hex(buf).substr(48, 8), "01010000");
+  EXPECT_TRUE(decode_ping_info(buf.data()).pool_proxy);
 }
 
 TEST(Wire, RegionRecordGoldenBytes) {

@@ -2,7 +2,11 @@
 //
 // Contract
 // - Every call names a device address and uses a region key: the one in
-//   ClientOptions unless the call passes its own (rkey != 0).
+//   ClientOptions unless the call passes its own (rkey != 0). A device's
+//   keys are 32-bit. A pool proxy's (netdam-mmu) are 64-bit: the calls it
+//   serves (read, write, fill, atomics) take them whole, and the client
+//   sends the high half in the request's boot field (PROTOCOL.md 17). A key
+//   above 32 bits for a device fails the call with kInvalidArgument.
 // - Large transfers are split into packets of at most the device's maximum
 //   payload; up to `window_packets` / `window_bytes` are in flight at once
 //   (a request's bytes: what it carries or, for READ and chains, what it
@@ -48,7 +52,7 @@ struct Endpoint;
 namespace netdam {
 
 struct ClientOptions {
-  uint32_t rkey = 1;                              // default region key
+  uint64_t rkey = 1;                              // default key (64-bit only for a pool proxy)
   std::chrono::milliseconds timeout{2000};        // per packet, see above
   size_t window_packets = 64;
   size_t window_bytes = 2u << 20;
@@ -134,19 +138,24 @@ class Client {
   // Group::setup does this for every device of its group.
   Error learn_cookie(const Hop& device);
   Result<std::vector<std::pair<std::string, uint64_t>>> stats();
-  Error read(uint64_t addr, std::span<std::byte> out, uint32_t rkey = 0);
-  Error write(uint64_t addr, std::span<const std::byte> data, uint32_t rkey = 0);
+  // One request of any opcode with a payload of at most the payload limit
+  // (e.g. a pool proxy's POOL_* operations), retransmitted like every
+  // other; returns the answer's payload. `key` as for the data calls.
+  Result<std::vector<std::byte>> call(Opcode code, uint64_t key, uint64_t addr,
+                                      std::span<const std::byte> payload = {});
+  Error read(uint64_t addr, std::span<std::byte> out, uint64_t rkey = 0);
+  Error write(uint64_t addr, std::span<const std::byte> data, uint64_t rkey = 0);
   // Sent once, not acknowledged, not retransmitted: may be lost.
-  Error write_unacked(uint64_t addr, std::span<const std::byte> data, uint32_t rkey = 0);
+  Error write_unacked(uint64_t addr, std::span<const std::byte> data, uint64_t rkey = 0);
   // Repeats `pattern` (1..256 bytes) over [addr, addr+len).
-  Error fill(uint64_t addr, uint64_t len, std::span<const std::byte> pattern, uint32_t rkey = 0);
+  Error fill(uint64_t addr, uint64_t len, std::span<const std::byte> pattern, uint64_t rkey = 0);
   // Device-local copy of len bytes from (src_key, src) to (rkey, dst).
   Error copy(uint64_t dst, uint64_t src, uint64_t len, uint32_t src_key = 0, uint32_t rkey = 0);
-  Result<uint64_t> fetch_add(uint64_t addr, uint64_t add, uint32_t rkey = 0);
+  Result<uint64_t> fetch_add(uint64_t addr, uint64_t add, uint64_t rkey = 0);
   // Returns the previous value; the swap happened iff it equals `expected`.
   Result<uint64_t> compare_swap(uint64_t addr, uint64_t expected, uint64_t desired,
-                                uint32_t rkey = 0);
-  Result<uint64_t> swap(uint64_t addr, uint64_t value, uint32_t rkey = 0);
+                                uint64_t rkey = 0);
+  Result<uint64_t> swap(uint64_t addr, uint64_t value, uint64_t rkey = 0);
   // memory = memory OP data (elements of type t, little-endian).
   Error reduce(uint64_t addr, DType t, RedOp op, std::span<const std::byte> data,
                Sparse sparse = Sparse::kAuto, uint32_t rkey = 0);
@@ -175,11 +184,11 @@ class Client {
   Result<std::vector<RegionInfo>> region_list(uint32_t admin_key);
 
   // --- asynchronous calls ------------------------------------------------
-  Op read_async(uint64_t addr, std::span<std::byte> out, uint32_t rkey = 0);
-  Op write_async(uint64_t addr, std::span<const std::byte> data, uint32_t rkey = 0);
-  Op fetch_add_async(uint64_t addr, uint64_t add, uint32_t rkey = 0);
-  Op compare_swap_async(uint64_t addr, uint64_t expected, uint64_t desired, uint32_t rkey = 0);
-  Op swap_async(uint64_t addr, uint64_t value, uint32_t rkey = 0);
+  Op read_async(uint64_t addr, std::span<std::byte> out, uint64_t rkey = 0);
+  Op write_async(uint64_t addr, std::span<const std::byte> data, uint64_t rkey = 0);
+  Op fetch_add_async(uint64_t addr, uint64_t add, uint64_t rkey = 0);
+  Op compare_swap_async(uint64_t addr, uint64_t expected, uint64_t desired, uint64_t rkey = 0);
+  Op swap_async(uint64_t addr, uint64_t value, uint64_t rkey = 0);
   Op reduce_async(uint64_t addr, DType t, RedOp op, std::span<const std::byte> data,
                   Sparse sparse = Sparse::kAuto, uint32_t rkey = 0);
   Op reduce_fetch_async(uint64_t addr, DType t, RedOp op, std::span<std::byte> inout,
@@ -242,11 +251,13 @@ class Client {
          ClientOptions opts);
   Error handshake();
   size_t chunk_size(DType t) const;
-  uint32_t key(uint32_t rkey) const { return rkey ? rkey : opts_.rkey; }
-  Packet& new_packet(const std::shared_ptr<detail::OpState>& op, Opcode code, uint32_t rkey,
+  uint64_t key(uint64_t rkey) const { return rkey ? rkey : opts_.rkey; }
+  // A device's keys are 32-bit; a pool proxy's 64-bit (PROTOCOL.md 17).
+  Error check_key(uint64_t key) const;
+  Packet& new_packet(const std::shared_ptr<detail::OpState>& op, Opcode code, uint64_t key,
                      uint64_t addr, uint32_t length);
   Op start(std::shared_ptr<detail::OpState> op);
-  Op atomic_async(Opcode code, uint64_t addr, uint64_t a, uint64_t b, uint32_t rkey);
+  Op atomic_async(Opcode code, uint64_t addr, uint64_t a, uint64_t b, uint64_t rkey);
   void aim(Packet& p, const Hop* at);
   Error region_add(uint32_t admin_key, const RegionInfo& region, const Hop* at);
   Error region_del(uint32_t admin_key, uint32_t key, const Hop* at);

@@ -3,13 +3,14 @@
 // Contract
 // - Allocations are named, have a size, a placement policy (interleaved
 //   across devices, on a single device, or replicated: 2 copies on different
-//   devices) and a random access key. Their bytes are addressed by global
+//   devices) and a random 64-bit access key. Their bytes are addressed by global
 //   addresses: Allocation::base + offset, base = id << 40 (so an
 //   allocation is at most 1 TiB).
 // - The data calls are OpenSHMEM-flavoured: put/get/atomics on a global
 //   address with the allocation's key. Path::kProxy sends them to the proxy,
 //   which splits them by stripe; Path::kDirect fetches the allocation's
-//   translation table (POOL_MAP) once and talks to the devices itself. Both
+//   translation table (POOL_MAP) once and talks to the devices itself,
+//   with the devices' own 32-bit region keys that the table gives. Both
 //   give the same results. Direct atomics on replicated allocations are
 //   refused (the proxy serialises those to keep both copies equal).
 // - Errors: kNak with the proxy's status (NO_SUCH_ALLOCATION, BAD_KEY,
@@ -34,12 +35,8 @@
 
 namespace netdam {
 
-namespace transport {
-class UdpTransport;
-}
-
 struct PoolOptions {
-  uint32_t admin_key = 0;                  // the proxy's --admin-key, if it has one
+  uint64_t admin_key = 0;                  // the proxy's --admin-key, if it has one
   std::chrono::milliseconds timeout{2000};  // per request (control ops), per packet (data)
 };
 
@@ -56,7 +53,7 @@ struct PoolAllocation {
   std::string name;
   uint64_t base = 0;  // global address of byte 0
   uint64_t size = 0;
-  uint32_t key = 0;
+  uint64_t key = 0;  // 64-bit (PROTOCOL.md 17)
   uint32_t stripe = 0;
   PoolPolicy policy = PoolPolicy::kInterleaved;
   uint8_t copies = 1;
@@ -95,13 +92,13 @@ class Pool {
   Result<PoolInfo> stat();
 
   // --- data on global addresses ------------------------------------------
-  Error put(uint64_t addr, std::span<const std::byte> data, uint32_t key, Path path = Path::kProxy);
-  Error get(uint64_t addr, std::span<std::byte> out, uint32_t key, Path path = Path::kProxy);
-  Result<uint64_t> atomic_fetch_add(uint64_t addr, uint64_t value, uint32_t key, Path path = Path::kProxy);
+  Error put(uint64_t addr, std::span<const std::byte> data, uint64_t key, Path path = Path::kProxy);
+  Error get(uint64_t addr, std::span<std::byte> out, uint64_t key, Path path = Path::kProxy);
+  Result<uint64_t> atomic_fetch_add(uint64_t addr, uint64_t value, uint64_t key, Path path = Path::kProxy);
   // Returns the previous value; the swap happened iff it equals `expected`.
-  Result<uint64_t> atomic_compare_swap(uint64_t addr, uint64_t expected, uint64_t desired, uint32_t key,
+  Result<uint64_t> atomic_compare_swap(uint64_t addr, uint64_t expected, uint64_t desired, uint64_t key,
                                        Path path = Path::kProxy);
-  Result<uint64_t> atomic_swap(uint64_t addr, uint64_t value, uint32_t key, Path path = Path::kProxy);
+  Result<uint64_t> atomic_swap(uint64_t addr, uint64_t value, uint64_t key, Path path = Path::kProxy);
 
   // The client connected to the proxy (plain device protocol on global addresses).
   Client& proxy_client() { return *proxy_; }
@@ -110,17 +107,14 @@ class Pool {
 
  private:
   struct Map;
-  Pool(std::unique_ptr<Client> proxy, std::unique_ptr<transport::UdpTransport> control, PoolOptions opts);
-  Result<std::vector<std::byte>> request(Opcode op, uint32_t rkey, uint64_t addr, std::span<const std::byte> payload);
-  Result<Map*> map_for(uint64_t addr, uint32_t key);
+  Pool(std::unique_ptr<Client> proxy, PoolOptions opts);
+  Result<Map*> map_for(uint64_t addr, uint64_t key);
   Result<Client*> device(uint32_t ip, uint16_t port, uint32_t boot);
-  Error direct_rw(uint64_t addr, std::span<std::byte> buf, uint32_t key, bool write);
-  Result<uint64_t> direct_atomic(Opcode op, uint64_t addr, uint64_t a, uint64_t b, uint32_t key);
+  Error direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, bool write);
+  Result<uint64_t> direct_atomic(Opcode op, uint64_t addr, uint64_t a, uint64_t b, uint64_t key);
 
   std::unique_ptr<Client> proxy_;
-  std::unique_ptr<transport::UdpTransport> control_;
   PoolOptions opts_;
-  uint64_t next_txn_;
   std::map<uint64_t, std::unique_ptr<Map>> maps_;            // by allocation id
   std::map<uint64_t, std::unique_ptr<Client>> devices_;      // by endpoint key
 };

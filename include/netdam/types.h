@@ -151,6 +151,9 @@ struct DeviceInfo {
   uint32_t regions = 0;
   uint32_t replay_window = 0;
   uint8_t version = 0;
+  // The answerer is a pool proxy (netdam-mmu, PROTOCOL.md 17): its keys
+  // are 64-bit, the high half travelling in a request's boot field.
+  bool pool_proxy = false;
   // The address-validation cookie the device gave this client's address
   // (PROTOCOL.md 9.6), sent in every request's boot field; 0: the device
   // does not validate addresses.

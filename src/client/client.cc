@@ -55,6 +55,7 @@ struct Client::Packet {
   transport::Endpoint to{};           // CHAIN: the first hop (others: the device, unless elsewhere)
   bool elsewhere = false;             // a plain request to another device than the client's
   bool boot_zero = false;             // send boot = 0 (learning another device's cookie)
+  uint32_t key_high = 0;              // a pool proxy's key: its high half goes in boot
   bool aggregate = false;             // an AGGREGATE contribution: the answer starts with its record
   bool held = false;                  // AGGREGATE: the device has it and answers when all are in
   client_detail::LossRecovery* recovery = nullptr;  // AGGREGATE: its device's estimator, once looked up
@@ -64,6 +65,7 @@ struct Client::Packet {
   std::vector<std::byte> owned;     // payloads the client builds itself
   std::byte* answer_to = nullptr;   // READ / REDUCE_PAYLOAD: where the answer goes
   bool expect_answer = true;
+  bool keep_answer = false;         // call(): the answer's payload goes to the op
   TimePoint first_sent{}, last_sent{};
   TimePoint due{};  // NOT_READY: send again at this time
   int sends = 0;
@@ -188,6 +190,7 @@ Error Client::learn_cookie(const Hop& at) {
 // device's cookie.
 uint32_t Client::boot_for(const Packet& p) const {
   if (p.boot_zero) return 0;
+  if (info_.pool_proxy && !p.routed()) return p.key_high;
   if (p.routed() && !(p.to == *device_)) {
     auto it = cookies_.find((uint64_t{p.to.ip} << 16) | p.to.port);
     if (it != cookies_.end() && it->second != 0) return it->second;
@@ -215,7 +218,7 @@ Error Client::handshake() {
     return Error::protocol(fmt::format("device reports max payload {}", info_.max_payload));
   if (opts_.max_payload == 0 || opts_.max_payload > info_.max_payload)
     opts_.max_payload = info_.max_payload;
-  return {};
+  return check_key(opts_.rkey);
 }
 
 std::string Client::device_address() const { return device_->to_string(); }
@@ -228,11 +231,12 @@ size_t Client::chunk_size(DType t) const {
 // ---------------------------------------------------------------- building ops
 
 Client::Packet& Client::new_packet(const std::shared_ptr<detail::OpState>& op, Opcode code,
-                                   uint32_t rkey, uint64_t addr, uint32_t length) {
+                                   uint64_t key, uint64_t addr, uint32_t length) {
   auto p = std::make_unique<Packet>();
   p->op = op;
   p->h.opcode = code;
-  p->h.rkey = rkey;
+  p->h.rkey = static_cast<uint32_t>(key);
+  p->key_high = static_cast<uint32_t>(key >> 32);
   p->h.addr = addr;
   p->h.length = length;
   ++op->outstanding;
@@ -250,16 +254,23 @@ Error check_range(uint64_t addr, uint64_t len) {
 }
 }  // namespace
 
+Error Client::check_key(uint64_t key) const {
+  if (key >> 32 && !info_.pool_proxy)
+    return Error::invalid(fmt::format("key {:#x}: a device's region keys are 32-bit (64-bit keys are a pool proxy's)",
+                                      key));
+  return {};
+}
+
 Op Client::start(std::shared_ptr<detail::OpState> op) {
   op->started = true;
   if (!defer_sends_) send_queued();
   return Op(std::move(op));
 }
 
-Op Client::read_async(uint64_t addr, std::span<std::byte> out, uint32_t rkey) {
+Op Client::read_async(uint64_t addr, std::span<std::byte> out, uint64_t rkey) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kRead;
-  if ((op->error = check_range(addr, out.size()))) return start(std::move(op));
+  if ((op->error = check_range(addr, out.size())) || (op->error = check_key(key(rkey)))) return start(std::move(op));
   const size_t chunk = opts_.max_payload;
   for (size_t off = 0; off < out.size(); off += chunk) {
     const size_t n = std::min(chunk, out.size() - off);
@@ -269,10 +280,10 @@ Op Client::read_async(uint64_t addr, std::span<std::byte> out, uint32_t rkey) {
   return start(std::move(op));
 }
 
-Op Client::write_async(uint64_t addr, std::span<const std::byte> data, uint32_t rkey) {
+Op Client::write_async(uint64_t addr, std::span<const std::byte> data, uint64_t rkey) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kWrite;
-  if ((op->error = check_range(addr, data.size()))) return start(std::move(op));
+  if ((op->error = check_range(addr, data.size())) || (op->error = check_key(key(rkey)))) return start(std::move(op));
   const size_t chunk = opts_.max_payload;
   for (size_t off = 0; off < data.size(); off += chunk) {
     const size_t n = std::min(chunk, data.size() - off);
@@ -283,9 +294,10 @@ Op Client::write_async(uint64_t addr, std::span<const std::byte> data, uint32_t 
   return start(std::move(op));
 }
 
-Op Client::atomic_async(Opcode code, uint64_t addr, uint64_t a, uint64_t b, uint32_t rkey) {
+Op Client::atomic_async(Opcode code, uint64_t addr, uint64_t a, uint64_t b, uint64_t rkey) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = code;
+  if ((op->error = check_key(key(rkey)))) return start(std::move(op));
   Packet& p = new_packet(op, code, key(rkey), addr, 8);
   p.owned.resize(code == Opcode::kCompareSwap ? 16 : 8);
   store_le<uint64_t>(p.owned.data(), a);
@@ -294,13 +306,13 @@ Op Client::atomic_async(Opcode code, uint64_t addr, uint64_t a, uint64_t b, uint
   return start(std::move(op));
 }
 
-Op Client::fetch_add_async(uint64_t addr, uint64_t add, uint32_t rkey) {
+Op Client::fetch_add_async(uint64_t addr, uint64_t add, uint64_t rkey) {
   return atomic_async(Opcode::kFetchAdd, addr, add, 0, rkey);
 }
-Op Client::compare_swap_async(uint64_t addr, uint64_t expected, uint64_t desired, uint32_t rkey) {
+Op Client::compare_swap_async(uint64_t addr, uint64_t expected, uint64_t desired, uint64_t rkey) {
   return atomic_async(Opcode::kCompareSwap, addr, expected, desired, rkey);
 }
-Op Client::swap_async(uint64_t addr, uint64_t value, uint32_t rkey) {
+Op Client::swap_async(uint64_t addr, uint64_t value, uint64_t rkey) {
   return atomic_async(Opcode::kSwap, addr, value, 0, rkey);
 }
 
@@ -501,6 +513,23 @@ Result<DeviceInfo> Client::ping() {
   return d;
 }
 
+Result<std::vector<std::byte>> Client::call(Opcode code, uint64_t key, uint64_t addr,
+                                            std::span<const std::byte> payload) {
+  if (payload.size() > opts_.max_payload)
+    return Error::invalid(fmt::format("{}: a payload of {} bytes is over the limit of {}", to_string(code),
+                                      payload.size(), opts_.max_payload));
+  if (Error e = check_key(key)) return e;
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = code;
+  Packet& p = new_packet(op, code, key, addr, static_cast<uint32_t>(payload.size()));
+  p.owned.assign(payload.begin(), payload.end());  // the caller's span may go before a retransmission
+  p.payload = p.owned;
+  p.keep_answer = true;
+  Op h = start(op);
+  if (Error e = wait(h)) return e;
+  return std::move(op->answer);
+}
+
 // STATS and REGION_LIST answer a page at a time, starting at entry `addr`.
 Result<std::vector<std::byte>> Client::paged(Opcode code, uint32_t rkey) {
   std::vector<std::byte> all;
@@ -539,18 +568,19 @@ Result<std::vector<std::pair<std::string, uint64_t>>> Client::stats() {
   return out;
 }
 
-Error Client::read(uint64_t addr, std::span<std::byte> out, uint32_t rkey) {
+Error Client::read(uint64_t addr, std::span<std::byte> out, uint64_t rkey) {
   Op op = read_async(addr, out, rkey);
   return wait(op);
 }
 
-Error Client::write(uint64_t addr, std::span<const std::byte> data, uint32_t rkey) {
+Error Client::write(uint64_t addr, std::span<const std::byte> data, uint64_t rkey) {
   Op op = write_async(addr, data, rkey);
   return wait(op);
 }
 
-Error Client::write_unacked(uint64_t addr, std::span<const std::byte> data, uint32_t rkey) {
+Error Client::write_unacked(uint64_t addr, std::span<const std::byte> data, uint64_t rkey) {
   if (Error e = check_range(addr, data.size())) return e;
+  if (Error e = check_key(key(rkey))) return e;
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kWrite;
   const size_t chunk = opts_.max_payload;
@@ -564,10 +594,11 @@ Error Client::write_unacked(uint64_t addr, std::span<const std::byte> data, uint
   return wait(h);
 }
 
-Error Client::fill(uint64_t addr, uint64_t len, std::span<const std::byte> pattern, uint32_t rkey) {
+Error Client::fill(uint64_t addr, uint64_t len, std::span<const std::byte> pattern, uint64_t rkey) {
   if (pattern.empty() || pattern.size() > 256)
     return Error::invalid("fill pattern must be 1..256 bytes");
   if (Error e = check_range(addr, len)) return e;
+  if (Error e = check_key(key(rkey))) return e;
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kFill;
   // Each piece must start where the pattern would be, so the whole range
@@ -595,27 +626,27 @@ Error Client::copy(uint64_t dst, uint64_t src, uint64_t len, uint32_t src_key, u
     Packet& p = new_packet(op, Opcode::kCopy, key(rkey), dst + off, static_cast<uint32_t>(n));
     p.owned.resize(16);
     store_be<uint64_t>(p.owned.data(), src + off);
-    store_be<uint32_t>(p.owned.data() + 8, key(src_key));
+    store_be<uint32_t>(p.owned.data() + 8, static_cast<uint32_t>(key(src_key)));
     p.payload = p.owned;
   }
   Op h = start(std::move(op));
   return wait(h);
 }
 
-Result<uint64_t> Client::fetch_add(uint64_t addr, uint64_t add, uint32_t rkey) {
+Result<uint64_t> Client::fetch_add(uint64_t addr, uint64_t add, uint64_t rkey) {
   Op op = fetch_add_async(addr, add, rkey);
   if (Error e = wait(op)) return e;
   return op.value();
 }
 
 Result<uint64_t> Client::compare_swap(uint64_t addr, uint64_t expected, uint64_t desired,
-                                      uint32_t rkey) {
+                                      uint64_t rkey) {
   Op op = compare_swap_async(addr, expected, desired, rkey);
   if (Error e = wait(op)) return e;
   return op.value();
 }
 
-Result<uint64_t> Client::swap(uint64_t addr, uint64_t value, uint32_t rkey) {
+Result<uint64_t> Client::swap(uint64_t addr, uint64_t value, uint64_t rkey) {
   Op op = swap_async(addr, value, rkey);
   if (Error e = wait(op)) return e;
   return op.value();
@@ -896,6 +927,10 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
         return finish(p, Error::protocol(fmt::format("{}: {} result bytes answered, {} asked", what(),
                                                      data.size(), p.h.length)));
     }
+    return finish(p, {});
+  }
+  if (p.keep_answer) {  // call(): the payload as it came, whatever the opcode
+    op.answer.assign(payload.begin(), payload.end());
     return finish(p, {});
   }
   switch (h.opcode) {

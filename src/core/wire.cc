@@ -118,6 +118,7 @@ void encode_ping_info(const DeviceInfo& info, std::byte* out) {
   store_be<uint32_t>(out + 16, info.regions);
   store_be<uint32_t>(out + 20, info.replay_window);
   store_be<uint8_t>(out + 24, info.version);
+  store_be<uint8_t>(out + 25, info.pool_proxy ? kPingPoolProxy : 0);
   store_be<uint32_t>(out + 28, info.cookie);
 }
 
@@ -129,6 +130,7 @@ DeviceInfo decode_ping_info(const std::byte* in) {
   i.regions = load_be<uint32_t>(in + 16);
   i.replay_window = load_be<uint32_t>(in + 20);
   i.version = load_be<uint8_t>(in + 24);
+  i.pool_proxy = (load_be<uint8_t>(in + 25) & kPingPoolProxy) != 0;
   i.cookie = load_be<uint32_t>(in + 28);
   return i;
 }

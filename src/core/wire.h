@@ -106,6 +106,7 @@ ParseError parse(std::span<std::byte> datagram, Packet& out);
 // reserved (zero). A pool proxy answers PING with the same record (its
 // allocations in `regions`).
 inline constexpr size_t kPingPayloadSize = 32;
+inline constexpr uint8_t kPingPoolProxy = 0x01;  // PING flags (payload byte 25)
 void encode_ping_info(const DeviceInfo& info, std::byte* out);  // kPingPayloadSize bytes
 DeviceInfo decode_ping_info(const std::byte* in);               // kPingPayloadSize bytes
 

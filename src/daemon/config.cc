@@ -10,17 +10,23 @@
 
 namespace netdam::device {
 
-std::optional<uint32_t> parse_key(const std::string& text) {
+std::optional<uint64_t> parse_key64(const std::string& text) {
   std::string_view s = text;
   int base = 10;
   if (s.starts_with("0x") || s.starts_with("0X")) {
     s.remove_prefix(2);
     base = 16;
   }
-  uint32_t v = 0;
+  uint64_t v = 0;
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v, base);
   if (ec != std::errc() || p != s.data() + s.size() || s.empty()) return std::nullopt;
   return v;
+}
+
+std::optional<uint32_t> parse_key(const std::string& text) {
+  auto v = parse_key64(text);
+  if (!v || *v > UINT32_MAX) return std::nullopt;
+  return static_cast<uint32_t>(*v);
 }
 
 std::optional<std::array<uint64_t, 2>> parse_secret(const std::string& text) {

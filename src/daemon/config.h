@@ -63,8 +63,10 @@ std::optional<core::Region> parse_region(const std::string& text, std::string* e
 std::optional<std::array<uint64_t, 2>> parse_secret(const std::string& text);
 // "r", "w", "rw" -> permission bits.
 std::optional<uint32_t> parse_perms(const std::string& text);
-// A number in decimal or 0x-hex, at most 32 bits.
+// A number in decimal or 0x-hex, at most 32 bits (device keys) or 64 bits
+// (a pool proxy's keys).
 std::optional<uint32_t> parse_key(const std::string& text);
+std::optional<uint64_t> parse_key64(const std::string& text);
 
 // Checks ranges and consistency; returns an error message or nullopt.
 std::optional<std::string> validate(const DaemonConfig& cfg);

@@ -5,15 +5,11 @@
 
 #include <algorithm>
 
-#include "core/endian.h"
-#include "core/wire.h"
 #include "pool/layout.h"
 #include "pool/pool_wire.h"
 #include "transport/udp.h"
 
 namespace netdam::dataset {
-
-using namespace std::chrono_literals;
 
 struct PoolIo::Map {
   pool::AllocMap m;
@@ -31,49 +27,13 @@ struct PoolIo::Device {
 
 namespace {
 
-// POOL_MAP of the allocation at `base`, asked from the proxy over a socket
-// of our own and retransmitted until answered (the same exchange as
-// Pool's direct path; Pool keeps its maps private).
-Result<pool::AllocMap> fetch_map(Pool& pool, uint64_t base, uint32_t key, std::chrono::milliseconds timeout) {
-  std::string why;
-  auto to = transport::parse_endpoint(pool.proxy_client().device_address(), &why);
-  if (!to) return Error::invalid(why);
-  transport::UdpOptions u;
-  u.bind = transport::Endpoint{0, 0};
-  auto t = transport::UdpTransport::open(u, &why);
-  if (!t) return Error::transport(why);
-  core::Header h;
-  h.opcode = Opcode::kPoolMap;
-  h.rkey = key;
-  h.txn = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                    std::chrono::system_clock::now().time_since_epoch())
-                                    .count());
-  h.addr = base;
-  std::array<std::byte, kHeaderSize> head;
-  core::encode_header(h, head.data());
-  transport::OutMsg m{*to, {std::span<const std::byte>(head), {}}};
-  std::vector<std::byte> rx(kRxBufferSize);
-  const auto start = t->now();
-  auto rto = 50ms;
-  while (t->now() - start < timeout) {
-    t->send_batch({&m, 1});
-    const auto sent = t->now();
-    while (t->now() - sent < rto) {
-      transport::InMsg in;
-      in.buf = rx;
-      if (t->recv_batch({&in, 1}, 5ms) == 0) continue;
-      if (in.truncated || in.len < kHeaderSize || !(in.from == *to) || core::load_be<uint32_t>(rx.data()) != kMagic)
-        continue;
-      const core::Header a = core::decode_header(rx.data());
-      if (!a.is_response() || a.txn != h.txn || a.opcode != Opcode::kPoolMap) continue;
-      if (a.status != Status::kOk) return Error::nak(a.status, fmt::format("POOL_MAP: {}", to_string(a.status)));
-      auto map = pool::decode_map(std::span(rx).subspan(kHeaderSize, in.len - kHeaderSize));
-      if (!map || map->slots.empty()) return Error::protocol("POOL_MAP: malformed answer");
-      return std::move(*map);
-    }
-    rto = std::min<std::chrono::milliseconds>(rto * 2, 500ms);
-  }
-  return Error::timeout(fmt::format("POOL_MAP: no answer within {} ms", timeout.count()));
+// POOL_MAP of the allocation at `base`, through the Pool's proxy client.
+Result<pool::AllocMap> fetch_map(Pool& pool, uint64_t base, uint64_t key) {
+  auto a = pool.proxy_client().call(Opcode::kPoolMap, key, base);
+  if (!a) return a.error();
+  auto map = pool::decode_map(*a);
+  if (!map || map->slots.empty()) return Error::protocol("POOL_MAP: malformed answer");
+  return std::move(*map);
 }
 
 }  // namespace
@@ -93,7 +53,7 @@ Result<std::unique_ptr<PoolIo>> PoolIo::open(Pool& pool, const PoolAllocation& a
     io->devices_.push_back(std::move(d));
     return io;
   }
-  auto m = fetch_map(pool, a.base, a.key, client.timeout);
+  auto m = fetch_map(pool, a.base, a.key);
   if (!m) return m.error();
   io->map_ = std::make_unique<Map>();
   io->map_->layout = pool::Layout{m->size, m->stripe, static_cast<uint32_t>(m->slots.size()), m->copies};
@@ -117,7 +77,7 @@ Result<std::unique_ptr<PoolIo>> PoolIo::open(Pool& pool, const PoolAllocation& a
     if (!t) return Error::transport(why);
     d->fd = t->fd();
     ClientOptions co = client;
-    co.rkey = a.key;
+    co.rkey = s.rkey;  // the device's region key for this allocation
     auto c = Client::connect(std::move(t), ep, co);
     if (!c) {
       d->broken = c.error();
@@ -156,8 +116,10 @@ void PoolIo::start(uint64_t off, std::span<std::byte> buf, uint64_t tag, bool wr
     requests_.push_back(Request{tag, 0, {}});
   }
   Request& r = requests_[req];
+  // The proxy takes the allocation's key; a device its own, the client's default (open()).
+  const uint64_t key = path_ == Pool::Path::kProxy ? alloc_.key : 0;
   auto issue = [&](Device& d, uint64_t addr, std::span<std::byte> piece) {
-    Op op = write ? d.client->write_async(addr, piece, alloc_.key) : d.client->read_async(addr, piece, alloc_.key);
+    Op op = write ? d.client->write_async(addr, piece, key) : d.client->read_async(addr, piece, key);
     ops_.push_back(Piece{&d, std::move(op), req});
     ++d.in_flight;
     ++r.pieces_left;

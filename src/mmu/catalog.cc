@@ -113,8 +113,8 @@ Allocation* Catalog::find(const std::string& name) {
   return it == by_name_.end() ? nullptr : find(it->second);
 }
 
-std::optional<Catalog::Plan> Catalog::plan(const pool::AllocRequest& req, uint32_t key, Status* status,
-                                           std::string* why) {
+std::optional<Catalog::Plan> Catalog::plan(const pool::AllocRequest& req, uint64_t key, uint32_t device_key,
+                                           Status* status, std::string* why) {
   auto refuse = [&](Status s, std::string msg) -> std::optional<Plan> {
     *status = s;
     *why = std::move(msg);
@@ -180,7 +180,7 @@ std::optional<Catalog::Plan> Catalog::plan(const pool::AllocRequest& req, uint32
                                 "{} B free in one piece ({} B free in the pool)",
                                 need, slots, d.row.id, d.row.address, d.space.largest_free(), free_total));
     }
-    p.alloc.slots.push_back(ExtentRow{0, s, d.row.id, *base, need, d.row.boot, key, ExtentState::kLive});
+    p.alloc.slots.push_back(ExtentRow{0, s, d.row.id, *base, need, d.row.boot, device_key, ExtentState::kLive});
   }
   return p;
 }

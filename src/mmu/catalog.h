@@ -58,7 +58,9 @@ class Catalog {
   struct Plan {
     Allocation alloc;
   };
-  std::optional<Plan> plan(const pool::AllocRequest& req, uint32_t key, Status* status, std::string* why);
+  // `key` is the allocation's, `device_key` that of its regions on the devices.
+  std::optional<Plan> plan(const pool::AllocRequest& req, uint64_t key, uint32_t device_key, Status* status,
+                           std::string* why);
   // Persists a planned allocation (assigning its id); false: nothing kept.
   bool commit(Plan& p, std::string* why);
   // Gives the extents of a plan back.

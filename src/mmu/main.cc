@@ -107,8 +107,8 @@ int main(int argc, char** argv) {
                 "--insecure to run an open pool on a trusted network (allocation keys are still never "
                 "listed)");
   if (!admin_key.empty()) {
-    auto k = device::parse_key(admin_key);
-    if (!k || *k == 0) return fail("--admin-key: must be a nonzero 32-bit number");
+    auto k = device::parse_key64(admin_key);
+    if (!k || *k == 0) return fail("--admin-key: must be a nonzero number of up to 64 bits (decimal or 0x-hex)");
     o.admin_key = *k;
   }
   if (!max_payload.empty()) {

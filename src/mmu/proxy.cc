@@ -25,13 +25,25 @@ using namespace std::chrono_literals;
 
 namespace {
 constexpr size_t kRxBatch = 32;
-uint32_t random_key() {
+// A device region's key (32-bit on the wire). 0 is never a key and 1 is
+// netdamd's default region key.
+uint32_t random_device_key() {
   std::random_device rd;
   uint32_t k = 0;
-  // 0 is never a key and 1 is netdamd's default region key.
   while (k <= 1) k = rd();
   return k;
 }
+// An allocation key: 64 bits, both halves non-zero, so that a request
+// must carry all of them (rkey and boot, PROTOCOL.md 17).
+uint64_t random_allocation_key() {
+  std::random_device rd;
+  uint64_t k = 0;
+  while ((k >> 32) == 0 || static_cast<uint32_t>(k) == 0) k = uint64_t{rd()} << 32 | rd();
+  return k;
+}
+// The 64-bit key a request to the proxy shows: rkey is its low half, the
+// boot field (which the proxy does not check) its high half.
+uint64_t shown_key(const core::Header& h) { return uint64_t{h.boot} << 32 | h.rkey; }
 bool is_atomic(Opcode op) {
   return op == Opcode::kFetchAdd || op == Opcode::kCompareSwap || op == Opcode::kSwap;
 }
@@ -244,6 +256,7 @@ void Proxy::answer_ping(const Endpoint& to, const core::Header& h) {
   info.regions = st.allocations;
   info.replay_window = static_cast<uint32_t>(opts_.replay_window);
   info.version = kVersion;
+  info.pool_proxy = true;
   std::array<std::byte, core::kPingPayloadSize> p;
   core::encode_ping_info(info, p.data());
   reply(to, h, Status::kOk, p);
@@ -274,7 +287,6 @@ void Proxy::handle(std::span<std::byte> datagram, const Endpoint& from) {
   // The proxy does not route chains: a chain names devices, not global addresses.
   if (h.seg_count != 0 || h.opcode == Opcode::kChain) return reply(from, h, Status::kBadSegment);
   if (h.flags & ~kFlagAckReq) return reply(from, h, Status::kBadFlags);
-  if (h.boot != 0 && h.boot != pool_id()) return reply(from, h, Status::kBootMismatch);
   switch (h.opcode) {
     case Opcode::kPing: return answer_ping(from, h);
     case Opcode::kStats: return answer_stats(from, h);
@@ -298,7 +310,7 @@ void Proxy::control(const Endpoint& from, const core::Header& h, std::span<const
   if (h.opcode == Opcode::kPoolMap) {
     Allocation* a = catalog_.find(pool::allocation_of(h.addr));
     if (!a) return reply(from, h, Status::kNoSuchAllocation);
-    if (h.rkey != a->row.key) return reply(from, h, Status::kBadKey);
+    if (shown_key(h) != a->row.key) return reply(from, h, Status::kBadKey);
     pool::AllocMap m;
     m.base = a->base();
     m.size = a->row.size;
@@ -311,11 +323,11 @@ void Proxy::control(const Endpoint& from, const core::Header& h, std::span<const
       uint8_t flags = 0;
       if (usable(*a, s)) flags |= pool::kSlotLive;
       if (e.state == ExtentState::kLost) flags |= pool::kSlotLost;
-      m.slots.push_back(pool::MapSlot{d.endpoint.ip, d.endpoint.port, flags, e.boot, e.base});
+      m.slots.push_back(pool::MapSlot{d.endpoint.ip, d.endpoint.port, flags, e.boot, e.key, e.base});
     }
     return reply(from, h, Status::kOk, pool::encode(m));
   }
-  if (opts_.admin_key && h.rkey != *opts_.admin_key) return reply(from, h, Status::kNotPermitted);
+  if (opts_.admin_key && shown_key(h) != *opts_.admin_key) return reply(from, h, Status::kNotPermitted);
   // POOL_LIST shows keys only to a caller that has shown the admin key: a
   // proxy started --insecure (no admin key) lists allocations with key 0.
   // (Its POOL_LOOKUP still answers the key of a name: an open pool is one
@@ -375,9 +387,10 @@ std::vector<std::byte> Proxy::pool_alloc(std::span<const std::byte> payload, Sta
     return {};
   }
   for (int attempt = 0; attempt < 4; ++attempt) {
-    const uint32_t key = random_key();
+    const uint64_t key = random_allocation_key();
+    const uint32_t device_key = random_device_key();
     std::string why;
-    auto plan = catalog_.plan(*req, key, s, &why);
+    auto plan = catalog_.plan(*req, key, device_key, s, &why);
     if (!plan) {
       spdlog::info("POOL_ALLOC '{}' ({} B, {}) refused: {}", req->name, req->size, pool::to_string(req->policy), why);
       return {};
@@ -393,7 +406,7 @@ std::vector<std::byte> Proxy::pool_alloc(std::span<const std::byte> payload, Sta
         err = Error::timeout("device not connected");
         break;
       }
-      err = c->region_add(opts_.device_admin_key, RegionInfo{e.base, e.length, key, 3});
+      err = c->region_add(opts_.device_admin_key, RegionInfo{e.base, e.length, device_key, 3});
       if (err) break;
     }
     if (!err && !catalog_.commit(*plan, &why)) err = Error::transport(why);
@@ -409,7 +422,7 @@ std::vector<std::byte> Proxy::pool_alloc(std::span<const std::byte> payload, Sta
     }
     for (size_t i = 0; i < done; ++i) {
       const ExtentRow& e = plan->alloc.slots[i];
-      if (Client* c = client(e.device_id)) c->region_del(opts_.device_admin_key, key);
+      if (Client* c = client(e.device_id)) c->region_del(opts_.device_admin_key, device_key);
     }
     catalog_.abort(*plan);
     // A key already used on that device: draw another.
@@ -505,7 +518,7 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   }
   Allocation* a = catalog_.find(job->alloc_id);
   if (!a) return fail(Status::kNoSuchAllocation);
-  if (h.rkey != a->row.key) return fail(Status::kBadKey);
+  if (shown_key(h) != a->row.key) return fail(Status::kBadKey);
   const uint64_t off = pool::offset_of(h.addr);
   if (off > a->row.size || len > a->row.size - off) return fail(Status::kOutOfBounds);
   if (catalog_.state(*a) == AllocState::kLost) return fail(Status::kDeviceLost);
@@ -557,10 +570,11 @@ Status Proxy::start_piece(Job& j, const Allocation& a, uint64_t off, uint32_t le
     sub.slot = pl.slot;
     sub.piece = piece;
     sub.write = write;
-    Client* cl = client(a.slots[pl.slot].device_id);
-    const uint64_t addr = a.slots[pl.slot].base + pl.extent_offset;
+    const ExtentRow& e = a.slots[pl.slot];
+    Client* cl = client(e.device_id);
+    const uint64_t addr = e.base + pl.extent_offset;
     auto span = std::span(j.buf).subspan(buf_off, len);
-    sub.op = write ? cl->write_async(addr, span, a.row.key) : cl->read_async(addr, span, a.row.key);
+    sub.op = write ? cl->write_async(addr, span, e.key) : cl->read_async(addr, span, e.key);
     j.subs.push_back(std::move(sub));
     started = true;
     if (!write) break;  // a read needs one copy
@@ -592,8 +606,9 @@ void Proxy::start_atomic(Job& j) {
   for (uint32_t c = 0; c < a->layout.copies; ++c) {
     const pool::Place pl = pool::locate(a->layout, off, c);
     if (!usable(*a, pl.slot)) continue;
-    Client* cl = client(a->slots[pl.slot].device_id);
-    const uint64_t addr = a->slots[pl.slot].base + pl.extent_offset;
+    const ExtentRow& e = a->slots[pl.slot];
+    Client* cl = client(e.device_id);
+    const uint64_t addr = e.base + pl.extent_offset;
     const uint64_t x = load_le<uint64_t>(j.buf.data());
     Job::Sub sub;
     sub.off = off;
@@ -601,9 +616,9 @@ void Proxy::start_atomic(Job& j) {
     sub.slot = pl.slot;
     sub.copy = c;
     switch (j.req.opcode) {
-      case Opcode::kFetchAdd: sub.op = cl->fetch_add_async(addr, x, a->row.key); break;
-      case Opcode::kSwap: sub.op = cl->swap_async(addr, x, a->row.key); break;
-      default: sub.op = cl->compare_swap_async(addr, x, load_le<uint64_t>(j.buf.data() + 8), a->row.key); break;
+      case Opcode::kFetchAdd: sub.op = cl->fetch_add_async(addr, x, e.key); break;
+      case Opcode::kSwap: sub.op = cl->swap_async(addr, x, e.key); break;
+      default: sub.op = cl->compare_swap_async(addr, x, load_le<uint64_t>(j.buf.data() + 8), e.key); break;
     }
     j.primary = pl.slot;
     j.subs.push_back(std::move(sub));
@@ -693,7 +708,7 @@ bool Proxy::progress(Job& j) {
         retry.status = Status::kOk;
         retry.copy = 1 - sub.copy;
         retry.slot = other;
-        retry.op = cl->read_async(a->slots[other].base + pl.extent_offset, span, a->row.key);
+        retry.op = cl->read_async(a->slots[other].base + pl.extent_offset, span, a->slots[other].key);
         sub.status = Status::kOk;  // superseded by the retry
         j.subs.push_back(std::move(retry));
         return false;
@@ -729,8 +744,8 @@ bool Proxy::progress(Job& j) {
       sub.slot = pl.slot;
       sub.copy = c;
       sub.write = true;
-      sub.op = client(a->slots[pl.slot].device_id)->write_async(a->slots[pl.slot].base + pl.extent_offset, j.word,
-                                                                  a->row.key);
+      const ExtentRow& e = a->slots[pl.slot];
+      sub.op = client(e.device_id)->write_async(e.base + pl.extent_offset, j.word, e.key);
       j.subs.push_back(std::move(sub));
     }
     return false;

@@ -36,7 +36,7 @@ struct ProxyOptions {
   transport::Endpoint listen{0x7F000001, 7100};
   std::vector<std::string> devices;     // HOST:PORT, added to those in the state file
   uint32_t device_admin_key = 0;        // REGION_ADD/DEL on the devices (required)
-  std::optional<uint32_t> admin_key;    // pool control ops; unset: open
+  std::optional<uint64_t> admin_key;    // pool control ops (64-bit, PROTOCOL.md 17); unset: open
   std::string state_file;               // empty: nothing persists
   std::chrono::milliseconds ping_interval{100};
   std::chrono::milliseconds device_timeout{500};  // a device op unanswered this long fails

@@ -116,7 +116,7 @@ std::optional<StoredState> StateStore::load(std::string* error) {
       a.slots = static_cast<uint32_t>(q.u64(4));
       a.copies = static_cast<uint32_t>(q.u64(5));
       a.policy = static_cast<uint8_t>(q.u64(6));
-      a.key = static_cast<uint32_t>(q.u64(7));
+      a.key = q.u64(7);
       st.allocations.push_back(std::move(a));
     }
     if (rc != SQLITE_DONE) goto fail;

@@ -34,7 +34,7 @@ struct ExtentRow {
   uint32_t device_id = 0;
   uint64_t base = 0, length = 0;  // device address and bytes
   uint32_t boot = 0;              // the device incarnation that holds the data
-  uint32_t key = 0;               // the device region's key (= the allocation key)
+  uint32_t key = 0;               // the device region's key (its own: device keys are 32-bit)
   ExtentState state = ExtentState::kLive;
 };
 
@@ -44,7 +44,7 @@ struct AllocationRow {
   uint64_t size = 0;
   uint32_t stripe = 0, slots = 0, copies = 0;
   uint8_t policy = 0;
-  uint32_t key = 0;
+  uint64_t key = 0;  // the allocation key clients show the proxy (64-bit, PROTOCOL.md 17)
 };
 
 struct StoredState {

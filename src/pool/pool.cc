@@ -1,27 +1,20 @@
 #include "netdam/pool.h"
 
 #include <fmt/format.h>
-#include <poll.h>
 
 #include <algorithm>
-#include <cstring>
 
-#include "core/endian.h"
-#include "core/wire.h"
 #include "pool/layout.h"
 #include "pool/pool_wire.h"
-#include "transport/udp.h"
+#include "transport/transport.h"
 
 namespace netdam {
-
-using core::load_be;
-using namespace std::chrono_literals;
 
 // A cached POOL_MAP answer.
 struct Pool::Map {
   pool::AllocMap m;
   pool::Layout layout;
-  uint32_t key = 0;
+  uint64_t key = 0;  // the allocation key it was fetched with
 };
 
 namespace {
@@ -45,64 +38,19 @@ Result<std::unique_ptr<Pool>> Pool::connect(std::string_view proxy, PoolOptions 
   co.timeout = opts.timeout;
   auto c = Client::connect(proxy, co);
   if (!c) return c.error();
-  std::string why;
-  transport::UdpOptions u;
-  u.bind = transport::Endpoint{0, 0};
-  auto t = transport::UdpTransport::open(u, &why);
-  if (!t) return Error::transport(why);
-  return std::unique_ptr<Pool>(new Pool(std::move(*c), std::move(t), opts));
+  if (!(*c)->device_info().pool_proxy)
+    return Error::invalid(fmt::format("{} is a device, not a pool proxy (netdam-mmu)", proxy));
+  return std::unique_ptr<Pool>(new Pool(std::move(*c), opts));
 }
 
-Pool::Pool(std::unique_ptr<Client> proxy, std::unique_ptr<transport::UdpTransport> control, PoolOptions opts)
-    : proxy_(std::move(proxy)), control_(std::move(control)), opts_(opts) {
-  // Txns start at the wall clock in ns, as the Client's do (PROTOCOL.md 9.1).
-  next_txn_ = static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count());
-}
+// Control requests go through the proxy's Client (Client::call): its
+// retransmission, restart detection and counters, and the proxy's replay
+// window makes POOL_ALLOC and POOL_FREE exactly-once.
+Pool::Pool(std::unique_ptr<Client> proxy, PoolOptions opts) : proxy_(std::move(proxy)), opts_(opts) {}
 
 Pool::~Pool() = default;
 
 void Pool::forget_maps() { maps_.clear(); }
-
-// One control request to the proxy, retransmitted (same txn, same bytes)
-// until answered: POOL_ALLOC and POOL_FREE are exactly-once at the proxy.
-Result<std::vector<std::byte>> Pool::request(Opcode op, uint32_t rkey, uint64_t addr,
-                                             std::span<const std::byte> payload) {
-  core::Header h;
-  h.opcode = op;
-  h.rkey = rkey;
-  h.txn = next_txn_++;
-  h.addr = addr;
-  h.length = static_cast<uint32_t>(payload.size());
-  std::array<std::byte, kHeaderSize> head;
-  core::encode_header(h, head.data());
-  std::string why;
-  auto to = transport::parse_endpoint(proxy_->device_address(), &why);
-  if (!to) return Error::invalid(why);
-  transport::OutMsg m{*to, {std::span<const std::byte>(head), payload}};
-  std::vector<std::byte> rx(kRxBufferSize);
-  const auto start = control_->now();
-  auto rto = std::chrono::milliseconds(50);
-  while (control_->now() - start < opts_.timeout) {
-    control_->send_batch({&m, 1});
-    const auto sent = control_->now();
-    while (control_->now() - sent < rto) {
-      transport::InMsg in;
-      in.buf = rx;
-      if (control_->recv_batch({&in, 1}, std::chrono::milliseconds(5)) == 0) continue;
-      if (in.truncated || in.len < kHeaderSize || !(in.from == *to) || load_be<uint32_t>(rx.data()) != kMagic) continue;
-      core::Header a = core::decode_header(rx.data());
-      if (!a.is_response() || a.txn != h.txn || a.opcode != op) continue;
-      const auto what = [&] { return fmt::format("{} via {}", to_string(op), proxy_->device_address()); };
-      if (a.status != Status::kOk) return Error::nak(a.status, fmt::format("{}: {}", what(), to_string(a.status)));
-      if (a.length != in.len - kHeaderSize) return Error::protocol(what() + ": answer length disagrees with its datagram");
-      return std::vector<std::byte>(rx.begin() + kHeaderSize, rx.begin() + static_cast<std::ptrdiff_t>(in.len));
-    }
-    rto = std::min<std::chrono::milliseconds>(rto * 2, 500ms);
-  }
-  return Error::timeout(fmt::format("{} to {}: no answer within {} ms", to_string(op), proxy_->device_address(),
-                                    opts_.timeout.count()));
-}
 
 Result<PoolAllocation> Pool::alloc(std::string_view name, uint64_t size, const AllocOptions& o) {
   if (!pool::valid_name(name)) return Error::invalid("allocation names are 1..64 bytes of [A-Za-z0-9._-]");
@@ -113,7 +61,7 @@ Result<PoolAllocation> Pool::alloc(std::string_view name, uint64_t size, const A
   r.devices = o.devices;
   r.first_device = o.first_device < 0 ? pool::kAnyDevice : static_cast<uint16_t>(o.first_device);
   r.name = std::string(name);
-  auto a = request(Opcode::kPoolAlloc, opts_.admin_key, 0, pool::encode(r));
+  auto a = proxy_->call(Opcode::kPoolAlloc, opts_.admin_key, 0, pool::encode(r));
   if (!a) return a.error();
   auto rec = pool::decode_record(*a);
   if (!rec) return Error::protocol("POOL_ALLOC: malformed allocation record");
@@ -122,14 +70,14 @@ Result<PoolAllocation> Pool::alloc(std::string_view name, uint64_t size, const A
 
 Error Pool::free(std::string_view name) {
   if (!pool::valid_name(name)) return Error::invalid("allocation names are 1..64 bytes of [A-Za-z0-9._-]");
-  auto a = request(Opcode::kPoolFree, opts_.admin_key, 0, pool::encode_name(name));
+  auto a = proxy_->call(Opcode::kPoolFree, opts_.admin_key, 0, pool::encode_name(name));
   for (auto it = maps_.begin(); it != maps_.end();) it = maps_.erase(it);
   return a ? Error{} : a.error();
 }
 
 Result<PoolAllocation> Pool::lookup(std::string_view name) {
   if (!pool::valid_name(name)) return Error::invalid("allocation names are 1..64 bytes of [A-Za-z0-9._-]");
-  auto a = request(Opcode::kPoolLookup, opts_.admin_key, 0, pool::encode_name(name));
+  auto a = proxy_->call(Opcode::kPoolLookup, opts_.admin_key, 0, pool::encode_name(name));
   if (!a) return a.error();
   auto rec = pool::decode_record(*a);
   if (!rec) return Error::protocol("POOL_LOOKUP: malformed allocation record");
@@ -139,7 +87,7 @@ Result<PoolAllocation> Pool::lookup(std::string_view name) {
 Result<std::vector<PoolAllocation>> Pool::list() {
   std::vector<PoolAllocation> out;
   for (;;) {
-    auto a = request(Opcode::kPoolList, opts_.admin_key, out.size(), {});
+    auto a = proxy_->call(Opcode::kPoolList, opts_.admin_key, out.size(), {});
     if (!a) return a.error();
     auto recs = pool::decode_records(*a);
     if (!recs) return Error::protocol("POOL_LIST: malformed records");
@@ -149,7 +97,7 @@ Result<std::vector<PoolAllocation>> Pool::list() {
 }
 
 Result<PoolInfo> Pool::stat() {
-  auto a = request(Opcode::kPoolStat, opts_.admin_key, 0, {});
+  auto a = proxy_->call(Opcode::kPoolStat, opts_.admin_key, 0, {});
   if (!a) return a.error();
   auto st = pool::decode_stat(*a);
   if (!st) return Error::protocol("POOL_STAT: malformed answer");
@@ -166,37 +114,37 @@ Result<PoolInfo> Pool::stat() {
 
 // ---------------------------------------------------------------- data
 
-Error Pool::put(uint64_t addr, std::span<const std::byte> data, uint32_t key, Path path) {
+Error Pool::put(uint64_t addr, std::span<const std::byte> data, uint64_t key, Path path) {
   if (path == Path::kProxy) return proxy_->write(addr, data, key);
   // direct_rw only reads from the buffer when writing.
   return direct_rw(addr, std::span(const_cast<std::byte*>(data.data()), data.size()), key, true);
 }
 
-Error Pool::get(uint64_t addr, std::span<std::byte> out, uint32_t key, Path path) {
+Error Pool::get(uint64_t addr, std::span<std::byte> out, uint64_t key, Path path) {
   if (path == Path::kProxy) return proxy_->read(addr, out, key);
   return direct_rw(addr, out, key, false);
 }
 
-Result<uint64_t> Pool::atomic_fetch_add(uint64_t addr, uint64_t value, uint32_t key, Path path) {
+Result<uint64_t> Pool::atomic_fetch_add(uint64_t addr, uint64_t value, uint64_t key, Path path) {
   if (path == Path::kProxy) return proxy_->fetch_add(addr, value, key);
   return direct_atomic(Opcode::kFetchAdd, addr, value, 0, key);
 }
 
-Result<uint64_t> Pool::atomic_compare_swap(uint64_t addr, uint64_t expected, uint64_t desired, uint32_t key,
+Result<uint64_t> Pool::atomic_compare_swap(uint64_t addr, uint64_t expected, uint64_t desired, uint64_t key,
                                            Path path) {
   if (path == Path::kProxy) return proxy_->compare_swap(addr, expected, desired, key);
   return direct_atomic(Opcode::kCompareSwap, addr, expected, desired, key);
 }
 
-Result<uint64_t> Pool::atomic_swap(uint64_t addr, uint64_t value, uint32_t key, Path path) {
+Result<uint64_t> Pool::atomic_swap(uint64_t addr, uint64_t value, uint64_t key, Path path) {
   if (path == Path::kProxy) return proxy_->swap(addr, value, key);
   return direct_atomic(Opcode::kSwap, addr, value, 0, key);
 }
 
-Result<Pool::Map*> Pool::map_for(uint64_t addr, uint32_t key) {
+Result<Pool::Map*> Pool::map_for(uint64_t addr, uint64_t key) {
   const uint64_t id = pool::allocation_of(addr);
   if (auto it = maps_.find(id); it != maps_.end() && it->second->key == key) return it->second.get();
-  auto a = request(Opcode::kPoolMap, key, pool::global_address(id, 0), {});
+  auto a = proxy_->call(Opcode::kPoolMap, key, pool::global_address(id, 0), {});
   if (!a) return a.error();
   auto m = pool::decode_map(*a);
   if (!m || m->slots.empty()) return Error::protocol("POOL_MAP: malformed answer");
@@ -237,7 +185,7 @@ Error map_refusal(const pool::AllocMap& m) {
 }
 }  // namespace
 
-Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint32_t key, bool write) {
+Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, bool write) {
   auto mr = map_for(addr, key);
   if (!mr) return mr.error();
   Map& map = **mr;
@@ -268,7 +216,7 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint32_t key, boo
         continue;
       }
       const uint64_t daddr = s.base + pl.extent_offset;
-      ops.push_back({*c, write ? (*c)->write_async(daddr, piece, key) : (*c)->read_async(daddr, piece, key)});
+      ops.push_back({*c, write ? (*c)->write_async(daddr, piece, s.rkey) : (*c)->read_async(daddr, piece, s.rkey)});
       started = true;
       if (!write) break;
     }
@@ -283,7 +231,7 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint32_t key, boo
   return first;
 }
 
-Result<uint64_t> Pool::direct_atomic(Opcode op, uint64_t addr, uint64_t a, uint64_t b, uint32_t key) {
+Result<uint64_t> Pool::direct_atomic(Opcode op, uint64_t addr, uint64_t a, uint64_t b, uint64_t key) {
   auto mr = map_for(addr, key);
   if (!mr) return mr.error();
   Map& map = **mr;
@@ -301,9 +249,10 @@ Result<uint64_t> Pool::direct_atomic(Opcode op, uint64_t addr, uint64_t a, uint6
   if ((*c)->device_info().boot_id != s.boot)
     return Error::nak(Status::kDeviceLost, "direct: device " + (*c)->device_address() + " restarted");
   const uint64_t daddr = s.base + pl.extent_offset;
-  Result<uint64_t> r = op == Opcode::kFetchAdd ? (*c)->fetch_add(daddr, a, key)
-                       : op == Opcode::kSwap   ? (*c)->swap(daddr, a, key)
-                                               : (*c)->compare_swap(daddr, a, b, key);
+  // The device's region key for this allocation, from the map (devices' keys are 32-bit).
+  Result<uint64_t> r = op == Opcode::kFetchAdd ? (*c)->fetch_add(daddr, a, s.rkey)
+                       : op == Opcode::kSwap   ? (*c)->swap(daddr, a, s.rkey)
+                                               : (*c)->compare_swap(daddr, a, b, s.rkey);
   if (!r) maps_.erase(pool::allocation_of(addr));
   return r;
 }

@@ -111,14 +111,14 @@ void append(const AllocRecord& r, std::vector<std::byte>& out) {
   std::byte* p = out.data() + at;
   store_be<uint64_t>(p + 0, r.base);
   store_be<uint64_t>(p + 8, r.size);
-  store_be<uint32_t>(p + 16, r.key);
-  store_be<uint32_t>(p + 20, r.stripe);
-  p[24] = static_cast<std::byte>(r.policy);
-  p[25] = static_cast<std::byte>(r.copies);
-  p[26] = static_cast<std::byte>(r.devices);
-  p[27] = static_cast<std::byte>(r.state);
-  p[28] = static_cast<std::byte>(r.name.size());
-  // 29..31 reserved, zero
+  store_be<uint64_t>(p + 16, r.key);
+  store_be<uint32_t>(p + 24, r.stripe);
+  p[28] = static_cast<std::byte>(r.policy);
+  p[29] = static_cast<std::byte>(r.copies);
+  p[30] = static_cast<std::byte>(r.devices);
+  p[31] = static_cast<std::byte>(r.state);
+  p[32] = static_cast<std::byte>(r.name.size());
+  // 33..35 reserved, zero
   put_name(out, at + kAllocRecordFixed, r.name);
 }
 
@@ -127,15 +127,15 @@ std::optional<AllocRecord> decode_record(std::span<const std::byte> p, size_t* u
   AllocRecord r;
   r.base = load_be<uint64_t>(p.data());
   r.size = load_be<uint64_t>(p.data() + 8);
-  r.key = load_be<uint32_t>(p.data() + 16);
-  r.stripe = load_be<uint32_t>(p.data() + 20);
-  const uint8_t policy = static_cast<uint8_t>(p[24]), state = static_cast<uint8_t>(p[27]);
+  r.key = load_be<uint64_t>(p.data() + 16);
+  r.stripe = load_be<uint32_t>(p.data() + 24);
+  const uint8_t policy = static_cast<uint8_t>(p[28]), state = static_cast<uint8_t>(p[31]);
   if (policy >= kPolicyCount || state > static_cast<uint8_t>(AllocState::kUnavailable)) return std::nullopt;
   r.policy = static_cast<Policy>(policy);
-  r.copies = static_cast<uint8_t>(p[25]);
-  r.devices = static_cast<uint8_t>(p[26]);
+  r.copies = static_cast<uint8_t>(p[29]);
+  r.devices = static_cast<uint8_t>(p[30]);
   r.state = static_cast<AllocState>(state);
-  const size_t n = static_cast<uint8_t>(p[28]);
+  const size_t n = static_cast<uint8_t>(p[32]);
   if (p.size() < kAllocRecordFixed + n) return std::nullopt;
   r.name = get_name(p.data() + kAllocRecordFixed, n);
   if (used) *used = kAllocRecordFixed + n;
@@ -170,6 +170,7 @@ std::vector<std::byte> encode(const AllocMap& m) {
     store_be<uint16_t>(s + 4, slot.port);
     s[6] = static_cast<std::byte>(slot.flags);
     store_be<uint32_t>(s + 8, slot.boot);
+    store_be<uint32_t>(s + 12, slot.rkey);
     store_be<uint64_t>(s + 16, slot.base);
   }
   return out;
@@ -194,6 +195,7 @@ std::optional<AllocMap> decode_map(std::span<const std::byte> p) {
     slot.port = load_be<uint16_t>(s + 4);
     slot.flags = static_cast<uint8_t>(s[6]);
     slot.boot = load_be<uint32_t>(s + 8);
+    slot.rkey = load_be<uint32_t>(s + 12);
     slot.base = load_be<uint64_t>(s + 16);
     m.slots.push_back(slot);
   }

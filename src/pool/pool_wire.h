@@ -52,11 +52,11 @@ std::vector<std::byte> encode_name(std::string_view name);
 std::optional<std::string> decode_name(std::span<const std::byte> p);
 
 // An allocation record (answer of ALLOC and LOOKUP, entries of LIST):
-// 32 bytes + name.
+// 36 bytes + name.
 struct AllocRecord {
   uint64_t base = 0;  // global address of offset 0: id << 40
   uint64_t size = 0;
-  uint32_t key = 0;
+  uint64_t key = 0;   // 64-bit: rkey + boot of a request to the proxy (PROTOCOL.md 17)
   uint32_t stripe = 0;
   Policy policy = Policy::kInterleaved;
   uint8_t copies = 1;
@@ -64,7 +64,7 @@ struct AllocRecord {
   AllocState state = AllocState::kOk;
   std::string name;
 };
-inline constexpr size_t kAllocRecordFixed = 32;
+inline constexpr size_t kAllocRecordFixed = 36;
 void append(const AllocRecord& r, std::vector<std::byte>& out);
 // Decodes one record at the start of `p`; `used` gets its size.
 std::optional<AllocRecord> decode_record(std::span<const std::byte> p, size_t* used = nullptr);
@@ -77,6 +77,7 @@ struct MapSlot {
   uint16_t port = 0;
   uint8_t flags = 0;  // kSlotLive, kSlotLost
   uint32_t boot = 0;  // the device incarnation that holds the data
+  uint32_t rkey = 0;  // the device region's key for this allocation (not the allocation key)
   uint64_t base = 0;  // device address of the slot's extent
 };
 inline constexpr uint8_t kSlotLive = 0x01;  // the device answers and still holds the data

@@ -39,12 +39,13 @@ void check_range(std::string_view op, uint64_t addr, uint64_t len, std::string_v
 
 // ---------------------------------------------------------------- session
 
-uint32_t Session::key(std::string_view op) { return key_arg(op, "--key", g_.key); }
+// 64 bits: a pool proxy's keys are (the client refuses more than 32 for a device).
+uint64_t Session::key(std::string_view op) { return key_arg(op, "--key", g_.key, 64); }
 
 uint32_t Session::admin_key(std::string_view op) {
   if (g_.admin_key.empty())
     usage_error(op, "region admin needs the device's admin key: --admin-key K or NETDAM_ADMIN_KEY");
-  return key_arg(op, "--admin-key", g_.admin_key);
+  return static_cast<uint32_t>(key_arg(op, "--admin-key", g_.admin_key));
 }
 
 Client& Session::client(std::string_view op) {
@@ -246,7 +247,8 @@ int cmd_copy(Session& s, const CopyArgs& a) {
   const uint64_t len = number_arg(op, "LEN", a.len);
   check_range(op, dst, len, "DST");
   check_range(op, src, len, "SRC");
-  const uint32_t src_key = a.src_key.empty() ? s.key(op) : key_arg(op, "--src-key", a.src_key);
+  // COPY is a device's: 32-bit keys (a longer --key failed the connection already).
+  const auto src_key = static_cast<uint32_t>(a.src_key.empty() ? s.key(op) : key_arg(op, "--src-key", a.src_key));
   constexpr uint64_t kOneRequest = 1ull << 30;  // Client::copy splits larger copies
   Error e = non_idempotent(s, op, len <= kOneRequest,
                            [&](Client& c) { return c.copy(dst, src, len, src_key); });
@@ -330,7 +332,7 @@ int cmd_region_add(Session& s, const RegionArgs& a) {
   RegionInfo r;
   r.base = number_arg(op, "BASE", a.base);
   r.size = number_arg(op, "SIZE", a.size);
-  r.key = key_arg(op, "KEY", a.key);
+  r.key = static_cast<uint32_t>(key_arg(op, "KEY", a.key));
   const auto perms = device::parse_perms(a.perms);
   if (!perms) usage_error(op, fmt::format("--perms: '{}' is not r, w or rw", a.perms));
   r.perms = *perms;
@@ -342,7 +344,7 @@ int cmd_region_add(Session& s, const RegionArgs& a) {
 
 int cmd_region_del(Session& s, const RegionArgs& a) {
   const std::string_view op = "region del";
-  const uint32_t key = key_arg(op, "KEY", a.key);
+  const auto key = static_cast<uint32_t>(key_arg(op, "KEY", a.key));
   const uint32_t admin = s.admin_key(op);
   Error e = non_idempotent(s, op, true, [&](Client& c) { return c.region_del(admin, key); });
   if (e) fail(op, e);

@@ -31,7 +31,7 @@ class Session {
   // Replaces the client by a new one on a new UDP port (the old socket is
   // closed only after the new one is open, so the port differs).
   Client& reconnect(std::string_view op);
-  uint32_t key(std::string_view op);        // --key
+  uint64_t key(std::string_view op);        // --key
   uint32_t admin_key(std::string_view op);  // --admin-key; exit 2 if missing
   const Globals& globals() const { return g_; }
 

@@ -21,15 +21,15 @@ struct PoolArgs {
 std::unique_ptr<Pool> open_pool(Session& s, std::string_view op) {
   PoolOptions o;
   o.timeout = std::chrono::milliseconds(s.globals().timeout_ms);
-  if (!s.globals().admin_key.empty()) o.admin_key = key_arg(op, "--admin-key", s.globals().admin_key);
+  if (!s.globals().admin_key.empty()) o.admin_key = key_arg(op, "--admin-key", s.globals().admin_key, 64);
   auto p = Pool::connect(s.globals().device, o);
   if (!p) fail(op, p.error(), "proxy " + s.globals().device);
   return std::move(*p);
 }
 
 void print_record(const PoolAllocation& a) {
-  std::printf("%s base=%#llx size=%s key=%#x policy=%s copies=%u devices=%u stripe=%s state=%s\n", a.name.c_str(),
-              static_cast<unsigned long long>(a.base), exact_size(a.size).c_str(), a.key,
+  std::printf("%s base=%#llx size=%s key=%#llx policy=%s copies=%u devices=%u stripe=%s state=%s\n", a.name.c_str(),
+              static_cast<unsigned long long>(a.base), exact_size(a.size).c_str(), static_cast<unsigned long long>(a.key),
               a.policy == PoolPolicy::kInterleaved ? "interleaved" : a.policy == PoolPolicy::kSingle ? "single" : "replicated",
               a.copies, a.devices, exact_size(a.stripe).c_str(), a.state.c_str());
 }

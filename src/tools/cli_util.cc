@@ -179,11 +179,11 @@ uint64_t value_arg(std::string_view op, std::string_view what, std::string_view 
   return *v;
 }
 
-uint32_t key_arg(std::string_view op, std::string_view what, std::string_view text) {
+uint64_t key_arg(std::string_view op, std::string_view what, std::string_view text, int bits) {
   auto v = parse_number(text);
-  if (!v || *v == 0 || *v > UINT32_MAX)
-    usage_error(op, fmt::format("{}: '{}' is not a nonzero 32-bit key (decimal or 0x-hex)", what, text));
-  return static_cast<uint32_t>(*v);
+  if (!v || *v == 0 || (bits < 64 && *v >> bits))
+    usage_error(op, fmt::format("{}: '{}' is not a nonzero {}-bit key (decimal or 0x-hex)", what, text, bits));
+  return *v;
 }
 
 std::vector<std::byte> hex_arg(std::string_view op, std::string_view what, std::string_view text) {

@@ -57,7 +57,8 @@ std::optional<std::vector<std::byte>> parse_hex(std::string_view text);
 // Wrappers that print "netdam: <op>: <what>: '<text>' is not ..." and exit 2.
 uint64_t number_arg(std::string_view op, std::string_view what, std::string_view text);
 uint64_t value_arg(std::string_view op, std::string_view what, std::string_view text);
-uint32_t key_arg(std::string_view op, std::string_view what, std::string_view text);
+// A device's keys are 32-bit, a pool proxy's 64-bit.
+uint64_t key_arg(std::string_view op, std::string_view what, std::string_view text, int bits = 32);
 std::vector<std::byte> hex_arg(std::string_view op, std::string_view what, std::string_view text);
 
 // A size as format_size prints it when that is exact ("16MiB"), else the

@@ -142,6 +142,7 @@ fields=(frame.number udp.srcport udp.dstport _ws.col.Info
   netdam.payload.len netdam.data netdam.elem.f32 netdam.elem.f16 netdam.elem.bf16 netdam.elem.f64
   netdam.elem.i32 netdam.elem.i64 netdam.sparse.pairs netdam.sparse.index
   netdam.ping.boot_id netdam.ping.max_payload netdam.ping.memory_bytes netdam.ping.version netdam.ping.cookie
+  netdam.ping.flags.pool_proxy
   netdam.stats.entries netdam.stats.name netdam.stats.value netdam.fill.pattern
   netdam.copy.src_addr netdam.copy.src_key netdam.arm.generation netdam.arm.previous
   netdam.atomic.addend netdam.atomic.expected netdam.atomic.desired netdam.atomic.new netdam.atomic.old
@@ -151,7 +152,7 @@ fields=(frame.number udp.srcport udp.dstport _ws.col.Info
   netdam.sr.reply_ip netdam.sr.reply_port netdam.sr.generation
   netdam.seg.ip netdam.seg.port netdam.seg.opcode netdam.seg.rkey netdam.seg.aux netdam.seg.addr
   netdam.pool.name netdam.pool.size netdam.pool.stripe netdam.pool.base netdam.pool.key netdam.pool.policy
-  netdam.pool.slots netdam.pool.slot.port netdam.pool.slot.flags netdam.pool.device_count
+  netdam.pool.slots netdam.pool.slot.port netdam.pool.slot.flags netdam.pool.slot.rkey netdam.pool.device_count
   netdam.pool.device.port netdam.pool.device.state netdam.pool.allocations netdam.pool.records
   netdam.crc netdam.crc.computed netdam.crc.status)
 args=()
@@ -187,6 +188,7 @@ ans='f["netdam.flags.response"] == "1"'
 dport="f[\"udp.dstport\"] == \"${dev##*:}\""
 sport="f[\"udp.srcport\"] == \"${dev##*:}\""
 pport="f[\"udp.dstport\"] == \"${proxy##*:}\""
+psport="f[\"udp.srcport\"] == \"${proxy##*:}\""
 
 # Header, flags, matching.
 none "every frame has magic 0x4e44414d" 'f["netdam.magic"] != "0x4e44414d"'
@@ -318,7 +320,17 @@ check "POOL_ALLOC request" "$(op 0x60) && $req" netdam.pool.size 8192
 check "POOL_ALLOC request" "$(op 0x60) && $req" netdam.pool.stripe 4096
 check "POOL_ALLOC answer" "$(op 0x60) && $ans" netdam.pool.base 0x0000010000000000
 check "POOL_ALLOC answer" "$(op 0x60) && $ans" netdam.pool.name blob
-check "POOL_LIST answer" "$(op 0x63) && $ans && f[\"netdam.pool.records\"] != \"0\"" netdam.pool.key 0x00000000
+check "POOL_LIST answer" "$(op 0x63) && $ans && f[\"netdam.pool.records\"] != \"0\"" netdam.pool.key 0x0000000000000000
+check "PING answer of the proxy" "$(op 0x01) && $ans && $psport" netdam.ping.flags.pool_proxy 1
+check "PING answer of a device" "$(op 0x01) && $ans && $sport" netdam.ping.flags.pool_proxy 0
+akey=$(q "$(op 0x60) && $ans" netdam.pool.key)
+[[ "$akey" =~ ^0x[0-9a-f]{16}$ && "${akey:2:8}" != 00000000 ]] && ok "POOL_ALLOC answer: 64-bit key $akey" ||
+  fail "POOL_ALLOC answer: key '$akey'"
+[[ $(q "$(op 0x64) && $req" netdam.boot) == "0x${akey:2:8}" ]] && ok "POOL_MAP request: boot is the key's high half" ||
+  fail "POOL_MAP request: boot '$(q "$(op 0x64) && $req" netdam.boot)', key $akey"
+skey=$(q "$(op 0x64) && $ans" netdam.pool.slot.rkey)
+[[ "$skey" =~ ^0x[0-9a-f]{8}$ && "$skey" != "0x${akey:10:8}" ]] && ok "POOL_MAP answer: device key $skey" ||
+  fail "POOL_MAP answer: device key '$skey' (allocation key $akey)"
 check "POOL_STAT answer" "$(op 0x65) && $ans" netdam.pool.device_count 1
 check "POOL_STAT answer" "$(op 0x65) && $ans" netdam.pool.device.port "${dev##*:}"
 check "POOL_STAT answer" "$(op 0x65) && $ans" netdam.pool.device.state 0

@@ -141,6 +141,8 @@ field("ping_memory", U64, "ping.memory_bytes", "Memory bytes", DEC)
 field("ping_regions", U32, "ping.regions", "Regions", DEC)
 field("ping_window", U32, "ping.replay_window", "Replay window", DEC)
 field("ping_version", U8, "ping.version", "Protocol version", DEC)
+field("ping_flags", U8, "ping.flags", "Flags", HEX)
+field("ping_pool_proxy", ProtoField.bool, "ping.flags.pool_proxy", "POOL_PROXY (64-bit keys)", 8, nil, 0x01)
 field("ping_reserved", ProtoField.bytes, "ping.reserved", "Reserved")
 field("ping_cookie", U32, "ping.cookie", "Address cookie", HEX)
 -- STATS (6.2)
@@ -211,7 +213,7 @@ field("pool_first_device", U16, "pool.first_device", "First device", DEC)
 field("pool_record", ProtoField.none, "pool.record", "Allocation")
 field("pool_records", U32, "pool.records", "Records", DEC)
 field("pool_base", U64, "pool.base", "Base", HEX)
-field("pool_key", U32, "pool.key", "Key", HEX)
+field("pool_key", U64, "pool.key", "Key", HEX)
 field("pool_copies", U8, "pool.copies", "Copies", DEC)
 field("pool_state", U8, "pool.state", "State", DEC, alloc_state_names)
 field("pool_reserved", ProtoField.bytes, "pool.reserved", "Reserved")
@@ -223,6 +225,7 @@ field("slot_flags", U8, "pool.slot.flags", "Flags", HEX)
 field("slot_live", ProtoField.bool, "pool.slot.flags.live", "LIVE", 8, nil, 0x01)
 field("slot_lost", ProtoField.bool, "pool.slot.flags.lost", "LOST", 8, nil, 0x02)
 field("slot_boot", U32, "pool.slot.boot", "Boot id", HEX)
+field("slot_rkey", U32, "pool.slot.rkey", "Device key", HEX)
 field("slot_base", U64, "pool.slot.base", "Device address", HEX)
 field("pool_capacity", U64, "pool.capacity", "Capacity", DEC)
 field("pool_used", U64, "pool.used", "Used", DEC)
@@ -426,21 +429,21 @@ local function region_record(tvb, tree, off)
 end
 
 local function pool_record(tvb, tree, off, len)
-  if len < 32 then
-    tree:add_proto_expert_info(ef.malformed, "allocation record shorter than 32 bytes")
+  if len < 36 then
+    tree:add_proto_expert_info(ef.malformed, "allocation record shorter than 36 bytes")
     return len
   end
-  local n = tvb(off + 28, 1):uint()
-  local size = math.min(32 + n, len)
+  local n = tvb(off + 32, 1):uint()
+  local size = math.min(36 + n, len)
   local t = tree:add(f.pool_record, tvb(off, size))
-  add_layout(t, tvb, off, {{f.pool_base, 0, 8}, {f.pool_size, 8, 8}, {f.pool_key, 16, 4}, {f.pool_stripe, 20, 4},
-                           {f.pool_policy, 24, 1}, {f.pool_copies, 25, 1}, {f.pool_devices, 26, 1},
-                           {f.pool_state, 27, 1}, {f.pool_name_len, 28, 1}, {f.pool_reserved, 29, 3}})
-  if 32 + n > len then
+  add_layout(t, tvb, off, {{f.pool_base, 0, 8}, {f.pool_size, 8, 8}, {f.pool_key, 16, 8}, {f.pool_stripe, 24, 4},
+                           {f.pool_policy, 28, 1}, {f.pool_copies, 29, 1}, {f.pool_devices, 30, 1},
+                           {f.pool_state, 31, 1}, {f.pool_name_len, 32, 1}, {f.pool_reserved, 33, 3}})
+  if 36 + n > len then
     t:add_proto_expert_info(ef.malformed, "name runs past the payload")
   elseif n > 0 then
-    t:add(f.pool_name, tvb(off + 32, n))
-    t:append_text(": " .. tvb(off + 32, n):string())
+    t:add(f.pool_name, tvb(off + 36, n))
+    t:append_text(": " .. tvb(off + 36, n):string())
   end
   return size
 end
@@ -460,7 +463,7 @@ local function pool_map(tvb, tree, off, len)
     t:append_text(string.format(" %d: %s:%d", i, tostring(tvb(s, 4):ipv4()), tvb(s + 4, 2):uint()))
     add_layout(t, tvb, s, {{f.slot_ip, 0, 4}, {f.slot_port, 4, 2}})
     add_bits(t, f.slot_flags, tvb(s + 6, 1), {f.slot_live, f.slot_lost})
-    add_layout(t, tvb, s, {{f.pool_reserved, 7, 1}, {f.slot_boot, 8, 4}, {f.pool_reserved, 12, 4}, {f.slot_base, 16, 8}})
+    add_layout(t, tvb, s, {{f.pool_reserved, 7, 1}, {f.slot_boot, 8, 4}, {f.slot_rkey, 12, 4}, {f.slot_base, 16, 8}})
   end
 end
 
@@ -593,8 +596,9 @@ local function answer_payload(tvb, tree, off, len, op, h)
   if op == OP.PING then
     if not expect_len(tvb, tree, off, len, 32, "PING info") then return end
     add_layout(tree, tvb, off, {{f.ping_boot_id, 0, 4}, {f.ping_max_payload, 4, 4}, {f.ping_memory, 8, 8},
-                                {f.ping_regions, 16, 4}, {f.ping_window, 20, 4}, {f.ping_version, 24, 1},
-                                {f.ping_reserved, 25, 3}, {f.ping_cookie, 28, 4}})
+                                {f.ping_regions, 16, 4}, {f.ping_window, 20, 4}, {f.ping_version, 24, 1}})
+    add_bits(tree, f.ping_flags, tvb(off + 25, 1), {f.ping_pool_proxy})
+    add_layout(tree, tvb, off, {{f.ping_reserved, 26, 2}, {f.ping_cookie, 28, 4}})
   elseif op == OP.STATS then
     stats_page(tvb, tree, off, len)
   elseif op == OP.READ then

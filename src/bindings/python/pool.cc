@@ -55,10 +55,10 @@ py::dict pool_info_dict(const PoolInfo& i) {
 
 class PyPool {
  public:
-  PyPool(const std::string& proxy, uint32_t admin_key, double timeout)
+  PyPool(const std::string& proxy, uint64_t admin_key, double timeout)
       : pool_(connect(proxy, admin_key, timeout), "pool") {}
 
-  static std::unique_ptr<Pool> connect(const std::string& proxy, uint32_t admin_key, double timeout) {
+  static std::unique_ptr<Pool> connect(const std::string& proxy, uint64_t admin_key, double timeout) {
     PoolOptions o;
     o.admin_key = admin_key;
     o.timeout = seconds_arg(timeout, "timeout");
@@ -98,12 +98,12 @@ class PyPool {
     auto r = run([](Pool& p) { return p.stat(); });
     return pool_info_dict(unwrap(std::move(r)));
   }
-  void put(uint64_t addr, const py::object& data, uint32_t key, const std::string& path) {
+  void put(uint64_t addr, const py::object& data, uint64_t key, const std::string& path) {
     const Pool::Path pa = path_arg(path);
     Buffer b(data, false, "data");
     check(run([&](Pool& p) { return p.put(addr, b.cbytes(), key, pa); }));
   }
-  py::bytes get(uint64_t addr, size_t n, uint32_t key, const std::string& path) {
+  py::bytes get(uint64_t addr, size_t n, uint64_t key, const std::string& path) {
     const Pool::Path pa = path_arg(path);
     auto out = py::reinterpret_steal<py::bytes>(PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n)));
     if (!out) throw py::error_already_set();
@@ -111,24 +111,24 @@ class PyPool {
     check(run([&](Pool& p) { return p.get(addr, span, key, pa); }));
     return out;
   }
-  py::object get_into(uint64_t addr, const py::object& buffer, uint32_t key, const std::string& path) {
+  py::object get_into(uint64_t addr, const py::object& buffer, uint64_t key, const std::string& path) {
     const Pool::Path pa = path_arg(path);
     Buffer b(buffer, true, "buffer");
     check(run([&](Pool& p) { return p.get(addr, b.bytes(), key, pa); }));
     return buffer;
   }
-  uint64_t fetch_add(uint64_t addr, const py::object& value, uint32_t key, const std::string& path) {
+  uint64_t fetch_add(uint64_t addr, const py::object& value, uint64_t key, const std::string& path) {
     const Pool::Path pa = path_arg(path);
     const uint64_t v = word_arg(value, "value");
     return unwrap(run([&](Pool& p) { return p.atomic_fetch_add(addr, v, key, pa); }));
   }
-  uint64_t compare_swap(uint64_t addr, const py::object& expected, const py::object& desired, uint32_t key,
+  uint64_t compare_swap(uint64_t addr, const py::object& expected, const py::object& desired, uint64_t key,
                         const std::string& path) {
     const Pool::Path pa = path_arg(path);
     const uint64_t e = word_arg(expected, "expected"), d = word_arg(desired, "desired");
     return unwrap(run([&](Pool& p) { return p.atomic_compare_swap(addr, e, d, key, pa); }));
   }
-  uint64_t swap(uint64_t addr, const py::object& value, uint32_t key, const std::string& path) {
+  uint64_t swap(uint64_t addr, const py::object& value, uint64_t key, const std::string& path) {
     const Pool::Path pa = path_arg(path);
     const uint64_t v = word_arg(value, "value");
     return unwrap(run([&](Pool& p) { return p.atomic_swap(addr, v, key, pa); }));
@@ -207,7 +207,7 @@ table once and talks to the devices itself); both give the same bytes.
     pool.put(a.base, numpy.arange(256, dtype=numpy.float32), a.key)
     x = pool.get(a.base, 1024, a.key, path="direct")
 )doc")
-      .def(py::init<const std::string&, uint32_t, double>(), arg("proxy"), arg("admin_key") = 0,
+      .def(py::init<const std::string&, uint64_t, double>(), arg("proxy"), arg("admin_key") = 0,
            arg("timeout") = 2.0,
            "__init__(proxy: str, admin_key: int = 0, timeout: float = 2.0) -> None\n\n"
            "Connects to the proxy \"HOST:PORT\" and PINGs it.")
