@@ -92,7 +92,7 @@ status=0
 if want gloo || want mpi; then
   "$peers/build.sh" || { echo "cluster_bench: building the peers failed" >&2; exit 1; }
 fi
-bench="${NETDAM_BENCH:-$build/src/tools/bench/netdam-bench}"
+bench="${NETDAM_BENCH:-$build/bench/netdam-bench}"
 netdamd_bin="$build/src/daemon/netdamd"
 run_aggregate=0 run_chains=0
 if want netdam || ((colocated)); then

@@ -10,7 +10,7 @@
 # under mpirun with TCP on loopback only, and netdam's own benchmark if the
 # build tree has one that accepts
 #   <bench> allreduce --local P -b 8 -e 64M -f 2 --csv FILE
-# (build/src/tools/bench/netdam-bench; NETDAM_BENCH=path overrides, NETDAM_BENCH=none skips). Then prints one
+# (build/bench/netdam-bench; NETDAM_BENCH=path overrides, NETDAM_BENCH=none skips). Then prints one
 # table: busbw and time of each, netdam/gloo busbw and netdam/MPI time.
 #
 # Environment:
@@ -74,7 +74,7 @@ echo "   $((SECONDS - t0)) s, exit $rc (log $out/mpi.txt)"
 netdam_csv=""
 bench="${NETDAM_BENCH:-}"
 if [[ -z "$bench" ]]; then
-  for cand in "$repo/build/src/tools/bench/netdam-bench"; do
+  for cand in "$repo/build/bench/netdam-bench"; do
     if [[ -x "$cand" ]] && "$cand" allreduce --help 2>/dev/null | grep -q -- "--local" &&
        "$cand" allreduce --help 2>/dev/null | grep -q -- "--csv"; then
       bench="$cand"
@@ -98,7 +98,7 @@ elif [[ "$bench" == none ]]; then
   echo "== netdam: skipped (NETDAM_BENCH=none); peers only"
 else
   echo "== netdam: no benchmark with 'allreduce --local P ... --csv FILE' in the build tree" \
-       "(build/src/tools/bench/netdam-bench); peers only"
+       "(build/bench/netdam-bench); peers only"
 fi
 
 /usr/bin/python3 - "$P" "$out/gloo.csv" "$out/mpi.csv" "$netdam_csv" <<'PY' || status=1

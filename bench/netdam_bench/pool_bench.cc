@@ -320,13 +320,6 @@ std::string find_in_path(const std::string& name) {
   return {};
 }
 
-std::string path_next_to_self(const std::string& given, const std::string& relative) {
-  std::string exe = given.empty() ? self_dir() + relative : given;
-  std::error_code ec;
-  auto canon = std::filesystem::weakly_canonical(exe, ec);
-  return ec ? exe : canon.string();
-}
-
 struct Cell {
   Run proxy, direct, redis;
 };
@@ -344,8 +337,8 @@ int pool_main(int argc, char** argv) {
   Options o;
   app.add_option("--proxy", o.proxy, "HOST:PORT of a running netdam-mmu (default: start --devices netdamd and one)");
   app.add_option("--devices", o.devices, "devices to start behind the proxy (default 2)")->check(CLI::Range(1, 16));
-  app.add_option("--netdamd", o.netdamd, "netdamd to start (default: <bench dir>/../../daemon/netdamd)");
-  app.add_option("--mmu", o.mmu, "netdam-mmu to start (default: <bench dir>/../../mmu/netdam-mmu)");
+  app.add_option("--netdamd", o.netdamd, "netdamd to start (default: next to netdam-bench, else build/src/daemon/netdamd)");
+  app.add_option("--mmu", o.mmu, "netdam-mmu to start (default: next to netdam-bench, else build/src/mmu/netdam-mmu)");
   app.add_option("--max-payload", o.max_payload,
                  "--max-payload of the started devices and proxy (default: theirs, 8KiB; loopback takes 63KiB)");
   app.add_option("--stripe", o.stripe, "stripe of the benchmark's allocations (default: the pool's, 4KiB)");
@@ -385,8 +378,8 @@ int pool_main(int argc, char** argv) {
   std::string proxy = o.proxy;
   std::vector<int> server_pids;
   if (proxy.empty()) {
-    const std::string netdamd = path_next_to_self(o.netdamd, "/../../daemon/netdamd");
-    const std::string mmu = path_next_to_self(o.mmu, "/../../mmu/netdam-mmu");
+    const std::string netdamd = program_path(o.netdamd, "netdamd", "daemon");
+    const std::string mmu = program_path(o.mmu, "netdam-mmu", "mmu");
     for (const auto& p : {netdamd, mmu})
       if (!std::filesystem::exists(p)) {
         fmt::print(stderr, "netdam-bench pool: {} not found (build it, or pass --netdamd/--mmu or --proxy)\n", p);

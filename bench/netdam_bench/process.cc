@@ -71,6 +71,18 @@ std::string self_dir() {
   return std::filesystem::path(self_exe()).parent_path().string();
 }
 
+std::string program_path(const std::string& given, const std::string& name, const std::string& build_subdir) {
+  namespace fs = std::filesystem;
+  fs::path p = given;
+  if (given.empty()) {
+    p = fs::path(self_dir()) / name;
+    if (access(p.c_str(), X_OK) != 0) p = fs::path(self_dir()) / ".." / "src" / build_subdir / name;
+  }
+  std::error_code ec;
+  auto canon = fs::weakly_canonical(p, ec);
+  return ec ? p.lexically_normal().string() : canon.string();
+}
+
 std::string make_temp_dir() {
   const char* base = std::getenv("TMPDIR");
   std::string tmpl = std::string(base && *base ? base : "/tmp") + "/netdam-bench.XXXXXX";

@@ -1,4 +1,4 @@
-#include "tools/bench/collectives_rank.h"
+#include "collectives_rank.h"
 
 #include <fmt/format.h>
 

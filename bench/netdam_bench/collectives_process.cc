@@ -1,4 +1,4 @@
-#include "tools/bench/collectives_process.h"
+#include "collectives_process.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -179,20 +179,6 @@ std::vector<int> wait_children(const std::vector<pid_t>& pids) {
     if (left > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   return codes;
-}
-
-std::string self_dir() {
-  std::error_code ec;
-  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  return ec ? "." : exe.parent_path().string();
-}
-
-std::string make_temp_dir() {
-  const char* base = std::getenv("TMPDIR");
-  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/netdam-bench-coll-XXXXXX";
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  return mkdtemp(buf.data()) ? std::string(buf.data()) : std::string();
 }
 
 void remove_tree(const std::string& dir) {

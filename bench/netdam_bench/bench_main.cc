@@ -387,10 +387,7 @@ int run_rw(Options& o) {
 
   std::string error;
   if (o.device.empty()) {
-    std::string exe = o.netdamd.empty() ? self_dir() + "/../../daemon/netdamd" : o.netdamd;
-    std::error_code ec;
-    auto canon = std::filesystem::weakly_canonical(exe, ec);
-    if (!ec) exe = canon.string();
+    const std::string exe = program_path(o.netdamd, "netdamd", "daemon");
     if (!std::filesystem::exists(exe)) {
       fmt::print(stderr, "netdam-bench: netdamd not found at {} (build it, or pass --netdamd PATH or --device HOST:PORT)\n", exe);
       return 2;
@@ -666,7 +663,7 @@ int main(int argc, char** argv) {
   app.fallthrough();
   Options o;
   app.add_option("--device", o.device, "HOST:PORT of a running device (default: start netdamd)");
-  app.add_option("--netdamd", o.netdamd, "netdamd to start (default: <bench dir>/../../daemon/netdamd)");
+  app.add_option("--netdamd", o.netdamd, "netdamd to start (default: next to netdam-bench, else build/src/daemon/netdamd)");
   app.add_option("--threads-device", o.threads_device, "--threads of the self-started netdamd and of the raw server")
       ->check(CLI::Range(1, 64));
   app.add_option("--raw-server", o.raw_server, "HOST:PORT of a running `netdam-bench raw-server` (default: start one)");

@@ -40,8 +40,6 @@ bool stop_requested();
 // if killed). If a stop is requested meanwhile, SIGKILLs those still running.
 std::vector<int> wait_children(const std::vector<pid_t>& pids);
 
-std::string self_dir();
-std::string make_temp_dir();
 void remove_tree(const std::string& dir);
 // The last `lines` lines of a file, for error reports.
 std::string tail_file(const std::string& path, size_t lines = 20);

@@ -34,6 +34,10 @@ void stop_children();
 // Directory of /proc/self/exe.
 std::string self_dir();
 std::string self_exe();
+// The program to start: `given` if set; else `name` next to this binary (an
+// installed bin/), else in the build tree (build/bench/netdam-bench ->
+// build/src/<build_subdir>/<name>). Absolute, normalized.
+std::string program_path(const std::string& given, const std::string& name, const std::string& build_subdir);
 // A fresh private directory under $TMPDIR (or /tmp) for port files and logs.
 std::string make_temp_dir();
 

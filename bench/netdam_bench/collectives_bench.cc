@@ -47,9 +47,10 @@
 #include <filesystem>
 
 #include "common/units.h"
-#include "tools/bench/collectives_bench.h"
-#include "tools/bench/collectives_process.h"
-#include "tools/bench/collectives_rank.h"
+#include "collectives_bench.h"
+#include "collectives_process.h"
+#include "collectives_rank.h"
+#include "process.h"
 
 using namespace netdam;
 using namespace netdam::bench::coll;
@@ -232,8 +233,7 @@ int collectives_main(int argc, char** argv) {
   if (shared && c.algorithm != Algorithm::kAggregate)
     return usage_error("--local-devices below --local needs --algo aggregate (ranks share devices)");
   if (shared) c.ranks = local;
-  if (netdamd.empty())
-    netdamd = (std::filesystem::path(self_dir()) / ".." / ".." / "daemon" / "netdamd").lexically_normal().string();
+  netdamd = program_path(netdamd, "netdamd", "daemon");
   if (access(netdamd.c_str(), X_OK) != 0) return usage_error("cannot run " + netdamd + " (give --netdamd PATH)");
 
   install_stop_handler();
