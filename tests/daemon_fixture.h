@@ -15,7 +15,6 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -83,44 +82,6 @@ class TempDir {
 
 namespace detail {
 
-// posix_spawn with stdin/stdout/stderr redirected to files ("" = /dev/null
-// for stdin, inherited for outputs). Returns the pid or -1 with `error` set.
-inline pid_t spawn(const std::vector<std::string>& argv, const std::vector<std::string>& env,
-                   const std::string& in, const std::string& out, const std::string& err,
-                   std::string* error) {
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  std::vector<char*> envp;
-  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
-  envp.push_back(nullptr);
-
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 0, in.empty() ? "/dev/null" : in.c_str(), O_RDONLY, 0);
-  if (!out.empty()) posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (!err.empty()) posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  // The child starts with default signal handling and an empty mask, even
-  // if the test blocked signals in its own threads.
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t none, all;
-  sigemptyset(&none);
-  sigfillset(&all);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setsigdefault(&attr, &all);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, argv.at(0).c_str(), &fa, &attr, args.data(), envp.data());
-  posix_spawn_file_actions_destroy(&fa);
-  posix_spawnattr_destroy(&attr);
-  if (rc != 0) {
-    if (error) *error = "cannot run " + argv[0] + ": " + std::strerror(rc);
-    return -1;
-  }
-  return pid;
-}
-
 // The current environment with `changes` applied: "NAME=VALUE" sets NAME,
 // a bare "NAME" removes it.
 inline std::vector<std::string> environment(const std::vector<std::string>& changes) {
@@ -135,38 +96,6 @@ inline std::vector<std::string> environment(const std::vector<std::string>& chan
   for (const auto& c : changes)
     if (c.find('=') != std::string::npos) env.push_back(c);
   return env;
-}
-
-// Exit code of a waitpid status: the code, or 128 + signal number.
-inline int exit_code_of(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return -1;
-}
-
-// Waits up to `wait` for the process `pid`, started with --port-file
-// `port_file`, to write "HOST:PORT\n" there: true with `endpoint` set. False
-// if it exits first (`pid` then 0, `exit_code` its code) or the time passes
-// (`pid` unchanged).
-inline bool await_port_file(pid_t& pid, const std::string& port_file, std::chrono::milliseconds wait,
-                            std::string& endpoint, int& exit_code) {
-  const auto deadline = std::chrono::steady_clock::now() + wait;
-  while (std::chrono::steady_clock::now() < deadline) {
-    std::string text = read_text_file(port_file);
-    if (!text.empty() && text.back() == '\n') {
-      text.pop_back();
-      endpoint = text;
-      return true;
-    }
-    int status = 0;
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      pid = 0;
-      exit_code = exit_code_of(status);
-      return false;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return false;
 }
 
 }  // namespace detail
@@ -194,7 +123,10 @@ inline ProcessResult run_process(const std::vector<std::string>& argv, const std
     f.write(input.data(), static_cast<std::streamsize>(input.size()));
   }
   std::string why;
-  const pid_t pid = detail::spawn(argv, detail::environment(env_changes), in, out, err, &why);
+  common::SpawnOptions so = common::SpawnOptions::logging_to(out, err);
+  so.in = in;
+  so.env = detail::environment(env_changes);
+  const pid_t pid = common::spawn(argv, so, &why);
   if (pid < 0) {
     r.err = why;
     return r;
@@ -213,7 +145,7 @@ inline ProcessResult run_process(const std::vector<std::string>& argv, const std
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
-  r.exit_code = detail::exit_code_of(status);
+  r.exit_code = common::exit_code_of(status);
   r.out = read_text_file(out);
   r.err = read_text_file(err);
   return r;
@@ -249,13 +181,13 @@ class TestDaemon {
                                      "--port-file", port_file};
     argv.insert(argv.end(), extra_args.begin(), extra_args.end());
     std::string why;
-    pid_ = detail::spawn(argv, detail::environment({}), "", log_path(), log_path() + ".err", &why);
+    pid_ = common::spawn(argv, common::SpawnOptions::logging_to(log_path(), log_path() + ".err"), &why);
     if (pid_ < 0) {
       pid_ = 0;
       return fail(why);
     }
     int code = 0;
-    if (detail::await_port_file(pid_, port_file, wait, endpoint_, code)) return true;
+    if (common::await_port_file(pid_, port_file, wait, endpoint_, code)) return true;
     if (pid_ == 0) return fail("netdamd exited with code " + std::to_string(code));
     return fail("netdamd did not write its port file within " + std::to_string(wait.count()) + " ms");
   }
@@ -284,7 +216,7 @@ class TestDaemon {
     if (pid_ <= 0) return -1;
     const int status = common::stop_child(pid_, wait);
     pid_ = 0;
-    return detail::exit_code_of(status);
+    return common::exit_code_of(status);
   }
 
   // What the daemon printed (stdout, then stderr).

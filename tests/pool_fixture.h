@@ -31,14 +31,14 @@ class TestMmu {
     // Tests that give no admin key run an open pool, which must be asked for.
     if (std::find(args.begin(), args.end(), "--admin-key") == args.end()) argv.push_back("--insecure");
     std::string why;
-    pid_ = detail::spawn(argv, detail::environment({}), "", dir_.file("log"), dir_.file("log.err"), &why);
+    pid_ = common::spawn(argv, common::SpawnOptions::logging_to(dir_.file("log"), dir_.file("log.err")), &why);
     if (pid_ < 0) {
       error_ = why;
       pid_ = 0;
       return false;
     }
     int code = 0;
-    if (detail::await_port_file(pid_, port_file, std::chrono::seconds(10), endpoint_, code)) return true;
+    if (common::await_port_file(pid_, port_file, std::chrono::seconds(10), endpoint_, code)) return true;
     error_ = (pid_ == 0 ? "netdam-mmu exited with code " + std::to_string(code) : "netdam-mmu did not start") +
              "\n" + log();
     return false;
@@ -53,7 +53,7 @@ class TestMmu {
     if (pid_ <= 0) return -1;
     const int status = common::stop_child(pid_, wait);
     pid_ = 0;
-    return detail::exit_code_of(status);
+    return common::exit_code_of(status);
   }
   void kill_now() {
     if (pid_ > 0) {

@@ -1,6 +1,5 @@
 #include "collectives_process.h"
 
-#include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -17,6 +16,8 @@
 #include <sstream>
 #include <thread>
 
+#include "common/process.h"
+
 namespace netdam::bench::coll {
 
 namespace {
@@ -29,12 +30,6 @@ std::string read_file(const std::string& path) {
   std::ostringstream s;
   s << in.rdbuf();
   return s.str();
-}
-
-int code_of(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return -1;
 }
 
 // In a freshly forked child: die with `sig` when the parent dies (checking
@@ -54,49 +49,19 @@ bool start_daemon(const std::vector<std::string>& argv_in, const std::string& di
   std::vector<std::string> argv = argv_in;
   argv.push_back("--port-file");
   argv.push_back(port_file);
-  std::vector<char*> args;
-  for (auto& a : argv) args.push_back(a.data());
-  args.push_back(nullptr);
-
   std::fflush(nullptr);
-  const pid_t parent = getpid();
-  const pid_t pid = fork();
-  if (pid < 0) {
-    error = std::string("fork: ") + std::strerror(errno);
-    return false;
-  }
-  if (pid == 0) {
-    // SIGTERM, not SIGKILL: netdamd then exits cleanly and unlinks its shm.
-    die_with_parent(SIGTERM, parent);
-    signal(SIGINT, SIG_DFL);
-    signal(SIGTERM, SIG_DFL);
-    const int fd = open(out.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-    }
-    const int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
-    if (null >= 0) dup2(null, 0);
-    execv(args[0], args.data());
-    std::fprintf(stderr, "cannot run %s: %s\n", args[0], std::strerror(errno));
-    _exit(127);
-  }
+  // SIGTERM when we die, not SIGKILL: netdamd then exits cleanly and unlinks its shm.
+  common::SpawnOptions so = common::SpawnOptions::logging_to(out.log_path);
+  so.die_with_parent = true;
+  pid_t pid = common::spawn(argv, so, &error);
+  if (pid < 0) return false;
   out.pid = pid;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (std::chrono::steady_clock::now() < deadline) {
-    std::string text = read_file(port_file);
-    if (!text.empty() && text.back() == '\n') {
-      text.pop_back();
-      out.address = text;
-      return true;
-    }
-    int status = 0;
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      out.pid = -1;
-      error = argv[0] + " exited with code " + std::to_string(code_of(status)) + ":\n" + tail_file(out.log_path);
-      return false;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  int code = 0;
+  if (common::await_port_file(pid, port_file, std::chrono::seconds(10), out.address, code)) return true;
+  if (pid == 0) {
+    out.pid = -1;
+    error = argv[0] + " exited with code " + std::to_string(code) + ":\n" + tail_file(out.log_path);
+    return false;
   }
   error = argv[0] + " wrote no port file within 10 s:\n" + tail_file(out.log_path);
   return false;
@@ -105,20 +70,7 @@ bool start_daemon(const std::vector<std::string>& argv_in, const std::string& di
 int stop_daemon(Daemon& d) {
   int code = -1;
   if (d.pid > 0) {
-    kill(d.pid, SIGTERM);
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    int status = 0;
-    for (;;) {
-      const pid_t w = waitpid(d.pid, &status, WNOHANG);
-      if (w == d.pid || (w < 0 && errno != EINTR)) break;
-      if (std::chrono::steady_clock::now() > deadline) {
-        kill(d.pid, SIGKILL);
-        waitpid(d.pid, &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
-    code = code_of(status);
+    code = common::exit_code_of(common::stop_child(d.pid, std::chrono::seconds(5)));
     d.pid = -1;
   }
   if (!d.shm.empty()) {
@@ -172,7 +124,7 @@ std::vector<int> wait_children(const std::vector<pid_t>& pids) {
       int status = 0;
       const pid_t w = waitpid(pids[i], &status, WNOHANG);
       if (w == pids[i] || (w < 0 && errno != EINTR)) {
-        codes[i] = w == pids[i] ? code_of(status) : 127;
+        codes[i] = w == pids[i] ? common::exit_code_of(status) : 127;
         --left;
       }
     }

@@ -2,10 +2,8 @@
 
 #include <sched.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#include <fcntl.h>
 
 #include <chrono>
 #include <cstdio>
@@ -15,6 +13,8 @@
 #include <fstream>
 #include <mutex>
 #include <thread>
+
+#include "common/process.h"
 
 namespace netdam::bench {
 
@@ -111,56 +111,25 @@ bool start_server(const std::vector<std::string>& argv_in, const std::string& lo
   std::vector<std::string> args = argv_in;
   args.push_back("--port-file");
   args.push_back(port_file);
-  std::vector<char*> cargv;
-  for (auto& a : args) cargv.push_back(a.data());
-  cargv.push_back(nullptr);
-
-  const pid_t parent = getpid();
-  const pid_t pid = fork();
-  if (pid < 0) {
-    error = std::string("fork: ") + std::strerror(errno);
-    return false;
-  }
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (cpu >= 0) pin_self(cpu);
-    if (getppid() != parent) _exit(127);
-    const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-    }
-    // Undo the parent's handlers: the child gets default dispositions.
-    signal(SIGINT, SIG_DFL);
-    signal(SIGTERM, SIG_DFL);
-    signal(SIGHUP, SIG_DFL);
-    execv(cargv[0], cargv.data());
-    std::fprintf(stderr, "exec %s: %s\n", cargv[0], std::strerror(errno));
-    _exit(127);
-  }
+  common::SpawnOptions so = common::SpawnOptions::logging_to(log_path);
+  so.die_with_parent = true;
+  so.cpu = cpu;
+  pid_t pid = common::spawn(args, so, &error);
+  if (pid < 0) return false;
   g_children[g_count] = pid;
   g_count = g_count + 1;
   out.pid = pid;
   out.log_path = log_path;
-
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (std::chrono::steady_clock::now() < deadline) {
-    int status = 0;
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      for (int i = 0; i < g_count; ++i)
-        if (g_children[i] == pid) g_children[i] = 0;
-      std::ifstream log(log_path);
-      std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-      error = args[0] + " exited before serving (see " + log_path + "):\n" + text;
-      return false;
-    }
-    std::ifstream pf(port_file);
-    std::string addr;
-    if (pf && std::getline(pf, addr) && !addr.empty()) {
-      out.address = addr;
-      return true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const pid_t started = pid;
+  int code = 0;
+  if (common::await_port_file(pid, port_file, std::chrono::seconds(10), out.address, code)) return true;
+  if (pid == 0) {
+    for (int i = 0; i < g_count; ++i)
+      if (g_children[i] == started) g_children[i] = 0;
+    std::ifstream log(log_path);
+    std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    error = args[0] + " exited with code " + std::to_string(code) + " before serving (see " + log_path + "):\n" + text;
+    return false;
   }
   error = args[0] + " did not write its port file within 10 s (see " + log_path + ")";
   return false;

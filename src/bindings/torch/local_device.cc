@@ -1,10 +1,6 @@
 #include "bindings/torch/local_device.h"
 
-#include <fcntl.h>
-#include <signal.h>
 #include <stdlib.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -40,12 +36,6 @@ std::string make_temp_dir() {
   return mkdtemp(buf.data()) != nullptr ? std::string(buf.data()) : std::string();
 }
 
-std::string describe(int status) {
-  if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) return fmt::format("was killed by signal {}", WTERMSIG(status));
-  return "stopped";
-}
-
 std::atomic<int> g_counter{0};
 
 }  // namespace
@@ -63,54 +53,28 @@ Result<std::unique_ptr<LocalDevice>> LocalDevice::start(const LocalDeviceOptions
                                    "--memory", std::to_string(opts.memory), "--shm", d->shm_,
                                    "--admin-key", fmt::format("{:#x}", opts.admin_key), "--prefault",
                                    "--max-payload", opts.max_payload, "--log-level", opts.log_level};
-  std::vector<char*> args;
-  for (auto& a : argv) args.push_back(a.data());
-  args.push_back(nullptr);
-
-  const pid_t parent = getpid();
-  const pid_t pid = fork();
-  if (pid < 0) return Error::transport(std::string("fork: ") + std::strerror(errno));
-  if (pid == 0) {
-    // Only async-signal-safe calls here: the parent has threads.
-    prctl(PR_SET_PDEATHSIG, SIGTERM);  // netdamd exits cleanly on SIGTERM and unlinks its shm
-    if (getppid() != parent) _exit(127);
-    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-    }
-    const int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
-    if (null >= 0) dup2(null, 0);
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, nullptr);
-    execv(args[0], args.data());
-    _exit(127);
-  }
+  std::string why;
+  common::SpawnOptions so = common::SpawnOptions::logging_to(log);
+  so.die_with_parent = true;  // SIGTERM: netdamd exits cleanly and unlinks its shm
+  pid_t pid = common::spawn(argv, so, &why);
+  if (pid < 0) return Error::transport(why);
   d->pid_ = pid;
   // Prefaulting a few hundred MiB takes a moment on a loaded machine.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (std::chrono::steady_clock::now() < deadline) {
-    std::string text = read_text(port_file);
-    if (!text.empty() && text.back() == '\n') {
-      text.pop_back();
-      d->endpoint_ = text;
-      // Nothing needs the port file or the log from now on (the daemon
-      // keeps writing to its open, unlinked log): leave nothing behind
-      // even if this process is killed.
-      std::error_code ec;
-      std::filesystem::remove_all(d->dir_, ec);
-      d->dir_.clear();
-      return d;
-    }
-    int status = 0;
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      d->pid_ = -1;
-      const std::string why = fmt::format("netdamd {}: {}", describe(status), read_text(log));
-      d->stop();
-      return Error::transport(why);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  int code = 0;
+  if (common::await_port_file(pid, port_file, std::chrono::seconds(60), d->endpoint_, code)) {
+    // Nothing needs the port file or the log from now on (the daemon
+    // keeps writing to its open, unlinked log): leave nothing behind
+    // even if this process is killed.
+    std::error_code ec;
+    std::filesystem::remove_all(d->dir_, ec);
+    d->dir_.clear();
+    return d;
+  }
+  if (pid == 0) {
+    d->pid_ = -1;
+    const std::string log_text = read_text(log);
+    d->stop();
+    return Error::transport(fmt::format("netdamd exited with code {}: {}", code, log_text));
   }
   d->stop();
   return Error::timeout("netdamd wrote no port file within 60 s: " + read_text(log));
