@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -26,6 +27,7 @@
 #include "core/endian.h"
 #include "core/reduce.h"
 #include "core/sparse.h"
+#include "core/stats.h"
 
 namespace netdam {
 // Readable statuses in gtest failure messages.
@@ -343,19 +345,32 @@ TEST_F(EngineTest, PingReportsConfiguredLimits) {
   EXPECT_EQ(load_be<uint32_t>(r.payload.data() + 4), kMaxPayloadLimit);
 }
 
-// Decodes one STATS page.
-std::vector<std::pair<std::string, uint64_t>> StatsEntries(const Bytes& page) {
-  std::vector<std::pair<std::string, uint64_t>> out;
-  size_t i = 0;
-  while (i < page.size()) {
-    size_t n = static_cast<uint8_t>(page[i]);
-    EXPECT_LE(i + 1 + n + 8, page.size()) << "entry crosses the end of the page";
-    if (i + 1 + n + 8 > page.size()) break;
-    std::string name(reinterpret_cast<const char*>(page.data() + i + 1), n);
-    out.emplace_back(name, load_be<uint64_t>(page.data() + i + 1 + n));
-    i += 1 + n + 8;
+// Decodes one STATS page (core::decode_stats_page, the client's decoder).
+StatList StatsEntries(const Bytes& page) {
+  auto entries = decode_stats_page(page);
+  EXPECT_TRUE(entries) << "an entry crosses the end of the page";
+  return entries ? *entries : StatList{};
+}
+
+TEST(StatsPage, EncodeDecodeGolden) {
+  const StatList all = {{"rx", 3}, {"op.READ", 0x0102030405060708}};
+  std::vector<std::byte> page(64);
+  page.resize(encode_stats_page(all, 0, page));
+  std::string hex;
+  for (std::byte b : page) {
+    char two[3];
+    std::snprintf(two, sizeof two, "%02x", static_cast<unsigned>(b));
+    hex += two;
   }
-  return out;
+  // name_len u8, name, value u64 big-endian (PROTOCOL.md 6.2).
+  EXPECT_EQ(hex, "02" "7278" "0000000000000003" "07" "6f702e52454144" "0102030405060708");
+  EXPECT_EQ(decode_stats_page(page), all);
+  EXPECT_FALSE(decode_stats_page(std::span(page).first(page.size() - 1)));  // truncated value
+  EXPECT_FALSE(decode_stats_page(std::span(page).first(1)));                 // truncated name
+  EXPECT_EQ(decode_stats_page({}), StatList{});
+  std::vector<std::byte> small(14);  // room for the first entry only
+  small.resize(encode_stats_page(all, 0, small));
+  EXPECT_EQ(decode_stats_page(small), (StatList{{"rx", 3}}));
 }
 
 TEST_F(EngineTest, StatsPaging) {

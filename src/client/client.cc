@@ -14,6 +14,7 @@
 #include "core/engine.h"
 #include "core/optimizer.h"
 #include "core/sparse.h"
+#include "core/stats.h"
 #include "core/wire.h"
 #include "transport/transport.h"
 #include "transport/udp.h"
@@ -544,10 +545,9 @@ Result<std::vector<std::byte>> Client::paged(Opcode code, uint32_t rkey) {
     if (code == Opcode::kRegionList) {
       entries = op->answer.size() / core::kRegionRecordSize;
     } else {
-      for (size_t off = 0; off < op->answer.size(); ++entries) {
-        off += 1 + static_cast<size_t>(op->answer[off]) + 8;
-        if (off > op->answer.size()) return Error::protocol("truncated STATS entry");
-      }
+      auto page = core::decode_stats_page(op->answer);
+      if (!page) return Error::protocol("truncated STATS entry");
+      entries = page->size();
     }
     all.insert(all.end(), op->answer.begin(), op->answer.end());
     index += entries;
@@ -557,15 +557,9 @@ Result<std::vector<std::byte>> Client::paged(Opcode code, uint32_t rkey) {
 Result<std::vector<std::pair<std::string, uint64_t>>> Client::stats() {
   auto raw = paged(Opcode::kStats, 0);
   if (!raw) return raw.error();
-  std::vector<std::pair<std::string, uint64_t>> out;
-  const auto& b = raw.value();
-  for (size_t off = 0; off < b.size();) {
-    const size_t n = static_cast<size_t>(b[off]);
-    std::string name(reinterpret_cast<const char*>(b.data() + off + 1), n);
-    out.emplace_back(std::move(name), load_be<uint64_t>(b.data() + off + 1 + n));
-    off += 1 + n + 8;
-  }
-  return out;
+  auto all = core::decode_stats_page(*raw);  // pages are whole entries, so their concatenation is one
+  if (!all) return Error::protocol("truncated STATS entry");
+  return std::move(*all);
 }
 
 Error Client::read(uint64_t addr, std::span<std::byte> out, uint64_t rkey) {

@@ -84,4 +84,16 @@ size_t encode_stats_page(const StatList& all, uint64_t first, std::span<std::byt
   return used;
 }
 
+std::optional<StatList> decode_stats_page(std::span<const std::byte> page) {
+  StatList out;
+  for (size_t off = 0; off < page.size();) {
+    const size_t n = load_be<uint8_t>(page.data() + off);
+    if (page.size() - off < 1 + n + 8) return std::nullopt;
+    out.emplace_back(std::string(reinterpret_cast<const char*>(page.data() + off + 1), n),
+                     load_be<uint64_t>(page.data() + off + 1 + n));
+    off += 1 + n + 8;
+  }
+  return out;
+}
+
 }  // namespace netdam::core

@@ -6,6 +6,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -55,5 +56,8 @@ StatList collect(const std::vector<const Stats*>& all);
 // The STATS answer's payload: entries from index `first` on, as many as fit
 // in `out`. Returns the bytes written. Devices and the pool proxy share it.
 size_t encode_stats_page(const StatList& all, uint64_t first, std::span<std::byte> out);
+// A STATS answer's payload back into entries; nullopt if an entry runs past
+// its end.
+std::optional<StatList> decode_stats_page(std::span<const std::byte> page);
 
 }  // namespace netdam::core
