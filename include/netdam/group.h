@@ -255,6 +255,11 @@ class Group {
   void configure_or_arm(detail::WorkState& w);
   bool stamps_complete(detail::WorkState& w);
   void send_phase(detail::WorkState& w);
+  // Phases of step(), one function each.
+  void start_chains(detail::WorkState& w);
+  bool step_chains(detail::WorkState& w);
+  bool chain_answered(detail::WorkState& w, size_t i);
+  bool step_stamps(detail::WorkState& w);
   void start_verify(detail::WorkState& w);
   bool verify(detail::WorkState& w);
   void probe_multicast();

@@ -778,100 +778,11 @@ bool Group::step(detail::WorkState& w) {
       if (w.pending.error()) return finish(w, w.pending.error()), true;
       configure_or_arm(w);
       return true;
-    case Phase::kArming: {
-      // Step 3 starts without waiting for ARM's answer: the ARM datagram
-      // left first, and a chain that still overtakes it at this device is
-      // answered NOT_READY and retried. ARM's answer is checked below.
-      // Every chain of this rank's first phase goes at once (all of them,
-      // but for the torus); the client windows them.
-      w.chains.resize(w.plan.chains.size());
-      w.fell_back.assign(w.chains.size(), false);
-      if (!w.chains.empty()) send_phase(w);
-      w.chains_left = w.chains.size();
-      w.phase = Phase::kChains;
-      return true;
-    }
-    case Phase::kChains: {
-      bool advanced = false;
-      if (w.pending.valid() && w.pending.done()) {  // ARM
-        if (w.pending.error()) return finish(w, w.pending.error()), true;
-        w.pending = Op();
-        advanced = true;
-      }
-      for (size_t i = 0; i < w.chains.size(); ++i) {
-        Op& op = w.chains[i];
-        if (!op.valid() || !op.done()) continue;
-        advanced = true;
-        const Error e = op.error();
-        const int op_failed_segment = op.failed_segment();
-        op = Op();
-        if (!e) {
-          --w.chains_left;
-          continue;
-        }
-        const auto& c = w.plan.chains[i];
-        if (e.code() == Error::Code::kNak && e.status() == Status::kStaleGeneration &&
-            !w.fell_back[i] && !c.fallback.empty()) {
-          w.fell_back[i] = true;
-          std::vector<Hop> hops = c.fallback;
-          if (hops[0].ip == 0) {  // read the result from the device that refused
-            const int seg = op_failed_segment;
-            if (seg < 0 || static_cast<size_t>(seg) >= c.hops.size()) {
-              finish(w, Error(e));
-              return true;
-            }
-            hops[0].ip = c.hops[static_cast<size_t>(seg)].ip;
-            hops[0].port = c.hops[static_cast<size_t>(seg)].port;
-          }
-          op = client_->chain_async(hops, w.generation, w.plan.dtype, w.plan.redop, c.length, {}, {},
-                                    chain_flags());
-          continue;
-        }
-        finish(w, Error(e));
-        return true;
-      }
-      if (w.chains.size() - w.chains_left == w.chains_sent && w.chains_left > 0) send_phase(w);
-      if (w.chains_left == 0 && !w.pending.valid() && !w.plan.deliveries.empty() && !w.verified) {
-        start_verify(w);
-        return true;
-      }
-      if (w.chains_left == 0 && !w.pending.valid()) {
-        w.chains.clear();
-        w.phase = Phase::kStamps;
-        w.deadline = client_->now() + opts_.timeout;
-      }
-      return advanced;
-    }
+    case Phase::kArming: return start_chains(w), true;
+    case Phase::kChains: return step_chains(w);
     case Phase::kVerify: return verify(w);
     case Phase::kAggregating: return step_aggregate(w);
-    case Phase::kStamps: {
-      if (w.pending.valid() && w.pending.done() && w.pending.error()) {
-        finish(w, w.pending.error());
-        return true;
-      }
-      if (!stamps_complete(w)) {
-        if (client_->now() > w.deadline) {
-          finish(w, Error::timeout(fmt::format(
-                        "rank {}: {} of {} result blocks of generation {} did not arrive within {} ms",
-                        opts_.rank, w.plan.stamps.size() - w.stamps_seen, w.plan.stamps.size(),
-                        w.generation, opts_.timeout.count())));
-          return true;
-        }
-        return false;
-      }
-      const uint64_t out_addr = w.slot->layout.out() + w.plan.out_offset;
-      if (!local_.empty() || w.plan.output.empty()) {
-        if (!w.plan.output.empty())
-          std::memcpy(w.plan.output.data(), local_.data() + out_addr, w.plan.output.size());
-      } else {
-        w.pending = client_->read_async(out_addr, w.plan.output, w.slot->layout.key);
-        w.phase = Phase::kReading;
-        return true;
-      }
-      if (w.average) divide(w.plan.output, w.plan.dtype, size());
-      finish(w, {});
-      return true;
-    }
+    case Phase::kStamps: return step_stamps(w);
     case Phase::kReading:
       if (!w.pending.done()) return false;
       if (!w.pending.error() && w.average) divide(w.plan.output, w.plan.dtype, size());
@@ -880,6 +791,104 @@ bool Group::step(detail::WorkState& w) {
     case Phase::kDone: return false;
   }
   return false;
+}
+
+// Step 3 starts without waiting for ARM's answer: the ARM datagram left
+// first, and a chain that still overtakes it at this device is answered
+// NOT_READY and retried. ARM's answer is checked in step_chains. Every
+// chain of this rank's first phase goes at once (all of them, but for the
+// torus); the client windows them.
+void Group::start_chains(detail::WorkState& w) {
+  w.chains.resize(w.plan.chains.size());
+  w.fell_back.assign(w.chains.size(), false);
+  if (!w.chains.empty()) send_phase(w);
+  w.chains_left = w.chains.size();
+  w.phase = detail::WorkState::Phase::kChains;
+}
+
+// The chains in flight (and ARM's answer): the next phase's chains once
+// this one's are answered, then verification or the wait for the stamps.
+bool Group::step_chains(detail::WorkState& w) {
+  bool advanced = false;
+  if (w.pending.valid() && w.pending.done()) {  // ARM
+    if (w.pending.error()) return finish(w, w.pending.error()), true;
+    w.pending = Op();
+    advanced = true;
+  }
+  for (size_t i = 0; i < w.chains.size(); ++i) {
+    Op& op = w.chains[i];
+    if (!op.valid() || !op.done()) continue;
+    advanced = true;
+    if (!chain_answered(w, i)) return true;  // the collective failed
+  }
+  if (w.chains.size() - w.chains_left == w.chains_sent && w.chains_left > 0) send_phase(w);
+  if (w.chains_left == 0 && !w.pending.valid() && !w.plan.deliveries.empty() && !w.verified) {
+    start_verify(w);
+    return true;
+  }
+  if (w.chains_left == 0 && !w.pending.valid()) {
+    w.chains.clear();
+    w.phase = detail::WorkState::Phase::kStamps;
+    w.deadline = client_->now() + opts_.timeout;
+  }
+  return advanced;
+}
+
+// Chain i is answered. Done, or refused as stale and sent again by its
+// fallback route (once), or the collective fails: false then.
+bool Group::chain_answered(detail::WorkState& w, size_t i) {
+  Op& op = w.chains[i];
+  const Error e = op.error();
+  const int failed_segment = op.failed_segment();
+  op = Op();
+  if (!e) {
+    --w.chains_left;
+    return true;
+  }
+  const auto& c = w.plan.chains[i];
+  const bool stale = e.code() == Error::Code::kNak && e.status() == Status::kStaleGeneration;
+  if (!stale || w.fell_back[i] || c.fallback.empty()) {
+    finish(w, Error(e));
+    return false;
+  }
+  w.fell_back[i] = true;
+  std::vector<Hop> hops = c.fallback;
+  if (hops[0].ip == 0) {  // read the result from the device that refused
+    if (failed_segment < 0 || static_cast<size_t>(failed_segment) >= c.hops.size()) {
+      finish(w, Error(e));
+      return false;
+    }
+    hops[0].ip = c.hops[static_cast<size_t>(failed_segment)].ip;
+    hops[0].port = c.hops[static_cast<size_t>(failed_segment)].port;
+  }
+  op = client_->chain_async(hops, w.generation, w.plan.dtype, w.plan.redop, c.length, {}, {}, chain_flags());
+  return true;
+}
+
+// Waiting for the result blocks' stamps; then the output, from the local
+// mapping or read from the device.
+bool Group::step_stamps(detail::WorkState& w) {
+  if (w.pending.valid() && w.pending.done() && w.pending.error()) {
+    finish(w, w.pending.error());
+    return true;
+  }
+  if (!stamps_complete(w)) {
+    if (client_->now() <= w.deadline) return false;
+    finish(w, Error::timeout(fmt::format("rank {}: {} of {} result blocks of generation {} did not arrive within {} ms",
+                                         opts_.rank, w.plan.stamps.size() - w.stamps_seen, w.plan.stamps.size(),
+                                         w.generation, opts_.timeout.count())));
+    return true;
+  }
+  const uint64_t out_addr = w.slot->layout.out() + w.plan.out_offset;
+  if (local_.empty() && !w.plan.output.empty()) {
+    w.pending = client_->read_async(out_addr, w.plan.output, w.slot->layout.key);
+    w.phase = detail::WorkState::Phase::kReading;
+    return true;
+  }
+  if (!w.plan.output.empty()) std::memcpy(w.plan.output.data(), local_.data() + out_addr, w.plan.output.size());
+  if (w.average) divide(w.plan.output, w.plan.dtype, size());
+  finish(w, {});
+  return true;
 }
 
 // Aggregation: every contribution at once (the client windows them; every

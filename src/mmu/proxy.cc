@@ -670,11 +670,31 @@ void Proxy::progress() {
 }
 
 // True when the job is complete (its status and buffer final).
+// A job's device operations are all done: retry what can be retried on the
+// other copy, run a replicated atomic's second phase, else settle the
+// job's status. True when the job is finished.
 bool Proxy::progress(Job& j) {
   for (auto& sub : j.subs)
     if (!sub.handled && !sub.op.done()) return false;
   Allocation* a = catalog_.find(j.alloc_id);
-  // Every operation is done: look at the failures.
+  if (std::optional<bool> finished = recover_failures(j, a)) return *finished;
+  if (is_atomic(j.req.opcode) && j.phase == 0 && !j.subs.empty() && j.subs[0].status == Status::kOk && a &&
+      a->layout.copies > 1) {
+    write_second_copy(j, *a);
+    return false;
+  }
+  if (j.status != Status::kOk) return true;
+  if (is_atomic(j.req.opcode))
+    settle_atomic(j, a);
+  else
+    settle_pieces(j, a);
+  return true;
+}
+
+// Looks at the operations that failed. A replicated allocation gets a
+// second chance on the other copy: nullopt when none was started, else
+// whether the job is finished.
+std::optional<bool> Proxy::recover_failures(Job& j, Allocation* a) {
   for (size_t i = 0; i < j.subs.size(); ++i) {
     Job::Sub& sub = j.subs[i];
     if (sub.handled) continue;
@@ -686,100 +706,102 @@ bool Proxy::progress(Job& j) {
     if (!a) continue;
     if (e.code() == Error::Code::kRestarted) catalog_.mark_lost(a->row.id, sub.slot);
     if (a->layout.copies == 1) continue;
-    const bool is_atomic_phase0 = is_atomic(j.req.opcode) && j.phase == 0;
-    if (is_atomic_phase0) {
+    if (is_atomic(j.req.opcode) && j.phase == 0) {
       // The atomic may or may not have run on that copy: it can never be
       // trusted again. Run it on the other copy, which has the old value.
       catalog_.mark_lost(a->row.id, sub.slot);
       j.subs.clear();
       start_atomic(j);
-      if (j.subs.empty()) return true;
-      return false;
+      return j.subs.empty();
     }
-    if (!sub.write) {
-      // A read: try the other copy.
-      const uint32_t other = pool::locate(a->layout, sub.off, 1 - sub.copy).slot;
-      if (usable(*a, other)) {
-        const pool::Place pl = pool::locate(a->layout, sub.off, 1 - sub.copy);
-        Client* cl = client(a->slots[other].device_id);
-        auto span = std::span(j.buf).subspan(sub.buf_off, sub.len);
-        Job::Sub retry = sub;
-        retry.handled = false;
-        retry.status = Status::kOk;
-        retry.copy = 1 - sub.copy;
-        retry.slot = other;
-        retry.op = cl->read_async(a->slots[other].base + pl.extent_offset, span, a->slots[other].key);
-        sub.status = Status::kOk;  // superseded by the retry
-        j.subs.push_back(std::move(retry));
-        return false;
-      }
-    }
+    if (!sub.write && retry_read(j, *a, i)) return false;
   }
-  // Replicated atomic: phase 0 done, write the new word to the other copy.
-  if (is_atomic(j.req.opcode) && j.phase == 0 && !j.subs.empty() && j.subs[0].status == Status::kOk && a &&
-      a->layout.copies > 1) {
-    j.old_value = j.subs[0].op.value();
-    const uint64_t x = load_le<uint64_t>(j.buf.data());
-    uint64_t nv = j.old_value;
-    switch (j.req.opcode) {
-      case Opcode::kFetchAdd: nv = j.old_value + x; break;
-      case Opcode::kSwap: nv = x; break;
-      default:
-        if (j.old_value == x) nv = load_le<uint64_t>(j.buf.data() + 8);
-        break;
-    }
-    j.phase = 1;
-    store_le<uint64_t>(j.word.data(), nv);
-    const uint64_t off = pool::offset_of(j.req.addr);
-    for (uint32_t c = 0; c < a->layout.copies; ++c) {
-      const pool::Place pl = pool::locate(a->layout, off, c);
-      if (pl.slot == j.primary) continue;
-      if (!usable(*a, pl.slot)) {
-        catalog_.mark_lost(a->row.id, pl.slot);
-        continue;
-      }
-      Job::Sub sub;
-      sub.off = off;
-      sub.len = 8;
-      sub.slot = pl.slot;
-      sub.copy = c;
-      sub.write = true;
-      const ExtentRow& e = a->slots[pl.slot];
-      sub.op = client(e.device_id)->write_async(e.base + pl.extent_offset, j.word, e.key);
-      j.subs.push_back(std::move(sub));
-    }
-    return false;
+  return std::nullopt;
+}
+
+// A failed read of a replicated allocation: the other copy, if usable.
+bool Proxy::retry_read(Job& j, Allocation& a, size_t failed) {
+  Job::Sub& sub = j.subs[failed];
+  const pool::Place pl = pool::locate(a.layout, sub.off, 1 - sub.copy);
+  if (!usable(a, pl.slot)) return false;
+  const ExtentRow& e = a.slots[pl.slot];
+  Job::Sub retry = sub;
+  retry.handled = false;
+  retry.status = Status::kOk;
+  retry.copy = 1 - sub.copy;
+  retry.slot = pl.slot;
+  retry.op = client(e.device_id)->read_async(e.base + pl.extent_offset,
+                                             std::span(j.buf).subspan(sub.buf_off, sub.len), e.key);
+  sub.status = Status::kOk;  // superseded by the retry
+  j.subs.push_back(std::move(retry));
+  return true;
+}
+
+// Replicated atomic, phase 0 done on one copy: write the new word to the other.
+void Proxy::write_second_copy(Job& j, Allocation& a) {
+  j.old_value = j.subs[0].op.value();
+  const uint64_t x = load_le<uint64_t>(j.buf.data());
+  uint64_t nv = j.old_value;
+  switch (j.req.opcode) {
+    case Opcode::kFetchAdd: nv = j.old_value + x; break;
+    case Opcode::kSwap: nv = x; break;
+    default:
+      if (j.old_value == x) nv = load_le<uint64_t>(j.buf.data() + 8);
+      break;
   }
-  // Decide the job's status.
-  if (j.status != Status::kOk) return true;
-  if (is_atomic(j.req.opcode)) {
-    if (j.subs.empty()) return true;  // status set by start_atomic
-    if (j.subs[0].status != Status::kOk) {
-      j.status = j.subs[0].status;
-      return true;
+  j.phase = 1;
+  store_le<uint64_t>(j.word.data(), nv);
+  const uint64_t off = pool::offset_of(j.req.addr);
+  for (uint32_t c = 0; c < a.layout.copies; ++c) {
+    const pool::Place pl = pool::locate(a.layout, off, c);
+    if (pl.slot == j.primary) continue;
+    if (!usable(a, pl.slot)) {
+      catalog_.mark_lost(a.row.id, pl.slot);
+      continue;
     }
-    if (j.phase == 0) j.old_value = j.subs[0].op.value();
-    for (size_t i = 1; i < j.subs.size(); ++i)
-      if (j.subs[i].status != Status::kOk && a) catalog_.mark_lost(a->row.id, j.subs[i].slot);
-    return true;
+    Job::Sub sub;
+    sub.off = off;
+    sub.len = 8;
+    sub.slot = pl.slot;
+    sub.copy = c;
+    sub.write = true;
+    const ExtentRow& e = a.slots[pl.slot];
+    sub.op = client(e.device_id)->write_async(e.base + pl.extent_offset, j.word, e.key);
+    j.subs.push_back(std::move(sub));
   }
-  // Reads and writes: every piece needs one good copy; a copy of a
-  // replicated write that failed while the other succeeded is stale.
+}
+
+// An atomic's status: its first copy's; a second copy that failed is stale.
+void Proxy::settle_atomic(Job& j, Allocation* a) {
+  if (j.subs.empty()) return;  // status set by start_atomic
+  if (j.subs[0].status != Status::kOk) {
+    j.status = j.subs[0].status;
+    return;
+  }
+  if (j.phase == 0) j.old_value = j.subs[0].op.value();
+  for (size_t i = 1; i < j.subs.size(); ++i)
+    if (j.subs[i].status != Status::kOk && a) catalog_.mark_lost(a->row.id, j.subs[i].slot);
+}
+
+// Reads and writes: every piece needs one good copy; a copy of a
+// replicated write that failed while the other succeeded is stale.
+void Proxy::settle_pieces(Job& j, Allocation* a) {
   std::vector<uint8_t> piece_ok(j.pieces, 0);
   Status first = Status::kOk;
   for (const auto& sub : j.subs) {
-    if (sub.status == Status::kOk) piece_ok[sub.piece] = 1;
-    else if (first == Status::kOk) first = sub.status;
+    if (sub.status == Status::kOk)
+      piece_ok[sub.piece] = 1;
+    else if (first == Status::kOk)
+      first = sub.status;
   }
   for (size_t p = 0; p < j.pieces; ++p)
     if (!piece_ok[p]) {
       j.status = first == Status::kOk ? Status::kUnavailable : first;
-      return true;
+      return;
     }
   if (a && a->layout.copies > 1)
     for (const auto& sub : j.subs)
       if (sub.write && sub.status != Status::kOk) catalog_.mark_lost(a->row.id, sub.slot);
-  return true;
 }
 
 void Proxy::finish(Job& j) {

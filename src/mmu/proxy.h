@@ -105,6 +105,12 @@ class Proxy {
   void start_atomic(Job& j);
   void progress();
   bool progress(Job& j);
+  // The steps of progress(), in order.
+  std::optional<bool> recover_failures(Job& j, Allocation* a);
+  bool retry_read(Job& j, Allocation& a, size_t sub);
+  void write_second_copy(Job& j, Allocation& a);
+  void settle_atomic(Job& j, Allocation* a);
+  void settle_pieces(Job& j, Allocation* a);
   void finish(Job& j);
   Status failure_status(const Error& e, uint64_t alloc_id) const;
 
