@@ -265,6 +265,12 @@ class Client {
   void pump(bool block);
   void send_queued();
   void receive(std::byte* buf, size_t len, const transport::Endpoint& from);
+  // The steps of receive() once an answer is matched and OK: its payload
+  // to where the operation wants it.
+  void deliver_aggregate(Packet& p, std::span<const std::byte> payload);
+  Error deliver(Packet& p, std::span<const std::byte> payload);
+  std::string describe(const Packet& p) const;  // "READ at 0x1000 on HOST:PORT"
+  Error timed_out(const Packet& p) const;
   void check_timers();
   void finish(Packet& p, Error e);
   uint32_t boot_for(const Packet& p) const;

@@ -839,30 +839,31 @@ void Client::check_timers() {
   for (uint64_t txn : expired) {
     auto it = inflight_.find(txn);
     if (it == inflight_.end()) continue;  // gone with an earlier failure of its op
-    Packet& p = *it->second;
-    if (p.aggregate && p.held) {
-      auto seg = core::decode_segment(p.chain_head.data() + kHeaderSize + kSrPreambleSize);
-      finish(p, Error::timeout(fmt::format("AGGREGATE block {} on {}: timeout: the device holds this block, but not "
-                                           "every contributor's block arrived within {} ms (a rank is late or gone)",
-                                           seg.aux, transport::Endpoint{seg.ip, seg.port}.to_string(),
-                                           opts_.timeout.count())));
-      continue;
-    }
-    if (p.is_chain()) {
-      std::string route;
-      for (size_t i = 0; i < p.h.seg_count; ++i) {
-        auto seg = core::decode_segment(p.chain_head.data() + kHeaderSize + kSrPreambleSize + i * kSegmentSize);
-        route += (i ? " -> " : "") + transport::Endpoint{seg.ip, seg.port}.to_string();
-      }
-      finish(p, Error::timeout(fmt::format("CHAIN {}: no answer within {} ms ({} sends); a device on "
-                                           "the route is not answering",
-                                           route, opts_.timeout.count(), p.sends)));
-      continue;
-    }
-    finish(p, Error::timeout(fmt::format("{} to {} at {:#x}: no answer within {} ms ({} sends)",
-                                         to_string(p.h.opcode), device_address(), p.h.addr,
-                                         opts_.timeout.count(), p.sends)));
+    finish(*it->second, timed_out(*it->second));
   }
+}
+
+// The error of a packet unanswered for the whole timeout, naming where it went.
+Error Client::timed_out(const Packet& p) const {
+  if (p.aggregate && p.held) {
+    auto seg = core::decode_segment(p.chain_head.data() + kHeaderSize + kSrPreambleSize);
+    return Error::timeout(fmt::format("AGGREGATE block {} on {}: timeout: the device holds this block, but not "
+                                      "every contributor's block arrived within {} ms (a rank is late or gone)",
+                                      seg.aux, transport::Endpoint{seg.ip, seg.port}.to_string(),
+                                      opts_.timeout.count()));
+  }
+  if (p.is_chain()) {
+    std::string route;
+    for (size_t i = 0; i < p.h.seg_count; ++i) {
+      auto seg = core::decode_segment(p.chain_head.data() + kHeaderSize + kSrPreambleSize + i * kSegmentSize);
+      route += (i ? " -> " : "") + transport::Endpoint{seg.ip, seg.port}.to_string();
+    }
+    return Error::timeout(fmt::format("CHAIN {}: no answer within {} ms ({} sends); a device on the route is not "
+                                      "answering",
+                                      route, opts_.timeout.count(), p.sends));
+  }
+  return Error::timeout(fmt::format("{} to {} at {:#x}: no answer within {} ms ({} sends)", to_string(p.h.opcode),
+                                    device_address(), p.h.addr, opts_.timeout.count(), p.sends));
 }
 
 void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from) {
@@ -882,7 +883,6 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
   Packet& p = *it->second;
   if (h.status != Status::kNotReady && !p.held)
     recovery_->route(p).on_answer(p.first_sent, p.last_sent, p.sends, transport_->now());
-  auto what = [&] { return fmt::format("{} at {:#x} on {}", to_string(h.opcode), p.h.addr, device_address()); };
   if (p.is_chain() && h.status == Status::kNotReady) {
     // Back off from 100 us to 3.2 ms; the deadline still runs from first_sent.
     p.due = transport_->now() + kNotReadyDelay * (1 << std::min(p.not_ready++, 5));
@@ -891,61 +891,76 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
   if (h.status == Status::kBootMismatch ||
       (opts_.detect_restart && !p.routed() && info_.boot_id != 0 && h.boot != info_.boot_id))
     return finish(p, Error::restarted(fmt::format("{}: device restarted (boot id {:#x} -> {:#x}); its memory is gone",
-                                                  what(), info_.boot_id, h.boot)));
+                                                  describe(p), info_.boot_id, h.boot)));
   if (h.status != Status::kOk) {
     if (p.is_chain()) p.op->failed_segment = h.seg_index;
-    return finish(p, Error::nak(h.status, fmt::format("{}: {} (segment {}, device {})", what(),
+    return finish(p, Error::nak(h.status, fmt::format("{}: {} (segment {}, device {})", describe(p),
                                                       to_string(h.status), h.seg_index,
                                                       from.to_string())));
   }
   std::span<const std::byte> payload(buf + kHeaderSize, len - kHeaderSize);
   if (h.length != payload.size())
-    return finish(p, Error::protocol(what() + ": answer length disagrees with its datagram"));
-  detail::OpState& op = *p.op;
-  if (p.aggregate) {
-    if (payload.size() < core::kAggAnswerRecordSize)
-      return finish(p, Error::protocol(what() + ": AGGREGATE answer without its record"));
-    const core::AggAnswerRecord rec = core::decode_agg_answer(payload.data());
-    const auto data = payload.subspan(core::kAggAnswerRecordSize);
-    if (rec.flags & core::kAggHeld) {  // arrived; the result comes when every contributor's block is in
-      if (!p.held) p.held_since = transport_->now();
-      p.held = true;
-      return;
-    }
-    if (p.answer_to != nullptr && !(rec.flags & core::kAggResultNone)) {
-      if (rec.flags & core::kAggResultZero)
-        std::memset(p.answer_to, 0, p.h.length);  // the device found the result all zero bits
-      else if (data.size() == p.h.length)
-        std::memcpy(p.answer_to, data.data(), data.size());
-      else
-        return finish(p, Error::protocol(fmt::format("{}: {} result bytes answered, {} asked", what(),
-                                                     data.size(), p.h.length)));
-    }
-    return finish(p, {});
+    return finish(p, Error::protocol(describe(p) + ": answer length disagrees with its datagram"));
+  if (p.aggregate) return deliver_aggregate(p, payload);
+  finish(p, deliver(p, payload));
+}
+
+std::string Client::describe(const Packet& p) const {
+  return fmt::format("{} at {:#x} on {}", to_string(p.h.opcode), p.h.addr, device_address());
+}
+
+// An AGGREGATE answer: "held" (the device has the block and answers again
+// when every contributor's is in), or the reduced block.
+void Client::deliver_aggregate(Packet& p, std::span<const std::byte> payload) {
+  if (payload.size() < core::kAggAnswerRecordSize)
+    return finish(p, Error::protocol(describe(p) + ": AGGREGATE answer without its record"));
+  const core::AggAnswerRecord rec = core::decode_agg_answer(payload.data());
+  const auto data = payload.subspan(core::kAggAnswerRecordSize);
+  if (rec.flags & core::kAggHeld) {
+    if (!p.held) p.held_since = transport_->now();
+    p.held = true;
+    return;
   }
+  if (p.answer_to != nullptr && !(rec.flags & core::kAggResultNone)) {
+    if (rec.flags & core::kAggResultZero)
+      std::memset(p.answer_to, 0, p.h.length);  // the device found the result all zero bits
+    else if (data.size() == p.h.length)
+      std::memcpy(p.answer_to, data.data(), data.size());
+    else
+      return finish(p, Error::protocol(fmt::format("{}: {} result bytes answered, {} asked", describe(p),
+                                                   data.size(), p.h.length)));
+  }
+  finish(p, {});
+}
+
+// Any other OK answer: data to the caller's buffer, an atomic's or ARM's
+// value, or the payload kept for the op. A payload of the wrong size is a
+// protocol error.
+Error Client::deliver(Packet& p, std::span<const std::byte> payload) {
+  detail::OpState& op = *p.op;
   if (p.keep_answer) {  // call(): the payload as it came, whatever the opcode
     op.answer.assign(payload.begin(), payload.end());
-    return finish(p, {});
+    return {};
   }
-  switch (h.opcode) {
+  switch (p.h.opcode) {
     case Opcode::kChain:
       if (p.answer_to == nullptr) break;
       [[fallthrough]];
     case Opcode::kRead:
     case Opcode::kReducePayload:
       if (payload.size() != p.h.length)
-        return finish(p, Error::protocol(fmt::format("{}: {} bytes answered, {} asked", what(),
-                                                     payload.size(), p.h.length)));
+        return Error::protocol(
+            fmt::format("{}: {} bytes answered, {} asked", describe(p), payload.size(), p.h.length));
       std::memcpy(p.answer_to, payload.data(), payload.size());
       break;
     case Opcode::kFetchAdd:
     case Opcode::kCompareSwap:
     case Opcode::kSwap:
-      if (payload.size() != 8) return finish(p, Error::protocol(what() + ": atomic answer is not 8 bytes"));
+      if (payload.size() != 8) return Error::protocol(describe(p) + ": atomic answer is not 8 bytes");
       op.value = load_le<uint64_t>(payload.data());
       break;
     case Opcode::kArm:
-      if (payload.size() != 4) return finish(p, Error::protocol(what() + ": ARM answer is not 4 bytes"));
+      if (payload.size() != 4) return Error::protocol(describe(p) + ": ARM answer is not 4 bytes");
       op.value = load_be<uint32_t>(payload.data());
       break;
     case Opcode::kPing:
@@ -953,7 +968,7 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
     case Opcode::kRegionList: op.answer.assign(payload.begin(), payload.end()); break;
     default: break;
   }
-  finish(p, {});
+  return {};
 }
 
 void Client::pump(bool block) {
