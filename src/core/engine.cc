@@ -273,6 +273,15 @@ Action Engine::handle(Address from, std::span<std::byte> d, std::span<std::byte>
   return answer(p.h, from, Status::kOk, r.data, out);
 }
 
+// One segment of a chain at this device, and what its steps share.
+struct Engine::Hop {
+  const Packet& p;    // the chain as it arrived
+  const Header& h;    // its header as it leaves this hop (seg_index = this segment)
+  const Segment& s;   // the segment
+  Address from, reply_to;
+  std::span<std::byte> d, out;  // the datagram (forwarded in place) and the engine's buffer
+};
+
 // A chain packet: run the current segment, then every following segment
 // that names this same device, then pass the packet on (or answer the
 // initiator after the last segment). docs/COLLECTIVES.md explains the
@@ -311,107 +320,11 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
     const bool last = i + 1 == h.seg_count;
     Segment n;
     if (!last) n = segment(i + 1);
-    if (!allowed_in_chain(s.opcode) || (s.flags & ~kSegFlagsKnown) ||
-        ((s.flags & kSegStamp) && !takes_stamp(s.opcode)) ||
-        ((s.flags & kSegStamp) && (s.flags & kSegAwait)) ||  // one aux, one stamp
-        (!last && (n.ip == 0 || n.port == 0)))
-      return answer(h, reply_to, Status::kBadSegment, {}, out);
-    // Checked before this hop runs, so a refused chain changes nothing here.
-    if (!last && !(n.ip == s.ip && n.port == s.port) && !policy.permits(from.ip, n.ip)) {
-      Stats::inc(stats_.policy_refused);
-      return answer(h, reply_to, Status::kNotPermitted, {}, out);
-    }
-    if ((h.flags & kFlagSparse) && !takes_sparse(s.opcode))
-      return answer(h, reply_to, Status::kBadFlags, {}, out);
-
+    if (Status st = check_hop(h, s, last ? nullptr : &n, from); st != Status::kOk)
+      return answer(h, reply_to, st, {}, out);
+    const Hop c{p, h, s, from, reply_to, d, out};
     Result r;
-    {
-      // ARM takes this exclusively: no hop of an older generation is
-      // still running once ARM has answered.
-      std::shared_lock gen_lock(device_.generation_mu_, std::defer_lock);
-      bool skip = false;
-      std::optional<Region> region;
-      if (s.flags & (kSegGen | kSegStamp | kSegAwait)) {
-        region = device_.regions().find(s.rkey);
-        if (!region) return answer(h, reply_to, Status::kBadKey, {}, out);
-      }
-      // One table lookup per hop: the region's bits if it was just found.
-      const std::optional<uint32_t> perms = region ? region->perms : device_.regions().perms(s.rkey);
-      if (perms && (*perms & kPermPlainOnly)) return answer(h, reply_to, Status::kNotPermitted, {}, out);
-      // Check where the stamp goes (or is read from) before anything is
-      // written.
-      const uint64_t stamp_at = region ? region->base + s.aux : 0;
-      if ((s.flags & kSegStamp) &&
-          (stamp_at % 4 || device_.regions().check(s.rkey, stamp_at, 4, kPermWrite) != Status::kOk))
-        return answer(h, reply_to, Status::kBadSegment, {}, out);
-      if ((s.flags & kSegAwait) &&
-          (stamp_at % 4 || device_.regions().check(s.rkey, stamp_at, 4, kPermRead) != Status::kOk))
-        return answer(h, reply_to, Status::kBadSegment, {}, out);
-      if (s.flags & kSegGen) {
-        gen_lock.lock();
-        region = device_.regions().find(s.rkey);
-        if (!region) return answer(h, reply_to, Status::kBadKey, {}, out);
-        // Serial-number comparison: generations may wrap around 2^32.
-        const auto ahead = static_cast<int32_t>(region->generation - p.sr.generation);
-        if (ahead < 0) {
-          // Park only what has not started here (a continuation would run
-          // its earlier segments twice).
-          if (i == p.h.seg_index && device_.park(from, d)) {
-            Stats::inc(stats_.parked);
-            return {};
-          }
-          return answer(h, reply_to, Status::kNotReady, {}, out);
-        }
-        if (ahead > 0 && !(s.flags & kSegSkipStale))
-          return answer(h, reply_to, Status::kStaleGeneration, {}, out);
-        skip = ahead > 0;
-      }
-      if ((s.flags & kSegAwait) && !skip) {
-        // The data this segment reads is complete once its stamp holds this
-        // generation (written after the data, with release order). Behind:
-        // wait like an unarmed region, woken by that stamp's store.
-        const uint32_t stamp =
-            std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(device_.memory().data() + stamp_at))
-                .load(std::memory_order_acquire);
-        const auto ahead = static_cast<int32_t>(stamp - p.sr.generation);
-        if (ahead < 0) {
-          if (i == p.h.seg_index && device_.park_on_stamp(from, d, stamp_at, p.sr.generation)) {
-            Stats::inc(stats_.parked);
-            return {};
-          }
-          return answer(h, reply_to, Status::kNotReady, {}, out);
-        }
-        if (ahead > 0 && !(s.flags & kSegSkipStale))
-          return answer(h, reply_to, Status::kStaleGeneration, {}, out);
-        skip = ahead > 0;
-      }
-      if (skip) {
-        Stats::inc(stats_.skipped);
-      } else {
-        // A chain may visit a device more than once with the same txn: each
-        // segment is its own request in the replay window.
-        const uint64_t requester = chain_requester(reply_to, h.seg_index);
-        Request q{h, s.opcode, s.rkey, s.addr, payload, requester, true};
-        r = execute(q, out);
-        if (r.status != Status::kOk) return answer(h, reply_to, r.status, {}, out);
-        if (s.opcode == Opcode::kOptStep) {
-          // The chain carries on with the weights the step produced (also
-          // when it was replayed: they are still in memory), so the rest of
-          // a chain can hand them out (docs/COLLECTIVES.md, section 10).
-          const uint32_t n = static_cast<uint32_t>(q.h.length);
-          if (Status st = device_.regions().check(s.rkey, s.addr, n, kPermRead); st != Status::kOk)
-            return answer(h, reply_to, st, {}, out);
-          r.data = device_.memory().subspan(s.addr, n);
-        }
-        if (s.flags & kSegStamp) {
-          // Data first, then its stamp: a host that sees the stamp (acquire)
-          // sees the data.
-          std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(device_.memory().data() + stamp_at))
-              .store(p.sr.generation, std::memory_order_release);
-          device_.stamp_written(stamp_at, p.sr.generation);
-        }
-      }
-    }
+    if (std::optional<Action> stop = run_hop(c, payload, r)) return *stop;
     if (r.data.data() != nullptr && r.data.data() != payload.data()) {
       // This hop produced a new payload (READ, or a sparse operand expanded
       // and reduced). Later segments carry it, dense.
@@ -429,40 +342,168 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
     // (READ, REDUCE_PAYLOAD); a chain that ends in a store is acknowledged.
     if (last) return answer(h, reply_to, Status::kOk, r.data, out);
     if (n.ip == s.ip && n.port == s.port) continue;  // the next segment runs here too
-
-    // Pass the packet on: advance the segment pointer, record who gets the
-    // final answer, and carry the payload this device produced.
-    const size_t off = payload_offset(h.seg_count);
-    store_be<uint8_t>(d.data() + hdr::kSegIndex, static_cast<uint8_t>(i + 1));
-    if (p.sr.reply_ip == 0) {
-      SrPreamble sr = p.sr;
-      sr.reply_ip = reply_to.ip;
-      sr.reply_port = reply_to.port;
-      encode_preamble(sr, d.data() + kHeaderSize);
-    }
-    // More than half zeros: the next hop gets (index, value) pairs, which
-    // it expands before use, so results are bit-identical to dense.
-    if ((h.flags & kFlagSparseOk) && !(h.flags & kFlagSparse) && h.dtype != DType::kBytes &&
-        is_valid_dtype(static_cast<uint8_t>(h.dtype)) && core::sparse_is_worth_it(h.dtype, payload)) {
-      // Into the second half of `out`: the dense payload may sit in the
-      // first, and the Action must not point into engine-owned memory (a
-      // batch is sent after all its datagrams ran).
-      auto sparse = out.subspan(kHeaderSize + device_.config().max_payload);
-      const size_t n = sparse_encode(h.dtype, payload, sparse);
-      payload = sparse.first(n);
-      h.flags |= kFlagSparse;
-      payload_moved = true;
-      Stats::inc(stats_.sparse_forwarded);
-    }
-    if (payload_moved) {
-      store_be<uint32_t>(d.data() + hdr::kLength, h.length);
-      store_be<uint8_t>(d.data() + hdr::kFlags, h.flags);
-    }
-    Stats::inc(stats_.forwarded);
-    Stats::inc(stats_.tx_packets);
-    Stats::inc(stats_.tx_bytes, off + payload.size());
-    return Action{Action::Kind::kForward, Address{n.ip, n.port}, d.first(off), payload};
+    return forward(c, n, payload, payload_moved);
   }
+}
+
+// Whether segment `s` may run here, checked before it runs, so a refused
+// chain changes nothing here: a known opcode and flags, a next hop that is
+// an address and that this source may send to, SPARSE only where it fits.
+Status Engine::check_hop(const Header& h, const Segment& s, const Segment* next, Address from) {
+  if (!allowed_in_chain(s.opcode) || (s.flags & ~kSegFlagsKnown) ||
+      ((s.flags & kSegStamp) && !takes_stamp(s.opcode)) ||
+      ((s.flags & kSegStamp) && (s.flags & kSegAwait)) ||  // one aux, one stamp
+      (next && (next->ip == 0 || next->port == 0)))
+    return Status::kBadSegment;
+  if (next && !(next->ip == s.ip && next->port == s.port) &&
+      !device_.config().destinations.permits(from.ip, next->ip)) {
+    Stats::inc(stats_.policy_refused);
+    return Status::kNotPermitted;
+  }
+  if ((h.flags & kFlagSparse) && !takes_sparse(s.opcode)) return Status::kBadFlags;
+  return Status::kOk;
+}
+
+// Runs the segment: its region's checks, the generation and stamp gates,
+// the operation (exactly once per segment), OPT_STEP's weights handed on,
+// the stamp. An Action when the chain stops here (refused, parked); else
+// `r` holds what the operation produced (nothing if skipped as stale).
+std::optional<Action> Engine::run_hop(const Hop& c, std::span<std::byte> payload, Result& r) {
+  const Segment& s = c.s;
+  // ARM takes this exclusively: no hop of an older generation is still
+  // running once ARM has answered.
+  std::shared_lock gen_lock(device_.generation_mu_, std::defer_lock);
+  std::optional<Region> region;
+  if (s.flags & (kSegGen | kSegStamp | kSegAwait)) {
+    region = device_.regions().find(s.rkey);
+    if (!region) return answer(c.h, c.reply_to, Status::kBadKey, {}, c.out);
+  }
+  // One table lookup per hop: the region's bits if it was just found.
+  const std::optional<uint32_t> perms = region ? region->perms : device_.regions().perms(s.rkey);
+  if (perms && (*perms & kPermPlainOnly)) return answer(c.h, c.reply_to, Status::kNotPermitted, {}, c.out);
+  // Check where the stamp goes (or is read from) before anything is written.
+  const uint64_t stamp_at = region ? region->base + s.aux : 0;
+  if ((s.flags & kSegStamp) &&
+      (stamp_at % 4 || device_.regions().check(s.rkey, stamp_at, 4, kPermWrite) != Status::kOk))
+    return answer(c.h, c.reply_to, Status::kBadSegment, {}, c.out);
+  if ((s.flags & kSegAwait) &&
+      (stamp_at % 4 || device_.regions().check(s.rkey, stamp_at, 4, kPermRead) != Status::kOk))
+    return answer(c.h, c.reply_to, Status::kBadSegment, {}, c.out);
+  bool skip = false;
+  if (std::optional<Action> stop = hop_gate(c, gen_lock, stamp_at, skip)) return stop;
+  if (skip) {
+    Stats::inc(stats_.skipped);
+    return std::nullopt;
+  }
+  // A chain may visit a device more than once with the same txn: each
+  // segment is its own request in the replay window.
+  const uint64_t requester = chain_requester(c.reply_to, c.h.seg_index);
+  Request q{c.h, s.opcode, s.rkey, s.addr, payload, requester, true};
+  r = execute(q, c.out);
+  if (r.status != Status::kOk) return answer(c.h, c.reply_to, r.status, {}, c.out);
+  if (s.opcode == Opcode::kOptStep) {
+    // The chain carries on with the weights the step produced (also when
+    // it was replayed: they are still in memory), so the rest of a chain
+    // can hand them out (docs/COLLECTIVES.md, section 10).
+    const uint32_t n = static_cast<uint32_t>(q.h.length);
+    if (Status st = device_.regions().check(s.rkey, s.addr, n, kPermRead); st != Status::kOk)
+      return answer(c.h, c.reply_to, st, {}, c.out);
+    r.data = device_.memory().subspan(s.addr, n);
+  }
+  if (s.flags & kSegStamp) {
+    // Data first, then its stamp: a host that sees the stamp (acquire)
+    // sees the data.
+    std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(device_.memory().data() + stamp_at))
+        .store(c.p.sr.generation, std::memory_order_release);
+    device_.stamp_written(stamp_at, c.p.sr.generation);
+  }
+  return std::nullopt;
+}
+
+// The GEN and AWAIT gates of a segment: run (skip false), skip as stale
+// (SKIP_STALE), or stop: parked until ARM or the stamp comes, NOT_READY,
+// STALE_GENERATION. GEN takes `gen_lock` and keeps it while the hop runs.
+std::optional<Action> Engine::hop_gate(const Hop& c, std::shared_lock<std::shared_mutex>& gen_lock,
+                                       uint64_t stamp_at, bool& skip) {
+  const Segment& s = c.s;
+  // Park only what has not started here (a continuation would run its
+  // earlier segments twice).
+  const bool starts_here = c.h.seg_index == c.p.h.seg_index;
+  if (s.flags & kSegGen) {
+    gen_lock.lock();
+    std::optional<Region> region = device_.regions().find(s.rkey);
+    if (!region) return answer(c.h, c.reply_to, Status::kBadKey, {}, c.out);
+    // Serial-number comparison: generations may wrap around 2^32.
+    const auto ahead = static_cast<int32_t>(region->generation - c.p.sr.generation);
+    if (ahead < 0) {
+      if (starts_here && device_.park(c.from, c.d)) {
+        Stats::inc(stats_.parked);
+        return Action{};
+      }
+      return answer(c.h, c.reply_to, Status::kNotReady, {}, c.out);
+    }
+    if (ahead > 0 && !(s.flags & kSegSkipStale))
+      return answer(c.h, c.reply_to, Status::kStaleGeneration, {}, c.out);
+    skip = ahead > 0;
+  }
+  if ((s.flags & kSegAwait) && !skip) {
+    // The data this segment reads is complete once its stamp holds this
+    // generation (written after the data, with release order). Behind:
+    // wait like an unarmed region, woken by that stamp's store.
+    const uint32_t stamp =
+        std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(device_.memory().data() + stamp_at))
+            .load(std::memory_order_acquire);
+    const auto ahead = static_cast<int32_t>(stamp - c.p.sr.generation);
+    if (ahead < 0) {
+      if (starts_here && device_.park_on_stamp(c.from, c.d, stamp_at, c.p.sr.generation)) {
+        Stats::inc(stats_.parked);
+        return Action{};
+      }
+      return answer(c.h, c.reply_to, Status::kNotReady, {}, c.out);
+    }
+    if (ahead > 0 && !(s.flags & kSegSkipStale))
+      return answer(c.h, c.reply_to, Status::kStaleGeneration, {}, c.out);
+    skip = ahead > 0;
+  }
+  return std::nullopt;
+}
+
+// Passes the packet on to `next`: advances the segment pointer, records
+// who gets the final answer, and carries the payload this device produced
+// (sparse when that is smaller and allowed).
+Action Engine::forward(const Hop& c, const Segment& next, std::span<std::byte> payload, bool payload_moved) {
+  Header h = c.h;
+  std::span<std::byte> d = c.d;
+  const size_t off = payload_offset(h.seg_count);
+  store_be<uint8_t>(d.data() + hdr::kSegIndex, static_cast<uint8_t>(h.seg_index + 1));
+  if (c.p.sr.reply_ip == 0) {
+    SrPreamble sr = c.p.sr;
+    sr.reply_ip = c.reply_to.ip;
+    sr.reply_port = c.reply_to.port;
+    encode_preamble(sr, d.data() + kHeaderSize);
+  }
+  // More than half zeros: the next hop gets (index, value) pairs, which it
+  // expands before use, so results are bit-identical to dense.
+  if ((h.flags & kFlagSparseOk) && !(h.flags & kFlagSparse) && h.dtype != DType::kBytes &&
+      is_valid_dtype(static_cast<uint8_t>(h.dtype)) && core::sparse_is_worth_it(h.dtype, payload)) {
+    // Into the second half of `out`: the dense payload may sit in the
+    // first, and the Action must not point into engine-owned memory (a
+    // batch is sent after all its datagrams ran).
+    auto sparse = c.out.subspan(kHeaderSize + device_.config().max_payload);
+    const size_t n = sparse_encode(h.dtype, payload, sparse);
+    payload = sparse.first(n);
+    h.flags |= kFlagSparse;
+    payload_moved = true;
+    Stats::inc(stats_.sparse_forwarded);
+  }
+  if (payload_moved) {
+    store_be<uint32_t>(d.data() + hdr::kLength, h.length);
+    store_be<uint8_t>(d.data() + hdr::kFlags, h.flags);
+  }
+  Stats::inc(stats_.forwarded);
+  Stats::inc(stats_.tx_packets);
+  Stats::inc(stats_.tx_bytes, off + payload.size());
+  return Action{Action::Kind::kForward, Address{next.ip, next.port}, d.first(off), payload};
 }
 
 Action Engine::answer(const Header& req, Address to, Status status,

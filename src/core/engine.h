@@ -209,6 +209,13 @@ class Engine {
   struct Result;
   Action run_chain(Address from, std::span<std::byte> datagram, Packet& p,
                    std::span<std::byte> out);
+  // The steps of run_chain for one segment (engine.cc says what each does).
+  struct Hop;
+  Status check_hop(const Header& h, const Segment& s, const Segment* next, Address from);
+  std::optional<Action> run_hop(const Hop& c, std::span<std::byte> payload, Result& r);
+  std::optional<Action> hop_gate(const Hop& c, std::shared_lock<std::shared_mutex>& gen_lock,
+                                 uint64_t stamp_at, bool& skip);
+  Action forward(const Hop& c, const Segment& next, std::span<std::byte> payload, bool payload_moved);
   Result execute(const Request& q, std::span<std::byte> out);
   Status key_shown(const Request& q) const;
   uint32_t cookie(uint32_t ip) const { return address_cookie(device_.config().cookie_secret, ip); }
