@@ -50,7 +50,10 @@ def unseal(datagram):
 
 
 def request(sock, peer, txn, opcode, flags, key, addr, length, payload=b""):
-    datagram = seal(HEADER.pack(MAGIC, VERSION, opcode, flags, 0, 0, 0, 0, 0, key, txn, addr, length, 0) + payload)
+    # A pool proxy's keys are 64-bit: the low half in rkey, the high half
+    # in boot (PROTOCOL.md 17).
+    rkey, boot = key & 0xFFFFFFFF, key >> 32
+    datagram = seal(HEADER.pack(MAGIC, VERSION, opcode, flags, 0, 0, 0, 0, 0, rkey, txn, addr, length, boot) + payload)
     for _ in range(20):  # retransmit the same txn on timeout (section 9.3)
         sock.sendto(datagram, peer)
         try:

@@ -1,5 +1,9 @@
 """netdam.Pool against a netdam-mmu in front of two netdamd devices."""
 
+import os
+import subprocess
+import sys
+import tempfile
 import unittest
 
 import numpy as np
@@ -67,6 +71,34 @@ class PoolTest(unittest.TestCase):
                 self.pool.get(a.base, 8, a.key, path="sideways")
         finally:
             self.pool.free("t-data")
+
+    def test_keys_are_64_bit(self):
+        a = self.pool.alloc("t-key", 4096)
+        try:
+            self.assertGreaterEqual(a.key, 1 << 32)  # both halves non-zero (PROTOCOL.md 17)
+            # A plain Client of the proxy takes the whole key (the high half goes in boot).
+            with netdam.Client(self.mmu.endpoint, rkey=a.key) as c:
+                c.write(a.base, b"sixty-four")
+                self.assertEqual(c.read(a.base, 10), b"sixty-four")
+                with self.assertRaises(netdam.Nak) as cm:
+                    c.read(a.base, 10, rkey=a.key & 0xFFFFFFFF)  # the low half alone
+                self.assertEqual(cm.exception.status, "BAD_KEY")
+            # scripts/pool_client.py (the demo's plain-socket client, nothing
+            # but PROTOCOL.md) does the same with its own datagrams.
+            script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pool_client.py")
+            with tempfile.NamedTemporaryFile() as f:
+                f.write(os.urandom(3000))
+                f.flush()
+                r = subprocess.run([sys.executable, script, self.mmu.endpoint, hex(a.base), hex(a.key), f.name],
+                                   capture_output=True, text=True, timeout=60)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("identical", r.stdout)
+            # A device's keys are 32-bit: the client refuses a longer one before sending.
+            with netdam.Client(self.devices[0].endpoint) as d:
+                with self.assertRaises(netdam.InvalidArgument):
+                    d.read(0, 8, rkey=a.key)
+        finally:
+            self.pool.free("t-key")
 
     def test_atomics(self):
         a = self.pool.alloc("t-atomics", 8192, policy="single")

@@ -61,10 +61,10 @@ Sparse sparse_arg(const py::object& s) {
 
 class PyClient {
  public:
-  PyClient(const std::string& device, uint32_t rkey, double timeout, size_t max_payload, bool detect_restart)
+  PyClient(const std::string& device, uint64_t rkey, double timeout, size_t max_payload, bool detect_restart)
       : client_(connect(device, rkey, timeout, max_payload, detect_restart), "client") {}
 
-  static std::unique_ptr<Client> connect(const std::string& device, uint32_t rkey, double timeout,
+  static std::unique_ptr<Client> connect(const std::string& device, uint64_t rkey, double timeout,
                                          size_t max_payload, bool detect_restart) {
     ClientOptions o;
     o.rkey = rkey;
@@ -95,25 +95,25 @@ class PyClient {
     for (const auto& [name, value] : unwrap(std::move(r))) d[py::str(name)] = value;
     return d;
   }
-  py::bytes read(uint64_t addr, size_t n, uint32_t rkey) {
+  py::bytes read(uint64_t addr, size_t n, uint64_t rkey) {
     auto out = py::reinterpret_steal<py::bytes>(PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n)));
     if (!out) throw py::error_already_set();
     std::span<std::byte> span(reinterpret_cast<std::byte*>(PyBytes_AS_STRING(out.ptr())), n);
     check(run([&](Client& c) { return c.read(addr, span, rkey); }));
     return out;
   }
-  py::object read_into(uint64_t addr, const py::object& buffer, uint32_t rkey) {
+  py::object read_into(uint64_t addr, const py::object& buffer, uint64_t rkey) {
     Buffer b(buffer, true, "buffer");
     check(run([&](Client& c) { return c.read(addr, b.bytes(), rkey); }));
     return buffer;
   }
-  void write(uint64_t addr, const py::object& data, uint32_t rkey, bool acked) {
+  void write(uint64_t addr, const py::object& data, uint64_t rkey, bool acked) {
     Buffer b(data, false, "data");
     check(run([&](Client& c) {
       return acked ? c.write(addr, b.cbytes(), rkey) : c.write_unacked(addr, b.cbytes(), rkey);
     }));
   }
-  void fill(uint64_t addr, uint64_t length, const py::object& pattern, uint32_t rkey) {
+  void fill(uint64_t addr, uint64_t length, const py::object& pattern, uint64_t rkey) {
     py::object p = pattern;
     if (PyLong_Check(pattern.ptr())) {
       const int v = pattern.cast<int>();
@@ -126,15 +126,15 @@ class PyClient {
   void copy(uint64_t dst, uint64_t src, uint64_t length, uint32_t src_key, uint32_t rkey) {
     check(run([&](Client& c) { return c.copy(dst, src, length, src_key, rkey); }));
   }
-  uint64_t fetch_add(uint64_t addr, const py::object& add, uint32_t rkey) {
+  uint64_t fetch_add(uint64_t addr, const py::object& add, uint64_t rkey) {
     const uint64_t a = word_arg(add, "add");
     return unwrap(run([&](Client& c) { return c.fetch_add(addr, a, rkey); }));
   }
-  uint64_t compare_swap(uint64_t addr, const py::object& expected, const py::object& desired, uint32_t rkey) {
+  uint64_t compare_swap(uint64_t addr, const py::object& expected, const py::object& desired, uint64_t rkey) {
     const uint64_t e = word_arg(expected, "expected"), d = word_arg(desired, "desired");
     return unwrap(run([&](Client& c) { return c.compare_swap(addr, e, d, rkey); }));
   }
-  uint64_t swap(uint64_t addr, const py::object& value, uint32_t rkey) {
+  uint64_t swap(uint64_t addr, const py::object& value, uint64_t rkey) {
     const uint64_t v = word_arg(value, "value");
     return unwrap(run([&](Client& c) { return c.swap(addr, v, rkey); }));
   }
@@ -189,7 +189,7 @@ class PyClient {
   std::string device() {
     return run([](Client& c) { return c.device_address(); });
   }
-  uint32_t rkey() {
+  uint64_t rkey() {
     return run([](Client& c) { return c.options().rkey; });
   }
   bool closed() { return client_.closed(); }
@@ -222,7 +222,7 @@ Every blocking call releases the GIL. A Client may be shared by threads
     c.write(0, b"hello")
     assert c.read(0, 5) == b"hello"
 )doc")
-      .def(py::init<const std::string&, uint32_t, double, size_t, bool>(), arg("device"), arg("rkey") = 1,
+      .def(py::init<const std::string&, uint64_t, double, size_t, bool>(), arg("device"), arg("rkey") = 1,
            arg("timeout") = 2.0, arg("max_payload") = 0, arg("detect_restart") = true,
            "__init__(device: str, rkey: int = 1, timeout: float = 2.0, max_payload: int = 0,\n"
            "         detect_restart: bool = True) -> None\n\nConnects to \"HOST:PORT\" and PINGs the device.")
@@ -236,7 +236,7 @@ Every blocking call releases the GIL. A Client may be shared by threads
            "__repr__() -> str")
       .def_property_readonly("closed", &PyClient::closed, "bool: True after close().")
       .def_property_readonly("device", &PyClient::device, "str: the device's address, 'HOST:PORT'.")
-      .def_property_readonly("rkey", &PyClient::rkey, "int: the default region key.")
+      .def_property_readonly("rkey", &PyClient::rkey, "int: the default region key (32-bit for a device, 64-bit for a pool proxy).")
       .def_property_readonly("device_info", &PyClient::device_info,
                              "dict: what the device said at connect: boot_id, max_payload, memory_bytes, "
                              "regions, replay_window, version.")
