@@ -429,14 +429,14 @@ std::optional<Action> Engine::hop_gate(const Hop& c, std::shared_lock<std::share
   // Park only what has not started here (a continuation would run its
   // earlier segments twice).
   const bool starts_here = c.h.seg_index == c.p.h.seg_index;
-  if (s.flags & kSegGen) {
-    gen_lock.lock();
-    std::optional<Region> region = device_.regions().find(s.rkey);
-    if (!region) return answer(c.h, c.reply_to, Status::kBadKey, {}, c.out);
-    // Serial-number comparison: generations may wrap around 2^32.
-    const auto ahead = static_cast<int32_t>(region->generation - c.p.sr.generation);
+  // Both gates compare a generation with the chain's (serial-number
+  // arithmetic: generations may wrap around 2^32). Behind: park (`park`
+  // says whether there was room) or NOT_READY; ahead: skip (SKIP_STALE) or
+  // STALE_GENERATION.
+  auto verdict = [&](uint32_t have, auto park) -> std::optional<Action> {
+    const auto ahead = static_cast<int32_t>(have - c.p.sr.generation);
     if (ahead < 0) {
-      if (starts_here && device_.park(c.from, c.d)) {
+      if (starts_here && park()) {
         Stats::inc(stats_.parked);
         return Action{};
       }
@@ -445,6 +445,13 @@ std::optional<Action> Engine::hop_gate(const Hop& c, std::shared_lock<std::share
     if (ahead > 0 && !(s.flags & kSegSkipStale))
       return answer(c.h, c.reply_to, Status::kStaleGeneration, {}, c.out);
     skip = ahead > 0;
+    return std::nullopt;
+  };
+  if (s.flags & kSegGen) {
+    gen_lock.lock();
+    std::optional<Region> region = device_.regions().find(s.rkey);
+    if (!region) return answer(c.h, c.reply_to, Status::kBadKey, {}, c.out);
+    if (auto stop = verdict(region->generation, [&] { return device_.park(c.from, c.d); })) return stop;
   }
   if ((s.flags & kSegAwait) && !skip) {
     // The data this segment reads is complete once its stamp holds this
@@ -453,17 +460,8 @@ std::optional<Action> Engine::hop_gate(const Hop& c, std::shared_lock<std::share
     const uint32_t stamp =
         std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(device_.memory().data() + stamp_at))
             .load(std::memory_order_acquire);
-    const auto ahead = static_cast<int32_t>(stamp - c.p.sr.generation);
-    if (ahead < 0) {
-      if (starts_here && device_.park_on_stamp(c.from, c.d, stamp_at, c.p.sr.generation)) {
-        Stats::inc(stats_.parked);
-        return Action{};
-      }
-      return answer(c.h, c.reply_to, Status::kNotReady, {}, c.out);
-    }
-    if (ahead > 0 && !(s.flags & kSegSkipStale))
-      return answer(c.h, c.reply_to, Status::kStaleGeneration, {}, c.out);
-    skip = ahead > 0;
+    auto park = [&] { return device_.park_on_stamp(c.from, c.d, stamp_at, c.p.sr.generation); };
+    if (auto stop = verdict(stamp, park)) return stop;
   }
   return std::nullopt;
 }
