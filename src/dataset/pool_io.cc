@@ -6,15 +6,13 @@
 #include <algorithm>
 
 #include "pool/layout.h"
+#include "pool/map_request.h"
 #include "pool/pool_wire.h"
 #include "transport/udp.h"
 
 namespace netdam::dataset {
 
-struct PoolIo::Map {
-  pool::AllocMap m;
-  pool::Layout layout;
-};
+struct PoolIo::Map : pool::Mapped {};
 
 struct PoolIo::Device {
   Client* client = nullptr;         // the proxy's (owned by the Pool) or `owned`
@@ -24,19 +22,6 @@ struct PoolIo::Device {
   bool live = false;                // the map says the slot serves
   size_t in_flight = 0;
 };
-
-namespace {
-
-// POOL_MAP of the allocation at `base`, through the Pool's proxy client.
-Result<pool::AllocMap> fetch_map(Pool& pool, uint64_t base, uint64_t key) {
-  auto a = pool.proxy_client().call(Opcode::kPoolMap, key, base);
-  if (!a) return a.error();
-  auto map = pool::decode_map(*a);
-  if (!map || map->slots.empty()) return Error::protocol("POOL_MAP: malformed answer");
-  return std::move(*map);
-}
-
-}  // namespace
 
 PoolIo::PoolIo(Pool& pool, const PoolAllocation& a, Pool::Path path) : pool_(pool), alloc_(a), path_(path) {}
 PoolIo::~PoolIo() {
@@ -53,12 +38,10 @@ Result<std::unique_ptr<PoolIo>> PoolIo::open(Pool& pool, const PoolAllocation& a
     io->devices_.push_back(std::move(d));
     return io;
   }
-  auto m = fetch_map(pool, a.base, a.key);
+  auto m = pool::request_map(pool.proxy_client(), a.base, a.key);
   if (!m) return m.error();
   io->map_ = std::make_unique<Map>();
-  io->map_->layout = pool::Layout{m->size, m->stripe, static_cast<uint32_t>(m->slots.size()), m->copies};
-  if (pool::validate(io->map_->layout)) return Error::protocol("POOL_MAP: invalid layout");
-  io->map_->m = std::move(*m);
+  static_cast<pool::Mapped&>(*io->map_) = std::move(*m);
   for (const pool::MapSlot& s : io->map_->m.slots) {
     auto d = std::make_unique<Device>();
     const transport::Endpoint ep{s.ip, s.port};

@@ -5,17 +5,28 @@
 #include <algorithm>
 
 #include "pool/layout.h"
+#include "pool/map_request.h"
 #include "pool/pool_wire.h"
 #include "transport/transport.h"
 
 namespace netdam {
 
 // A cached POOL_MAP answer.
-struct Pool::Map {
-  pool::AllocMap m;
-  pool::Layout layout;
+struct Pool::Map : pool::Mapped {
   uint64_t key = 0;  // the allocation key it was fetched with
 };
+
+Result<pool::Mapped> pool::request_map(Client& proxy, uint64_t addr, uint64_t key) {
+  auto a = proxy.call(Opcode::kPoolMap, key, global_address(allocation_of(addr), 0));
+  if (!a) return a.error();
+  auto m = decode_map(*a);
+  if (!m || m->slots.empty()) return Error::protocol("POOL_MAP: malformed answer");
+  Mapped out;
+  out.layout = Layout{m->size, m->stripe, static_cast<uint32_t>(m->slots.size()), m->copies};
+  if (validate(out.layout)) return Error::protocol("POOL_MAP: invalid layout");
+  out.m = std::move(*m);
+  return out;
+}
 
 namespace {
 PoolAllocation to_public(const pool::AllocRecord& r) {
@@ -144,14 +155,10 @@ Result<uint64_t> Pool::atomic_swap(uint64_t addr, uint64_t value, uint64_t key, 
 Result<Pool::Map*> Pool::map_for(uint64_t addr, uint64_t key) {
   const uint64_t id = pool::allocation_of(addr);
   if (auto it = maps_.find(id); it != maps_.end() && it->second->key == key) return it->second.get();
-  auto a = proxy_->call(Opcode::kPoolMap, key, pool::global_address(id, 0), {});
-  if (!a) return a.error();
-  auto m = pool::decode_map(*a);
-  if (!m || m->slots.empty()) return Error::protocol("POOL_MAP: malformed answer");
+  auto m = pool::request_map(*proxy_, addr, key);
+  if (!m) return m.error();
   auto map = std::make_unique<Map>();
-  map->layout = pool::Layout{m->size, m->stripe, static_cast<uint32_t>(m->slots.size()), m->copies};
-  if (pool::validate(map->layout)) return Error::protocol("POOL_MAP: invalid layout");
-  map->m = std::move(*m);
+  static_cast<pool::Mapped&>(*map) = std::move(*m);
   map->key = key;
   Map* raw = map.get();
   maps_[id] = std::move(map);
