@@ -32,11 +32,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
 #include <map>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -261,7 +263,10 @@ class Client {
   void aim(Packet& p, const Hop* at);
   Error region_add(uint32_t admin_key, const RegionInfo& region, const Hop* at);
   Error region_del(uint32_t admin_key, uint32_t key, const Hop* at);
-  Result<std::vector<std::byte>> paged(Opcode code, uint32_t rkey);
+  // Asks for pages from entry 0 on; `take` decodes one, keeps its entries
+  // and says how many there were (nullopt: malformed). Ends at an empty page.
+  using PageTaker = std::function<std::optional<size_t>(std::span<const std::byte> page)>;
+  Error paged(Opcode code, uint32_t rkey, const PageTaker& take);
   void pump(bool block);
   void send_queued();
   void receive(std::byte* buf, size_t len, const transport::Endpoint& from);

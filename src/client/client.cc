@@ -532,34 +532,30 @@ Result<std::vector<std::byte>> Client::call(Opcode code, uint64_t key, uint64_t 
 }
 
 // STATS and REGION_LIST answer a page at a time, starting at entry `addr`.
-Result<std::vector<std::byte>> Client::paged(Opcode code, uint32_t rkey) {
-  std::vector<std::byte> all;
+Error Client::paged(Opcode code, uint32_t rkey, const PageTaker& take) {
   for (uint64_t index = 0;;) {
     auto op = std::make_shared<detail::OpState>();
     op->opcode = code;
     new_packet(op, code, rkey, index, 0);
     Op h = start(op);
     if (Error e = wait(h)) return e;
-    if (op->answer.empty()) return all;
-    uint64_t entries = 0;
-    if (code == Opcode::kRegionList) {
-      entries = op->answer.size() / core::kRegionRecordSize;
-    } else {
-      auto page = core::decode_stats_page(op->answer);
-      if (!page) return Error::protocol("truncated STATS entry");
-      entries = page->size();
-    }
-    all.insert(all.end(), op->answer.begin(), op->answer.end());
-    index += entries;
+    if (op->answer.empty()) return {};
+    const std::optional<size_t> entries = take(op->answer);
+    if (!entries) return Error::protocol(fmt::format("truncated {} entry", to_string(code)));
+    index += *entries;
   }
 }
 
 Result<std::vector<std::pair<std::string, uint64_t>>> Client::stats() {
-  auto raw = paged(Opcode::kStats, 0);
-  if (!raw) return raw.error();
-  auto all = core::decode_stats_page(*raw);  // pages are whole entries, so their concatenation is one
-  if (!all) return Error::protocol("truncated STATS entry");
-  return std::move(*all);
+  core::StatList all;
+  Error e = paged(Opcode::kStats, 0, [&](std::span<const std::byte> page) -> std::optional<size_t> {
+    auto entries = core::decode_stats_page(page);
+    if (!entries) return std::nullopt;
+    all.insert(all.end(), std::make_move_iterator(entries->begin()), std::make_move_iterator(entries->end()));
+    return entries->size();
+  });
+  if (e) return e;
+  return all;
 }
 
 Error Client::read(uint64_t addr, std::span<std::byte> out, uint64_t rkey) {
@@ -698,13 +694,14 @@ Error Client::region_del(uint32_t admin_key, uint32_t region_key, const Hop* at)
 }
 
 Result<std::vector<RegionInfo>> Client::region_list(uint32_t admin_key) {
-  auto raw = paged(Opcode::kRegionList, admin_key);
-  if (!raw) return raw.error();
   std::vector<RegionInfo> out;
-  const auto& b = raw.value();
-  for (size_t off = 0; off + core::kRegionRecordSize <= b.size(); off += core::kRegionRecordSize) {
-    out.push_back(core::decode_region_record(b.data() + off));
-  }
+  Error e = paged(Opcode::kRegionList, admin_key, [&](std::span<const std::byte> page) -> std::optional<size_t> {
+    const size_t n = page.size() / core::kRegionRecordSize;
+    for (size_t i = 0; i < n; ++i)
+      out.push_back(core::decode_region_record(page.data() + i * core::kRegionRecordSize));
+    return n;
+  });
+  if (e) return e;
   return out;
 }
 

@@ -1,5 +1,6 @@
 #include "bindings/torch/liveness.h"
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 
@@ -11,11 +12,6 @@ using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 namespace {
-
-template <typename D>
-D clamp(D v, D lo, D hi) {
-  return std::max(lo, std::min(v, hi));
-}
 
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
@@ -108,7 +104,7 @@ void Watch::waiting(bool on) {
   waiting_ = on;
 }
 
-std::chrono::milliseconds Watch::every() const { return clamp<std::chrono::milliseconds>(liveness_ / 4, 50ms, 1000ms); }
+std::chrono::milliseconds Watch::every() const { return std::clamp<std::chrono::milliseconds>(liveness_ / 4, 50ms, 1000ms); }
 
 Error Watch::check() {
   if (!waiting_) return {};
