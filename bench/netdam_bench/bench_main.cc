@@ -94,6 +94,7 @@
 #include "latency.h"
 #include "netdam/client.h"
 #include "pool_bench.h"
+#include "common/process.h"
 #include "process.h"
 #include "raw_udp.h"
 #include "throughput.h"
@@ -368,7 +369,7 @@ int run_rw(Options& o) {
     fmt::print(stderr, "netdam-bench: --pin: cannot pin to CPU 0\n");
     return 2;
   }
-  const std::string tmp = make_temp_dir();
+  const std::string tmp = common::make_temp_dir("netdam-bench.");
   if (tmp.empty()) {
     fmt::print(stderr, "netdam-bench: cannot create a temporary directory\n");
     return 2;
@@ -548,20 +549,24 @@ int run_rw(Options& o) {
         // The raw runs send the same pool slices netdam writes and read the
         // same addresses (of the raw server's memory).
         const Source src{&pool, iteration, size, r.packets, r.per_packet, r.ops_outstanding};
+        // A netdam WRITE or READ run into the row: its errors always, its
+        // figures if the round is recorded.
+        auto tally = [&](const ThroughputResult& t, std::vector<double>& gbps_per_round, auto& cpu) {
+          r.wrong += t.wrong;
+          r.errors += t.errors;
+          if (r.first_error.empty()) r.first_error = t.first_error;
+          if (!rec) return;
+          gbps_per_round.push_back(t.gbps());
+          r.rexmit += t.retransmits;
+          cpu.add(t.client_cpu_ns, t.server_cpu_ns, t.packets);
+        };
 
         ThroughputResult w;
         if (!o.skip_netdam)
           w = netdam_write_throughput(*client, o.base, size, r.ops_outstanding, secs, pool, iteration,
                                       env.device_pid);
         iteration += w.ops + r.ops_outstanding;
-        r.wrong += w.wrong;
-        r.errors += w.errors;
-        if (r.first_error.empty()) r.first_error = w.first_error;
-        if (rec) {
-          r.n_write.push_back(w.gbps());
-          r.rexmit += w.retransmits;
-          r.cpu_write.add(w.client_cpu_ns, w.server_cpu_ns, w.packets);
-        }
+        tally(w, r.n_write, r.cpu_write);
         if (raw) {
           uint64_t c0 = thread_cpu_ns(), s0 = process_cpu_ns(env.raw_pid);
           StreamResult b = raw->stream(kRawHeader + r.per_packet, kRawHeader, 0, Clock::now() + dur, window, &src);
@@ -588,14 +593,7 @@ int run_rw(Options& o) {
           rd = netdam_read_throughput(*client, o.base, size, r.ops_outstanding, secs, pool, iteration,
                                       env.device_pid);
         iteration += r.ops_outstanding;
-        r.wrong += rd.wrong;
-        r.errors += rd.errors;
-        if (r.first_error.empty()) r.first_error = rd.first_error;
-        if (rec) {
-          r.n_read.push_back(rd.gbps());
-          r.rexmit += rd.retransmits;
-          r.cpu_read.add(rd.client_cpu_ns, rd.server_cpu_ns, rd.packets);
-        }
+        tally(rd, r.n_read, r.cpu_read);
         if (raw) {
           uint64_t c0 = thread_cpu_ns(), s0 = process_cpu_ns(env.raw_pid);
           StreamResult f = raw->stream(kRawHeader, kRawHeader + r.per_packet, 0, Clock::now() + dur, window, &src);

@@ -50,6 +50,7 @@
 #include "collectives_bench.h"
 #include "collectives_process.h"
 #include "collectives_rank.h"
+#include "common/process.h"
 #include "process.h"
 
 using namespace netdam;
@@ -237,7 +238,7 @@ int collectives_main(int argc, char** argv) {
   if (access(netdamd.c_str(), X_OK) != 0) return usage_error("cannot run " + netdamd + " (give --netdamd PATH)");
 
   install_stop_handler();
-  const std::string dir = make_temp_dir();
+  const std::string dir = common::make_temp_dir("netdam-bench.");
   if (dir.empty()) return usage_error("cannot create a temporary directory");
   if (shared) c.aggregators = {""};  // (their addresses once started) sizes device_memory_needed
   const uint64_t memory = device_memory_needed(c, static_cast<size_t>(local), static_cast<size_t>(local_devices));

@@ -56,6 +56,7 @@
 #include "common/units.h"
 #include "dataset/pool_io.h"
 #include "netdam/pool.h"
+#include "common/process.h"
 #include "process.h"
 #include "raw_udp.h"
 #include "resp_client.h"
@@ -371,7 +372,7 @@ int pool_main(int argc, char** argv) {
     at = comma + 1;
   }
   install_child_reaper();
-  const std::string tmp = make_temp_dir();
+  const std::string tmp = common::make_temp_dir("netdam-bench.");
   std::string error;
 
   // --- the pool: devices and proxy ----------------------------------------

@@ -83,15 +83,6 @@ std::string program_path(const std::string& given, const std::string& name, cons
   return ec ? p.lexically_normal().string() : canon.string();
 }
 
-std::string make_temp_dir() {
-  const char* base = std::getenv("TMPDIR");
-  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/netdam-bench.XXXXXX";
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  if (mkdtemp(buf.data()) == nullptr) return {};
-  return std::string(buf.data());
-}
-
 bool pin_self(int cpu) {
   cpu_set_t set;
   CPU_ZERO(&set);

@@ -38,7 +38,5 @@ std::string self_exe();
 // installed bin/), else in the build tree (build/bench/netdam-bench ->
 // build/src/<build_subdir>/<name>). Absolute, normalized.
 std::string program_path(const std::string& given, const std::string& name, const std::string& build_subdir);
-// A fresh private directory under $TMPDIR (or /tmp) for port files and logs.
-std::string make_temp_dir();
 
 }  // namespace netdam::bench

@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -107,6 +108,12 @@ bool await_port_file(pid_t& pid, const std::string& port_file, std::chrono::mill
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   return false;
+}
+
+std::string make_temp_dir(std::string_view prefix) {
+  const char* base = std::getenv("TMPDIR");
+  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/" + std::string(prefix) + "XXXXXX";
+  return mkdtemp(tmpl.data()) != nullptr ? tmpl : std::string();
 }
 
 int stop_child(pid_t pid, std::chrono::milliseconds wait) {

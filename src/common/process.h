@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace netdam::common {
@@ -49,6 +50,10 @@ bool await_port_file(pid_t& pid, const std::string& port_file, std::chrono::mill
 
 // Exit code of a waitpid status: the code, or 128 + the signal's number.
 int exit_code_of(int status);
+
+// A fresh private directory $TMPDIR/<prefix>XXXXXX (/tmp without TMPDIR),
+// for a child's port file and log. Empty on failure (errno says why).
+std::string make_temp_dir(std::string_view prefix);
 
 // SIGTERM, then waits up to `wait` for it to exit and reaps it; a child
 // still running then gets SIGKILL. Returns its wait status.

@@ -28,14 +28,6 @@ std::string read_text(const std::string& path) {
   return s.str();
 }
 
-std::string make_temp_dir() {
-  const char* base = std::getenv("TMPDIR");
-  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/netdam-torch-XXXXXX";
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  return mkdtemp(buf.data()) != nullptr ? std::string(buf.data()) : std::string();
-}
-
 std::atomic<int> g_counter{0};
 
 }  // namespace
@@ -45,7 +37,7 @@ Result<std::unique_ptr<LocalDevice>> LocalDevice::start(const LocalDeviceOptions
     return Error::invalid(fmt::format("cannot run netdamd at '{}' (set NETDAM_DAEMON)", opts.netdamd));
   std::unique_ptr<LocalDevice> d(new LocalDevice());
   d->memory_ = opts.memory;
-  d->dir_ = make_temp_dir();
+  d->dir_ = common::make_temp_dir("netdam-torch-");
   if (d->dir_.empty()) return Error::transport(std::string("mkdtemp: ") + std::strerror(errno));
   d->shm_ = fmt::format("netdam-torch-{}-{}", getpid(), g_counter++);
   const std::string port_file = d->dir_ + "/port", log = d->dir_ + "/netdamd.log";
