@@ -570,6 +570,48 @@ TEST(WireGolden, EngineAnswersGoldenRequests) {
   EXPECT_EQ(rh.length, 8u);
 }
 
+// PROTOCOL.md 3.1: an answer's byte 10 is the device's queue depth, not a
+// segment count; the engine writes what its owner measured.
+TEST(WireGolden, AnswerCarriesQueueDepth) {
+  std::vector<std::byte> memory(64 * 1024);
+  DeviceConfig cfg;
+  cfg.boot_id = 0x5EED0001;
+  Device dev(memory, cfg);
+  ASSERT_EQ(dev.regions().add(Region{0, 32 * 1024, 7, kPermAll}), Status::kOk);
+  Engine engine(dev);
+  std::vector<std::byte> out(Engine::out_buffer_size(dev.config()));
+  auto write = unhex(kWriteRequestHex);  // the bytes the READ example answers
+  ASSERT_EQ(engine.handle({0x0A000001, 5000}, write, out).kind, Action::Kind::kReply);
+  engine.set_backlog(queue_depth(3 << 20, 16 << 20));  // 3 of 16 MiB queued: ceil(47.8) = 48
+  auto read = unhex(kReadRequestHex);
+  Action a = engine.handle({0x0A000001, 5000}, read, out);
+  ASSERT_EQ(a.kind, Action::Kind::kReply);
+  std::string golden = hex(unhex(kReadResponseHex));
+  golden.replace(2 * hdr::kSegCount, 2, "30");  // 48
+  EXPECT_EQ(hex(concat(a.head, a.data)), golden);
+  Header h = decode_header(a.head.data());
+  EXPECT_EQ(h.depth, 48);
+  EXPECT_EQ(h.seg_count, 0);  // an answer has no segments, whatever byte 10 holds
+  // And a request's byte 10 stays its segment count.
+  Header q;
+  q.seg_count = 3;
+  q.depth = 99;  // ignored in a request
+  std::vector<std::byte> b(kHeaderSize);
+  encode_header(q, b.data());
+  EXPECT_EQ(b[hdr::kSegCount], std::byte{3});
+}
+
+TEST(Wire, QueueDepthScale) {
+  EXPECT_EQ(queue_depth(0, 1000), 0);
+  EXPECT_EQ(queue_depth(5, 0), 0);  // unknown capacity
+  EXPECT_EQ(queue_depth(1, 1u << 30), 1);  // anything queued shows
+  EXPECT_EQ(queue_depth(500, 1000), 128);
+  EXPECT_EQ(queue_depth(999, 1000), 255);
+  EXPECT_EQ(queue_depth(1000, 1000), 255);
+  EXPECT_EQ(queue_depth(5000, 1000), 255);
+  EXPECT_EQ(queue_depth(uint64_t{1} << 50, uint64_t{1} << 51), 128);
+}
+
 // PROTOCOL.md section 14, example 5: a two-hop chain (REDUCE_PAYLOAD at A,
 // WRITE at B), byte for byte: the request, what A forwards, B's ACK.
 TEST(WireGolden, ChainExampleFromProtocolDoc) {

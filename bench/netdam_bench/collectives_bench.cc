@@ -138,6 +138,13 @@ int collectives_main(int argc, char** argv) {
   app.add_option("--slots", c.slots, "collectives slots (default 2)")->check(CLI::Range(1, 64));
   app.add_option("--timeout", timeout_ms, "group and client timeout in ms (default 5000)");
   app.add_option("--window", c.window, "packets (chains) in flight per rank's client (default: the client's, 64)");
+  std::string congestion{to_string(c.congestion)};
+  app.add_option("--congestion", congestion, "the clients' congestion control: fixed, depth or swift "
+                                             "(docs/CONGESTION.md; default fixed)")
+      ->check([](const std::string& v) { return parse_congestion(v) ? "" : "fixed, depth or swift"; });
+  int64_t target_us = c.congestion_target.count();
+  app.add_option("--congestion-target-us", target_us, "the controllers' round-trip target (default 1000)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--max-payload", max_payload_s,
                  "--local: the devices' largest payload (default 63KiB: loopback's MTU is 64 KiB; "
                  "8K models 9000-byte jumbo frames)");
@@ -152,6 +159,8 @@ int collectives_main(int argc, char** argv) {
   app.add_flag("--device-stats", c.device_stats, "every rank prints its device's counters at the end (stderr)");
   app.add_option("--csv", csv, "write rows impl,algo,op,size,time_us,algbw,busbw,wrong to FILE");
   CLI11_PARSE(app, argc, argv);
+  c.congestion = *parse_congestion(congestion);
+  c.congestion_target = std::chrono::microseconds(target_us);
 
   const std::string op_name = !op_flag.empty() ? op_flag : !op_pos.empty() ? op_pos : "allreduce";
   auto op = parse_op(op_name);

@@ -329,6 +329,8 @@ int run_rank(const BenchConfig& c) {
   o.sparse = c.sparse;
   if (c.aggregate_window) o.aggregate_window = c.aggregate_window;
   if (c.window) o.client.window_packets = c.window;
+  o.client.congestion = c.congestion;
+  o.client.congestion_target = c.congestion_target;
   auto created = Group::create(o);
   if (!created) return fail("cannot create the group: " + created.error().to_string());
   Group& g = *created.value();

@@ -45,6 +45,8 @@ struct BenchConfig {
   int slots = 2;
   std::chrono::milliseconds timeout{5000};
   size_t window = 0;           // ClientOptions::window_packets (0: the client's default)
+  Congestion congestion = ClientOptions{}.congestion;                  // ClientOptions::congestion
+  std::chrono::microseconds congestion_target = ClientOptions{}.congestion_target;
 
   std::string csv;             // rank 0 writes the rows here
   std::string faults_note;     // for the header: what the devices inject

@@ -53,11 +53,23 @@ struct Endpoint;
 
 namespace netdam {
 
+// What sets the window (docs/CONGESTION.md): a fixed one, the seed's
+// depth-proportional controller, or Swift's delay target.
+enum class Congestion : uint8_t { kFixed, kDepth, kSwift };
+std::string_view to_string(Congestion c);
+std::optional<Congestion> parse_congestion(std::string_view name);  // "fixed", "depth", "swift"
+
 struct ClientOptions {
   uint64_t rkey = 1;                              // default key (64-bit only for a pool proxy)
   std::chrono::milliseconds timeout{2000};        // per packet, see above
+  // The most in flight at once; with a congestion controller the window
+  // moves below window_bytes, as the queues on the path report.
   size_t window_packets = 64;
   size_t window_bytes = 2u << 20;
+  Congestion congestion = Congestion::kFixed;
+  // The round trip above which the path counts as congested (kDepth and
+  // kSwift); one value for every sender of a cluster, like Swift's target.
+  std::chrono::microseconds congestion_target{1000};
   size_t max_payload = 0;                         // 0: the device's maximum
   bool detect_restart = true;                     // fail if the boot id changes
 };
@@ -244,8 +256,13 @@ class Client {
     uint64_t probes = 0;
     // answers dropped because their CRC32C integrity trailer did not match
     uint64_t integrity_drops = 0;
+    // times the congestion controller shrank the window
+    uint64_t window_decreases = 0;
   };
   const Counters& counters() const { return counters_; }
+  // The congestion controller's window now, in bytes (window_bytes with
+  // Congestion::kFixed).
+  size_t congestion_window() const;
 
  private:
   struct Packet;

@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "client/congestion.h"
 #include "client/loss_recovery.h"
 #include "core/aggregation.h"
 #include "core/endian.h"
@@ -114,7 +115,18 @@ struct Client::Recovery {
   // their own: an answer from one is no evidence about another.
   std::unordered_map<uint64_t, client_detail::LossRecovery> aggregators;
   TimePoint next_check{};  // the earliest time check_timers has work
-  Recovery() : routes(make()) {}
+  // The window and pacing of everything this client sends: plain requests,
+  // chains it starts and aggregate contributions alike (one sender).
+  client_detail::CongestionControl cc;
+  explicit Recovery(const ClientOptions& o) : routes(make()), cc(congestion(o, kDefaultMaxPayload)) {}
+  static client_detail::CongestionControl::Config congestion(const ClientOptions& o, size_t packet) {
+    client_detail::CongestionControl::Config c;
+    c.algorithm = o.congestion;
+    c.max_window = o.window_bytes;
+    c.packet = packet;
+    c.target = o.congestion_target;
+    return c;
+  }
   static size_t index(const Packet& p) {
     return p.aggregate ? kAggregate : std::min<size_t>(p.h.seg_count, kMaxSegments);
   }
@@ -145,7 +157,7 @@ Client::Client(std::unique_ptr<transport::Transport> t, const transport::Endpoin
     : transport_(std::move(t)),
       device_(std::make_unique<transport::Endpoint>(device)),
       opts_(opts),
-      recovery_(std::make_unique<Recovery>()),
+      recovery_(std::make_unique<Recovery>(opts)),
       rx_(kRxBatch * kRxBufferSize) {
   // Txns start at the wall clock in nanoseconds: a later client that gets
   // the same source port as an earlier one starts above every txn the
@@ -206,6 +218,8 @@ Result<std::unique_ptr<Client>> Client::connect(std::unique_ptr<transport::Trans
                                                 ClientOptions opts) {
   if (opts.window_packets == 0 || opts.window_bytes == 0)
     return Error::invalid("window_packets and window_bytes must be positive");
+  if (opts.congestion_target <= std::chrono::microseconds::zero())
+    return Error::invalid("congestion_target must be positive");
   std::unique_ptr<Client> c(new Client(std::move(t), device, opts));
   if (Error e = c->handshake()) return e;
   return c;
@@ -219,6 +233,8 @@ Error Client::handshake() {
     return Error::protocol(fmt::format("device reports max payload {}", info_.max_payload));
   if (opts_.max_payload == 0 || opts_.max_payload > info_.max_payload)
     opts_.max_payload = info_.max_payload;
+  // Now that the packet size is known: it is the controller's step and least window.
+  recovery_->cc.set_packet(opts_.max_payload);
   return check_key(opts_.rkey);
 }
 
@@ -496,6 +512,7 @@ Error Client::wait(Op& op) {
 }
 
 void Client::poll() { pump(false); }
+size_t Client::congestion_window() const { return std::min(opts_.window_bytes, recovery_->cc.window()); }
 std::chrono::steady_clock::time_point Client::now() const { return transport_->now(); }
 void Client::wait_any() { pump(true); }
 
@@ -750,15 +767,19 @@ void Client::send_queued() {
   const uint64_t txn_span = std::max<uint64_t>(info_.replay_window / 2, 1);
   const uint64_t oldest = inflight_.empty() ? next_txn_ : inflight_.begin()->first;
   std::vector<std::unique_ptr<Packet>> unacked;  // alive until the batch is flushed
+  client_detail::CongestionControl& cc = recovery_->cc;
+  const size_t window = std::min(opts_.window_bytes, cc.window());
+  const TimePoint now = transport_->now();
   while (!queue_.empty() && inflight_.size() < opts_.window_packets &&
-         (inflight_.empty() || inflight_bytes_ + queue_.front()->window_cost() <= opts_.window_bytes) &&
-         next_txn_ - oldest < txn_span) {
+         (inflight_.empty() || inflight_bytes_ + queue_.front()->window_cost() <= window) &&
+         next_txn_ - oldest < txn_span && cc.send_at(now) <= now) {
     auto p = std::move(queue_.front());
     queue_.pop_front();
     p->h.txn = next_txn_++;
     p->h.boot = boot_for(*p);
     core::encode_header(p->h, p->is_chain() ? p->chain_head.data() : p->wire.data());
-    p->first_sent = p->last_sent = transport_->now();
+    cc.on_send(now, std::max<size_t>(p->window_cost(), kHeaderSize));
+    p->first_sent = p->last_sent = now;
     p->sends = 1;
     batch[n++] = transport::OutMsg{p->routed() ? p->to : *device_, {p->head(), p->payload}};
     ++counters_.packets_sent;
@@ -816,6 +837,7 @@ void Client::check_timers() {
       resend = true;
       probed[route] = true;
       lr.on_probe(now);
+      recovery_->cc.on_probe(now);
       ++counters_.probes;
     } else {
       next = std::min({next, lost, lr.probe_at(p->last_sent)});
@@ -878,8 +900,15 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
   }
   ++counters_.answers;
   Packet& p = *it->second;
-  if (h.status != Status::kNotReady && !p.held)
-    recovery_->route(p).on_answer(p.first_sent, p.last_sent, p.sends, transport_->now());
+  const TimePoint now = transport_->now();
+  if (h.status != Status::kNotReady && !p.held) {
+    recovery_->route(p).on_answer(p.first_sent, p.last_sent, p.sends, now);
+    // An aggregate's answer waits for the slowest contributor: its round
+    // trip says nothing about the queues, its depth does.
+    const bool timed = p.sends == 1 && !p.aggregate;
+    recovery_->cc.on_answer(now, p.window_cost(), timed ? std::optional(now - p.first_sent) : std::nullopt,
+                            h.depth);
+  }
   if (p.is_chain() && h.status == Status::kNotReady) {
     // Back off from 100 us to 3.2 ms; the deadline still runs from first_sent.
     p.due = transport_->now() + kNotReadyDelay * (1 << std::min(p.not_ready++, 5));
@@ -970,22 +999,41 @@ Error Client::deliver(Packet& p, std::span<const std::byte> payload) {
 
 void Client::pump(bool block) {
   send_queued();
-  if (inflight_.empty()) return;
-  // Sleep no longer than the next retransmission could be due.
+  if (inflight_.empty() && queue_.empty()) return;
+  // Sleep no longer than the next retransmission could be due, or the
+  // pacer lets the next request go.
   auto timeout = std::chrono::nanoseconds(0);
   if (block) {
     const TimePoint now = transport_->now();
-    timeout = std::clamp<std::chrono::nanoseconds>(recovery_->next_check - now, std::chrono::nanoseconds(0),
+    TimePoint wake = inflight_.empty() ? now + kMinRto : recovery_->next_check;
+    if (!queue_.empty()) wake = std::min(wake, recovery_->cc.send_at(now));
+    timeout = std::clamp<std::chrono::nanoseconds>(wake - now, std::chrono::nanoseconds(0),
                                                    std::chrono::nanoseconds(kMinRto) / 2);
   }
   std::array<transport::InMsg, kRxBatch> in;
   for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);
   const size_t n = transport_->recv_batch(in, timeout);
   counters_.integrity_drops = transport_->integrity_drops();
+  counters_.window_decreases = recovery_->cc.decreases();
   for (size_t i = 0; i < n; ++i)
     if (!in[i].truncated) receive(in[i].data().data(), in[i].len, in[i].from);
   check_timers();
   send_queued();
+}
+
+std::string_view to_string(Congestion c) {
+  switch (c) {
+    case Congestion::kFixed: return "fixed";
+    case Congestion::kDepth: return "depth";
+    case Congestion::kSwift: return "swift";
+  }
+  return "unknown";
+}
+
+std::optional<Congestion> parse_congestion(std::string_view name) {
+  for (Congestion c : {Congestion::kFixed, Congestion::kDepth, Congestion::kSwift})
+    if (name == to_string(c)) return c;
+  return std::nullopt;
 }
 
 std::string_view to_string(Error::Code c) {

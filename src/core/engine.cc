@@ -182,6 +182,11 @@ size_t Device::parked_count() {
   return parked_.size() + stamp_waits_.size() + woken_.size();
 }
 
+size_t Device::parked_bytes() {
+  std::lock_guard lock(park_mu_);
+  return parked_bytes_;
+}
+
 std::vector<Device::Parked> Device::unpark() {
   std::lock_guard lock(park_mu_);
   std::vector<Parked> run = std::exchange(woken_, {});
@@ -511,6 +516,7 @@ Action Engine::answer(const Header& req, Address to, Status status,
   h.status = status;
   h.boot = device_.config().boot_id;
   h.seg_count = 0;
+  h.depth = depth_;
   h.length = static_cast<uint32_t>(data.size());
   // Refusals go out at a bounded rate per address (docs/SECURITY.md).
   if (is_refusal(status) && !device_.refusals_.admit(to.ip)) return {};

@@ -102,6 +102,9 @@ class Device {
   std::vector<Parked> unpark();
   // Chains held now (waiting for an ARM or a stamp, or woken and not yet run).
   size_t parked_count();
+  // Their datagrams' bytes: work the device holds, part of its backlog
+  // (Engine::set_backlog), out of at most kMaxParkedBytes.
+  size_t parked_bytes();
 
   // REDUCE_MEM is a read-modify-write of many elements; concurrent ones on
   // the same bytes (from different threads) are serialised by address
@@ -200,6 +203,11 @@ class Engine {
     Stats::inc(stats_.dropped[static_cast<size_t>(ParseError::kBadIntegrity)], n);
   }
 
+  // How full the device's receive queue is (core::queue_depth), measured by
+  // the owner (the engine reads no sockets): every answer reports it in its
+  // `depth` byte until the next call. 0 until set.
+  void set_backlog(uint8_t depth) { depth_ = depth; }
+
   // The other answers of the last handle() (usually none): send them with
   // its Action, then take the next datagram. handle() clears the list.
   std::span<const Fanout> fanout() const { return fanout_; }
@@ -239,6 +247,7 @@ class Engine {
   Stats stats_;
   Address from_;  // the source of the datagram being handled
   int last_opcode_ = -1;
+  uint8_t depth_ = 0;
   std::vector<Fanout> fanout_;
 };
 

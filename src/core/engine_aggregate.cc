@@ -59,6 +59,7 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address reply_to, con
     a.flags = kFlagResponse;
     a.status = Status::kOk;
     a.seg_count = 0;
+    a.depth = depth_;
     a.seg_index = 0;
     a.txn = to.txn;
     a.rkey = to.rkey;

@@ -8,6 +8,12 @@
 
 namespace netdam::core {
 
+uint8_t queue_depth(uint64_t queued, uint64_t capacity) {
+  if (queued == 0 || capacity == 0) return 0;
+  if (queued >= capacity) return 255;
+  return static_cast<uint8_t>((queued * 255 + capacity - 1) / capacity);
+}
+
 void encode_header(const Header& h, std::byte* out) {
   store_be<uint32_t>(out + hdr::kMagic, kMagic);
   store_be<uint8_t>(out + hdr::kVersion, h.version);
@@ -16,7 +22,7 @@ void encode_header(const Header& h, std::byte* out) {
   store_be<uint8_t>(out + hdr::kStatus, static_cast<uint8_t>(h.status));
   store_be<uint8_t>(out + hdr::kDType, static_cast<uint8_t>(h.dtype));
   store_be<uint8_t>(out + hdr::kRedOp, static_cast<uint8_t>(h.redop));
-  store_be<uint8_t>(out + hdr::kSegCount, h.seg_count);
+  store_be<uint8_t>(out + hdr::kSegCount, h.is_response() ? h.depth : h.seg_count);
   store_be<uint8_t>(out + hdr::kSegIndex, h.seg_index);
   store_be<uint32_t>(out + hdr::kRkey, h.rkey);
   store_be<uint64_t>(out + hdr::kTxn, h.txn);
@@ -33,7 +39,7 @@ Header decode_header(const std::byte* in) {
   h.status = static_cast<Status>(load_be<uint8_t>(in + hdr::kStatus));
   h.dtype = static_cast<DType>(load_be<uint8_t>(in + hdr::kDType));
   h.redop = static_cast<RedOp>(load_be<uint8_t>(in + hdr::kRedOp));
-  h.seg_count = load_be<uint8_t>(in + hdr::kSegCount);
+  (h.is_response() ? h.depth : h.seg_count) = load_be<uint8_t>(in + hdr::kSegCount);
   h.seg_index = load_be<uint8_t>(in + hdr::kSegIndex);
   h.rkey = load_be<uint32_t>(in + hdr::kRkey);
   h.txn = load_be<uint64_t>(in + hdr::kTxn);

@@ -22,13 +22,17 @@ struct Header {
   Status status = Status::kOk;
   DType dtype = DType::kBytes;
   RedOp redop = RedOp::kNone;
-  uint8_t seg_count = 0;  // segments after the header (0: no routing header)
+  uint8_t seg_count = 0;  // segments after the header (0: no routing header); 0 in answers
   uint8_t seg_index = 0;  // the segment being executed
   uint32_t rkey = 0;      // region key (admin key for region admin ops)
   uint64_t txn = 0;       // transaction id, echoed in the response
   uint64_t addr = 0;      // device address
   uint32_t length = 0;    // semantic length in bytes (see PROTOCOL.md per opcode)
   uint32_t boot = 0;      // request: expected boot id (0 = any); response: device boot id
+  // Answers only, in the byte a request uses for seg_count: how full the
+  // answering node's receive queue was, 0 (empty) .. 255 (full), see
+  // queue_depth(). Senders' congestion control reads it (PROTOCOL.md 3.1).
+  uint8_t depth = 0;
 
   bool is_response() const { return flags & kFlagResponse; }
   std::string to_string() const;
@@ -67,6 +71,12 @@ inline constexpr size_t kIp = 0, kPort = 4, kOpcode = 6, kFlags = 7, kRkey = 8, 
                         kAddr = 16;
 }  // namespace seg
 static_assert(seg::kAddr + 8 == kSegmentSize, "segment layout and kSegmentSize disagree");
+
+// The depth an answer reports for `queued` bytes waiting in a receive queue
+// that holds at most `capacity` (plus work the node holds for later, by the
+// same measure): ceil(255 * queued / capacity), 255 when full or beyond, 0
+// when nothing waits or the capacity is unknown (0).
+uint8_t queue_depth(uint64_t queued, uint64_t capacity);
 
 void encode_header(const Header& h, std::byte* out);  // writes kHeaderSize bytes
 Header decode_header(const std::byte* in);            // reads kHeaderSize bytes, no checks

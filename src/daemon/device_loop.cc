@@ -1,5 +1,6 @@
 #include "daemon/device_loop.h"
 
+#include <algorithm>
 #include <chrono>
 
 namespace netdam::device {
@@ -37,6 +38,7 @@ size_t DeviceLoop::poll_once(transport::Duration timeout) {
   }
   send_.clear();
   fanout_.clear();
+  if (n > 0) engine_.set_backlog(backlog());
   for (size_t i = 0; i < n; ++i) {
     auto& m = in_[i];
     auto out = std::span(out_).subspan(i * out_size_, out_size_);
@@ -59,6 +61,15 @@ size_t DeviceLoop::poll_once(transport::Duration timeout) {
   }
   release_parked(engine_, transport_, parked_out_);
   return n;
+}
+
+uint8_t DeviceLoop::backlog() {
+  // What is still queued after this batch was taken, and the parked chains:
+  // whichever is fuller is what the senders must hear about.
+  const transport::Transport::Backlog b = transport_.rx_backlog();
+  core::Device& d = engine_.device();
+  return std::max(core::queue_depth(b.queued, b.capacity),
+                  core::queue_depth(d.parked_bytes(), core::Device::kMaxParkedBytes));
 }
 
 void DeviceLoop::run(const std::atomic<bool>& stop) {

@@ -38,6 +38,8 @@ class DeviceLoop {
                              std::vector<std::byte>& out);
 
  private:
+  uint8_t backlog();  // the depth this batch's answers report
+
   core::Engine engine_;
   transport::Transport& transport_;
   std::vector<std::byte> rx_;   // kBatch receive buffers of kRxBufferSize

@@ -114,6 +114,16 @@ class Transport {
   // code running over a transport must use this, not the system clock.
   virtual TimePoint now() const = 0;
 
+  // The receive queue now: bytes waiting (as the kernel counts them, with
+  // per-datagram overhead), the most it holds before dropping, and the
+  // datagrams it has dropped for being full since the socket opened. A
+  // device reports queued/capacity in its answers' depth byte. All 0 where
+  // the transport cannot tell.
+  struct Backlog {
+    uint64_t queued = 0, capacity = 0, drops = 0;
+  };
+  virtual Backlog rx_backlog() const { return {}; }
+
  private:
   std::atomic<uint64_t> integrity_drops_{0};
 };

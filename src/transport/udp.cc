@@ -1,6 +1,7 @@
 #include "transport/udp.h"
 
 #include <arpa/inet.h>
+#include <linux/sock_diag.h>
 #include <netinet/in.h>
 #include <netinet/udp.h>
 #include <poll.h>
@@ -146,6 +147,13 @@ std::unique_ptr<UdpTransport> UdpTransport::open_multicast(Endpoint group, uint3
 }
 
 UdpTransport::~UdpTransport() { ::close(fd_); }
+
+Transport::Backlog UdpTransport::rx_backlog() const {
+  uint32_t m[SK_MEMINFO_VARS] = {};
+  socklen_t len = sizeof m;
+  if (getsockopt(fd_, SOL_SOCKET, SO_MEMINFO, m, &len) != 0 || len < sizeof m) return {};
+  return {m[SK_MEMINFO_RMEM_ALLOC], m[SK_MEMINFO_RCVBUF], m[SK_MEMINFO_DROPS]};
+}
 
 void UdpTransport::enable_recverr(bool on) {
   const int one = 1;

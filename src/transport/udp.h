@@ -62,6 +62,8 @@ class UdpTransport final : public Transport {
   UdpTransport& operator=(const UdpTransport&) = delete;
 
   Endpoint local() const override { return local_; }
+  // SO_MEMINFO: one system call.
+  Backlog rx_backlog() const override;
   // Blocks briefly (poll POLLOUT) while the socket buffer is full; returns
   // fewer than msgs.size() only if no progress was possible for ~100 ms.
   // A datagram the kernel refuses for any other reason (unreachable peer,

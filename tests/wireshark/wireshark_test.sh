@@ -137,7 +137,7 @@ wait "$dumpcap_pid" 2>/dev/null
 ts() { tshark -X lua_script:"$lua" -o udp.try_heuristic_first:TRUE -r "$cap" "$@" 2>>"$work/tshark.log"; }
 fields=(frame.number udp.srcport udp.dstport _ws.col.Info
   netdam.magic netdam.version netdam.opcode netdam.flags netdam.flags.response netdam.flags.ack_req
-  netdam.flags.sparse netdam.status netdam.dtype netdam.redop netdam.seg_count netdam.seg_index
+  netdam.flags.sparse netdam.status netdam.dtype netdam.redop netdam.seg_count netdam.depth netdam.seg_index
   netdam.rkey netdam.txn netdam.addr netdam.length netdam.boot netdam.request_in netdam.response_in
   netdam.payload.len netdam.data netdam.elem.f32 netdam.elem.f16 netdam.elem.bf16 netdam.elem.f64
   netdam.elem.i32 netdam.elem.i64 netdam.sparse.pairs netdam.sparse.index
@@ -287,7 +287,11 @@ check "CHAIN answer" "$(op 0x40) && $ans && f[\"netdam.txn\"] == \"$ctxn\"" netd
 check "CHAIN answer" "$(op 0x40) && $ans && f[\"netdam.txn\"] == \"$ctxn\"" udp.srcport "${dev2##*:}"
 check "CHAIN answer names its request" "$(op 0x40) && $ans && f[\"netdam.txn\"] == \"$ctxn\"" \
   netdam.request_in "$(q "$chain" frame.number)"
-check "CHAIN answer" "$(op 0x40) && $ans && f[\"netdam.txn\"] == \"$ctxn\"" netdam.seg_count 0
+# An answer's byte 10 is the last hop's queue depth, not a segment count.
+check "CHAIN answer" "$(op 0x40) && $ans && f[\"netdam.txn\"] == \"$ctxn\"" netdam.seg_count ""
+depth=$(q "$(op 0x40) && $ans && f[\"netdam.txn\"] == \"$ctxn\"" netdam.depth)
+[[ "$depth" =~ ^[0-9]+$ && "$depth" -le 255 ]] && ok "CHAIN answer: netdam.depth = $depth" ||
+  fail "CHAIN answer: netdam.depth is '$depth', want 0..255"
 check "READ chain answer" "$(op 0x40) && $ans && f[\"netdam.length\"] == \"8\"" netdam.data 0000003f0000803e
 check "OPT_CONFIG request" "$(op 0x33) && $req" netdam.opt.kind 1
 check "OPT_CONFIG request" "$(op 0x33) && $req" netdam.opt.lr 0.5

@@ -87,6 +87,7 @@ field("status", U8, "status", "Status", DEC, status_names)
 field("dtype", U8, "dtype", "Element type", DEC, dtype_names)
 field("redop", U8, "redop", "Reduction", DEC, redop_names)
 field("seg_count", U8, "seg_count", "Segment count", DEC)
+field("depth", U8, "depth", "Queue depth (of 255)", DEC)
 field("seg_index", U8, "seg_index", "Segment index", DEC)
 field("rkey", U32, "rkey", "Region key", HEX)
 field("txn", U64, "txn", "Transaction id", DEC)
@@ -684,13 +685,15 @@ local function dissect(tvb, pinfo, root)
     seg_index = tvb(11, 1):uint(), txn = tvb(16, 8):uint64(), length = tvb(32, 4):uint(),
   }
   h.response = band(h.flags, 0x01) ~= 0
+  -- An answer's byte 10 is the sender's queue depth (PROTOCOL.md 3.1).
+  if h.response then h.depth, h.seg_count = h.seg_count, 0 end
   h.sparse = band(h.flags, 0x04) ~= 0
 
   local ht = tree:add(tvb(0, HEADER), "Header")
   add_layout(ht, tvb, 0, {{f.magic, 0, 4}, {f.version, 4, 1}, {f.opcode, 5, 1}})
   local fl = add_bits(ht, f.flags, tvb(6, 1), {f.fl_response, f.fl_ack_req, f.fl_sparse, f.fl_sparse_ok, f.fl_reserved})
   local st = ht:add(f.status, tvb(7, 1))
-  add_layout(ht, tvb, 0, {{f.dtype, 8, 1}, {f.redop, 9, 1}, {f.seg_count, 10, 1}, {f.seg_index, 11, 1},
+  add_layout(ht, tvb, 0, {{f.dtype, 8, 1}, {f.redop, 9, 1}, {h.response and f.depth or f.seg_count, 10, 1}, {f.seg_index, 11, 1},
                           {f.rkey, 12, 4}, {f.txn, 16, 8}, {f.addr, 24, 8}, {f.length, 32, 4}, {f.boot, 36, 4}})
   tree:add(f.is_response, h.response):set_generated()
   if tvb(0, 4):uint() ~= MAGIC then ht:add_proto_expert_info(ef.malformed, "wrong magic") end

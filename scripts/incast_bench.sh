@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Incast in the emulated cluster (scripts/cluster.sh, docs/CONGESTION.md):
+# N hosts write to one device at once through its rate-limited link, while
+# one more host READs 64 bytes from it about every millisecond. Each
+# congestion controller runs in turn, interleaved, in the same cluster.
+#
+#   scripts/incast_bench.sh [OPTIONS]
+#
+#   --writers N      writing hosts (default 8)
+#   --rate RATE      every link, each way (default 500mbit)
+#   --seconds S      each run (default 1)
+#   --rounds R       runs per controller, interleaved (default 3)
+#   --ccs LIST       controllers, comma-separated (default fixed,depth,swift)
+#   --target-us US   the controllers' round-trip target (default: the client's)
+#   --loss P         the device drops each datagram it sends with
+#                    probability P (netdamd --inject-drop): random loss,
+#                    not congestion; also runs every controller clean in
+#                    the same cluster for the comparison (default 0)
+#   --prefix NAME    cluster name prefix (default nic)
+#   --out DIR        flow logs and summary.csv (default a new /tmp dir)
+#   --check          CI mode: exit 1 unless every run completed exactly
+#                    (no failed operation, every slot verified) and no
+#                    controller other than fixed lost more than --max-loss
+#                    of its datagrams in the device's queues
+#   --max-loss F     (default 0.001)
+#
+# Per controller it prints: goodput as a fraction of the device's link
+# rate, datagrams lost in the queues in front of the device (its link's
+# tbf queue and its socket) per datagram sent, the lowest Jain fairness
+# index over the writers in any 100 ms window after the first, and the
+# READ probe's p99 against its idle p99 (measured alone first). Medians of
+# the rounds, with the spread.
+#
+# Environment: BUILD_DIR (default build).
+# Exit status: 0; 1 a run failed or --check failed; 2 usage; the cluster's
+# refusal codes (77 not root, 78/79 a missing tool or kernel feature).
+set -uo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cluster="$repo/scripts/cluster.sh"
+build="$repo/${BUILD_DIR:-build}"
+[[ "${BUILD_DIR:-}" == /* ]] && build="$BUILD_DIR"
+incast="$build/bench/netdam-incast"
+
+writers=8 rate=500mbit seconds=1 rounds=3 ccs=fixed,depth,swift target_us="" loss=0 prefix=nic out="" check=0 max_loss=0.001
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+while (($#)); do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --writers) writers=$2; shift 2 ;;
+    --rate) rate=$2; shift 2 ;;
+    --seconds) seconds=$2; shift 2 ;;
+    --rounds) rounds=$2; shift 2 ;;
+    --ccs) ccs=$2; shift 2 ;;
+    --target-us) target_us=$2; shift 2 ;;
+    --loss) loss=$2; shift 2 ;;
+    --prefix) prefix=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --check) check=1; shift ;;
+    --max-loss) max_loss=$2; shift 2 ;;
+    *) echo "incast_bench: unknown option $1 (--help)" >&2; exit 2 ;;
+  esac
+done
+[[ "$writers" =~ ^[0-9]+$ ]] && ((writers >= 1 && writers <= 64)) || { echo "incast_bench: --writers 1..64" >&2; exit 2; }
+[[ "$rounds" =~ ^[0-9]+$ ]] && ((rounds >= 1)) || { echo "incast_bench: --rounds >= 1" >&2; exit 2; }
+[[ -x "$incast" ]] || { echo "incast_bench: $incast missing (build first)" >&2; exit 2; }
+IFS=, read -r -a cc_list <<<"$ccs"
+[[ -n "$out" ]] || out=$(mktemp -d /tmp/netdam-incast.XXXXXX)
+mkdir -p "$out"
+
+cl=("$cluster" --prefix "$prefix")
+teardown() { "${cl[@]}" down >/dev/null 2>&1; }
+trap teardown EXIT
+trap 'echo "incast_bench: interrupted" >&2; exit 130' INT
+trap 'exit 143' TERM
+
+# One cluster per loss setting: netdamd's fault injection is a start option.
+up() {  # up LOSS
+  teardown
+  local extra=""
+  [[ "$1" != 0 ]] && extra="--inject-drop $1"
+  CLUSTER_QUIET=1 "${cl[@]}" --hosts $((writers + 1)) --devices 1 --rate "$rate" --build "$build" --netdamd \
+    ${extra:+--netdamd-args "$extra"} up >/dev/null || { rc=$?; echo "incast_bench: cluster did not come up ($rc)" >&2; exit "$rc"; }
+  set -a
+  # shellcheck disable=SC1090
+  source <("${cl[@]}" env)
+  set +a
+  read -r -a host_ns <<<"$CLUSTER_HOST_NS"
+  device="${CLUSTER_DEVICE_ADDRS%%,*}"
+  dev_ns="${CLUSTER_DEVICE_NS%% *}"
+}
+
+# Datagrams dropped in front of the device: its link's download tbf (the
+# bridge-side veth end, root namespace) and its socket (RcvbufErrors).
+drops() {
+  local q s
+  q=$(tc -s qdisc show dev "$prefix-d0" | awk '/dropped/ { gsub(",", "", $7); print $7; exit }')
+  s=$(ip netns exec "$dev_ns" awk '/^Udp:/ { if (!h) { for (i = 1; i <= NF; i++) c[$i] = i; h = 1 } else print $c["RcvbufErrors"] }' /proc/net/snmp)
+  echo "${q:-0} ${s:-0}"
+}
+
+status=0
+run() {  # run LABEL CC ROUND: one incast; files in $out/LABEL-CC-ROUND.*
+  local label=$1 cc=$2 r=$3 base="$out/$1-$2-$3" pids=() i
+  read -r q0 s0 < <(drops)
+  local start=$(( $(date +%s%N) + 400000000 ))
+  for ((i = 0; i < writers; i++)); do
+    ip netns exec "${host_ns[$i]}" "$incast" write --device "$device" --start-at "$start" --seconds "$seconds" \
+      --cc "$cc" ${target_us:+--target-us "$target_us"} --slot "$i" --out "$base.w$i" 2>>"$base.err" &
+    pids+=($!)
+  done
+  ip netns exec "${host_ns[$writers]}" "$incast" read --device "$device" --start-at "$start" --seconds "$seconds" \
+    --out "$base.read" 2>>"$base.err" &
+  pids+=($!)
+  for p in "${pids[@]}"; do wait "$p" || { echo "incast_bench: $label $cc round $r: a flow failed (see $base.err)" >&2; status=1; }; done
+  read -r q1 s1 < <(drops)
+  echo "qdisc_drops=$((q1 - q0)) socket_drops=$((s1 - s0))" >"$base.drops"
+}
+
+settings=(0)
+[[ "$loss" != 0 ]] && settings+=("$loss")
+for setting in "${settings[@]}"; do
+  up "$setting"
+  label=clean
+  [[ "$setting" != 0 ]] && label="loss$setting"
+  echo "== $label: $writers writers -> 1 device at $rate, ${seconds}s per run, $rounds rounds of: ${cc_list[*]}"
+  # The probe alone first: its idle latency.
+  ip netns exec "${host_ns[$writers]}" "$incast" read --device "$device" --seconds 1 --out "$out/$label-idle.read" ||
+    status=1
+  for ((r = 0; r < rounds; r++)); do
+    for ((k = 0; k < ${#cc_list[@]}; k++)); do  # rotated each round: no controller always goes first
+      cc=${cc_list[$(((k + r) % ${#cc_list[@]}))]}
+      run "$label" "$cc" "$r"
+    done
+  done
+done
+
+/usr/bin/python3 "$repo/bench/incast/incast_report.py" --out "$out" --writers "$writers" --rate-bps "$CLUSTER_RATE_BPS" \
+  --seconds "$seconds" --ccs "$ccs" --check "$check" --max-loss "$max_loss" || status=1
+echo "logs: $out"
+exit "$status"
