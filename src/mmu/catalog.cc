@@ -118,7 +118,7 @@ Result<Catalog::Plan> Catalog::plan(const pool::AllocRequest& req, uint64_t key,
   pool::Layout layout{req.size, req.stripe ? req.stripe : pool::kDefaultStripe, slots, copies};
   if (req.size == 0 || req.size > pool::kMaxAllocationSize)
     return refuse(Status::kBadLength, "size must be 1 B .. 1 TiB");
-  if (auto bad = pool::validate(layout)) return refuse(Status::kBadPayload, *bad);
+  if (Error bad = pool::validate(layout)) return refuse(Status::kBadPayload, bad.message());
   const uint64_t need = layout.extent_bytes();
 
   // Which devices: from first_device on (in index order), or the live ones
