@@ -82,9 +82,12 @@ class Netns {
       std::vector<std::string> argv = {ip_, "netns", "exec", ns(r), build_path("src/daemon/netdamd"),
                                        "--listen", device_ip(r) + ":7000", "--memory", "32MiB",
                                        "--admin-key", "0xAD", "--multicast", kGroupAddr, "--log-level", "warn"};
-      const pid_t pid = common::spawn(argv, common::SpawnOptions::logging_to(log, log + ".err"), why);
-      if (pid < 0) return false;
-      daemons_.push_back(pid);
+      const auto pid = common::spawn(argv, common::SpawnOptions::logging_to(log, log + ".err"));
+      if (!pid) {
+        if (why) *why = pid.error().message();
+        return false;
+      }
+      daemons_.push_back(*pid);
     }
     return true;
   }

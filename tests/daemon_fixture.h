@@ -116,15 +116,15 @@ inline ProcessResult run_process(const std::vector<std::string>& argv, const std
     std::ofstream f(in, std::ios::binary);
     f.write(input.data(), static_cast<std::streamsize>(input.size()));
   }
-  std::string why;
   common::SpawnOptions so = common::SpawnOptions::logging_to(out, err);
   so.in = in;
   so.env = detail::environment(env_changes);
-  const pid_t pid = common::spawn(argv, so, &why);
-  if (pid < 0) {
-    r.err = why;
+  const auto spawned = common::spawn(argv, so);
+  if (!spawned) {
+    r.err = spawned.error().message();
     return r;
   }
+  const pid_t pid = *spawned;
   const auto deadline = std::chrono::steady_clock::now() + limit;
   int status = 0;
   for (;;) {
@@ -174,12 +174,12 @@ class TestDaemon {
     std::vector<std::string> argv = {build_path("src/daemon/netdamd"), "--listen", listen,
                                      "--port-file", port_file};
     argv.insert(argv.end(), extra_args.begin(), extra_args.end());
-    std::string why;
-    pid_ = common::spawn(argv, common::SpawnOptions::logging_to(log_path(), log_path() + ".err"), &why);
-    if (pid_ < 0) {
+    auto spawned = common::spawn(argv, common::SpawnOptions::logging_to(log_path(), log_path() + ".err"));
+    if (!spawned) {
       pid_ = 0;
-      return fail(why);
+      return fail(spawned.error().message());
     }
+    pid_ = *spawned;
     int code = 0;
     if (common::await_port_file(pid_, port_file, wait, endpoint_, code)) return true;
     if (pid_ == 0) return fail("netdamd exited with code " + std::to_string(code));

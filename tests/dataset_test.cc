@@ -107,9 +107,8 @@ TEST(DatasetFormat, HeaderRoundTripAndChecks) {
   EXPECT_EQ(h.data_offset, 8192u);
   auto bytes = dataset::encode(h);
   ASSERT_EQ(dataset::header_size(bytes), bytes.size());
-  std::string why;
-  auto d = dataset::decode(bytes, &why);
-  ASSERT_TRUE(d) << why;
+  auto d = dataset::decode(bytes);
+  ASSERT_TRUE(d) << d.error().to_string();
   EXPECT_EQ(d->sample_count, 8u);
   EXPECT_EQ(d->files.size(), 3u);
   EXPECT_EQ(d->files[2].name, "c.bin");
@@ -117,10 +116,12 @@ TEST(DatasetFormat, HeaderRoundTripAndChecks) {
   for (size_t i = 0; i < bytes.size(); ++i) {  // any flipped bit is caught
     auto bad = bytes;
     bad[i] ^= std::byte{0x10};
-    EXPECT_FALSE(dataset::decode(bad, &why)) << i;
+    EXPECT_FALSE(dataset::decode(bad)) << i;
   }
-  EXPECT_FALSE(dataset::decode(std::vector<std::byte>(64), &why));
-  EXPECT_NE(why.find("no dataset header"), std::string::npos);
+  auto empty = dataset::decode(std::vector<std::byte>(64));
+  EXPECT_FALSE(empty);
+  EXPECT_EQ(empty.error().code(), Error::Code::kProtocol);
+  EXPECT_NE(empty.error().message().find("no dataset header"), std::string::npos);
 }
 
 namespace {

@@ -137,13 +137,14 @@ TEST(FaultyTransport, ReorderSwapsWithTheNextDatagram) {
 }
 
 TEST(FaultyTransport, RatesOnLoopback) {
-  std::string why;
   UdpOptions o;
   o.bind = {0x7F000001, 0};
-  auto tx_sock = UdpTransport::open(o, &why);
-  ASSERT_TRUE(tx_sock) << why;
-  auto rx = UdpTransport::open(o, &why);
-  ASSERT_TRUE(rx) << why;
+  auto tx_open = UdpTransport::open(o);
+  ASSERT_TRUE(tx_open) << tx_open.error().message();
+  auto rx_open = UdpTransport::open(o);
+  ASSERT_TRUE(rx_open) << rx_open.error().message();
+  auto tx_sock = std::move(*tx_open);
+  auto rx = std::move(*rx_open);
 
   FaultModel f;
   f.drop = 0.05;

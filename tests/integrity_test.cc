@@ -293,10 +293,11 @@ TEST(Integrity, TransportDropsBadDatagrams) {
 
 // UDP GSO/GRO trains: each datagram of a train carries its own trailer.
 TEST(Integrity, UdpTrainsCarryOneTrailerEach) {
-  std::string err;
-  auto tx = transport::UdpTransport::open({{0x7F000001, 0}}, &err);
-  auto rx = transport::UdpTransport::open({{0x7F000001, 0}}, &err);
-  ASSERT_TRUE(tx && rx) << err;
+  auto tx_open = transport::UdpTransport::open({{0x7F000001, 0}});
+  auto rx_open = transport::UdpTransport::open({{0x7F000001, 0}});
+  ASSERT_TRUE(tx_open && rx_open) << tx_open.error().message() << rx_open.error().message();
+  auto tx = std::move(*tx_open);
+  auto rx = std::move(*rx_open);
   std::vector<std::vector<std::byte>> data;
   std::vector<transport::OutMsg> out;
   for (int i = 0; i < 20; ++i) data.push_back(random_bytes(i < 19 ? 3000 : 1234, 100 + i));

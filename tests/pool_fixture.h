@@ -30,13 +30,13 @@ class TestMmu {
     argv.insert(argv.end(), args.begin(), args.end());
     // Tests that give no admin key run an open pool, which must be asked for.
     if (std::find(args.begin(), args.end(), "--admin-key") == args.end()) argv.push_back("--insecure");
-    std::string why;
-    pid_ = common::spawn(argv, common::SpawnOptions::logging_to(dir_.file("log"), dir_.file("log.err")), &why);
-    if (pid_ < 0) {
-      error_ = why;
+    auto spawned = common::spawn(argv, common::SpawnOptions::logging_to(dir_.file("log"), dir_.file("log.err")));
+    if (!spawned) {
+      error_ = spawned.error().message();
       pid_ = 0;
       return false;
     }
+    pid_ = *spawned;
     int code = 0;
     if (common::await_port_file(pid_, port_file, std::chrono::seconds(10), endpoint_, code)) return true;
     error_ = (pid_ == 0 ? "netdam-mmu exited with code " + std::to_string(code) : "netdam-mmu did not start") +

@@ -163,11 +163,11 @@ TEST_F(PoolProxyTest, BadAccessesAndFullPool) {
 TEST_F(PoolProxyTest, DuplicateMutationAppliedOnce) {
   Start(2);
   PoolAllocation a = Alloc("ctr", 4096);
-  std::string why;
   transport::UdpOptions u;
   u.bind = transport::Endpoint{0x7F000001, 0};
-  auto sock = transport::UdpTransport::open(u, &why);
-  ASSERT_TRUE(sock) << why;
+  auto opened = transport::UdpTransport::open(u);
+  ASSERT_TRUE(opened) << opened.error().message();
+  auto sock = std::move(*opened);
   auto to = transport::parse_endpoint(mmu_.endpoint());
   core::Header h;
   h.opcode = Opcode::kFetchAdd;

@@ -14,14 +14,14 @@ using netdam::testing::TempDir;
 namespace {
 
 std::unique_ptr<Catalog> Open(const std::string& path, size_t devices = 0, uint64_t capacity = 1u << 20) {
-  std::string why;
-  auto store = StateStore::open(path, &why);
-  EXPECT_TRUE(store) << why;
-  auto c = std::make_unique<Catalog>(std::move(store));
-  EXPECT_TRUE(c->load(&why)) << why;
+  auto store = StateStore::open(path);
+  EXPECT_TRUE(store) << store.error().to_string();
+  auto c = std::make_unique<Catalog>(store ? std::move(*store) : nullptr);
+  const Error loaded = c->load();
+  EXPECT_TRUE(loaded.is_ok()) << loaded.to_string();
   for (size_t i = 0; i < devices; ++i) {
-    auto id = c->add_device("127.0.0.1:" + std::to_string(7001 + i), &why);
-    EXPECT_TRUE(id) << why;
+    auto id = c->add_device("127.0.0.1:" + std::to_string(7001 + i));
+    EXPECT_TRUE(id) << id.error().to_string();
   }
   for (auto& d : c->devices()) {
     c->set_device_seen(d.row.id, d.row.boot ? d.row.boot : 100 + d.row.id, capacity);
@@ -39,12 +39,11 @@ pool::AllocRequest Req(const std::string& name, uint64_t size, pool::Policy p = 
 }
 
 uint64_t Alloc(Catalog& c, const pool::AllocRequest& r, uint64_t key = 77, uint32_t device_key = 78) {
-  Status s;
-  std::string why;
-  auto plan = c.plan(r, key, device_key, &s, &why);
-  EXPECT_TRUE(plan) << why;
+  auto plan = c.plan(r, key, device_key);
+  EXPECT_TRUE(plan) << plan.error().to_string();
   if (!plan) return 0;
-  EXPECT_TRUE(c.commit(*plan, &why)) << why;
+  const Error committed = c.commit(*plan);
+  EXPECT_TRUE(committed.is_ok()) << committed.to_string();
   return plan->alloc.row.id;
 }
 
@@ -62,9 +61,10 @@ TEST(PoolState, PersistsAndReloads) {
     EXPECT_EQ(Alloc(*c, Req("a", 10000), 0xF123456789ABCDEF, 0x5EED), 1u);
     EXPECT_EQ(Alloc(*c, Req("b", 5000, pool::Policy::kReplicated)), 2u);
     EXPECT_EQ(Alloc(*c, Req("c", 100, pool::Policy::kSingle)), 3u);
-    std::string why;
-    ASSERT_TRUE(c->free(2, {}, &why)) << why;
-    ASSERT_TRUE(c->free(3, {0}, &why)) << why;  // its device was down: released later
+    Error e = c->free(2, {});
+    ASSERT_TRUE(e.is_ok()) << e.to_string();
+    e = c->free(3, {0});  // its device was down: released later
+    ASSERT_TRUE(e.is_ok()) << e.to_string();
   }
   auto c = Open(db);
   EXPECT_EQ(c->pool_id(), pool_id);
@@ -112,47 +112,43 @@ TEST(PoolState, DeviceRestartMarksLostPersistently) {
 
 TEST(PoolState, PlanIsAllOrNothing) {
   auto c = std::make_unique<Catalog>(nullptr);
-  std::string why;
-  ASSERT_TRUE(c->load(&why));
+  ASSERT_TRUE(c->load().is_ok());
   for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE(c->add_device("127.0.0.1:" + std::to_string(7001 + i), &why));
+    ASSERT_TRUE(c->add_device("127.0.0.1:" + std::to_string(7001 + i)));
     c->set_device_seen(i, 1, (i == 2 ? 64 : 256) * 4096);
     c->devices()[i].state = pool::DeviceState::kUp;
   }
   // Needs 100 pages on each of 3 devices: device 2 has 64, nothing is kept.
-  Status s;
-  auto p = c->plan(Req("x", 300 * 4096), 5, 6, &s, &why);
+  auto p = c->plan(Req("x", 300 * 4096), 5, 6);
   EXPECT_FALSE(p);
-  EXPECT_EQ(s, Status::kNoSpace);
-  EXPECT_NE(why.find("device 2"), std::string::npos) << why;
+  EXPECT_EQ(p.error().code(), Error::Code::kNak);
+  EXPECT_EQ(p.error().status(), Status::kNoSpace);
+  EXPECT_NE(p.error().message().find("device 2"), std::string::npos) << p.error().message();
   for (const auto& d : c->devices()) EXPECT_EQ(d.space.used(), 0u);
   // Two devices are enough when asked for: the proxy picks the roomiest.
   auto r = Req("x", 300 * 4096);
   r.devices = 2;
-  p = c->plan(r, 5, 6, &s, &why);
-  ASSERT_TRUE(p) << why;
+  p = c->plan(r, 5, 6);
+  ASSERT_TRUE(p) << p.error().to_string();
   EXPECT_EQ(p->alloc.slots[0].device_id, 0u);
   EXPECT_EQ(p->alloc.slots[1].device_id, 1u);
   c->abort(*p);
   EXPECT_EQ(c->devices()[0].space.used(), 0u);
-  // Bad requests.
+  // Bad requests: refused with the status the answer carries (a plan that
+  // is not refused has none, kOk).
+  auto refusal = [&](const pool::AllocRequest& req) { return c->plan(req, 5, 6).error().status(); };
   r = Req("y", 4096, pool::Policy::kReplicated);
   r.devices = 1;
-  EXPECT_FALSE(c->plan(r, 5, 6, &s, &why));
-  EXPECT_EQ(s, Status::kBadPayload);
+  EXPECT_EQ(refusal(r), Status::kBadPayload);
   r = Req("y", 0);
-  EXPECT_FALSE(c->plan(r, 5, 6, &s, &why));
-  EXPECT_EQ(s, Status::kBadLength);
+  EXPECT_EQ(refusal(r), Status::kBadLength);
   r = Req("y", 4096);
   r.stripe = 100;
-  EXPECT_FALSE(c->plan(r, 5, 6, &s, &why));
-  EXPECT_EQ(s, Status::kBadPayload);
+  EXPECT_EQ(refusal(r), Status::kBadPayload);
   c->devices()[1].state = pool::DeviceState::kDown;
   r = Req("y", 4096);
   r.devices = 3;
-  EXPECT_FALSE(c->plan(r, 5, 6, &s, &why));
-  EXPECT_EQ(s, Status::kUnavailable);
+  EXPECT_EQ(refusal(r), Status::kUnavailable);
   Alloc(*c, Req("y", 4096));
-  EXPECT_FALSE(c->plan(Req("y", 4096), 5, 6, &s, &why));
-  EXPECT_EQ(s, Status::kAlreadyExists);
+  EXPECT_EQ(refusal(Req("y", 4096)), Status::kAlreadyExists);
 }

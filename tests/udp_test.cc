@@ -19,10 +19,9 @@ using std::chrono::milliseconds;
 constexpr uint32_t kLoopback = 0x7F000001;
 
 std::unique_ptr<UdpTransport> open_loopback() {
-  std::string error;
-  auto t = UdpTransport::open(UdpOptions{.bind = {kLoopback, 0}}, &error);
-  EXPECT_NE(t, nullptr) << error;
-  return t;
+  auto t = UdpTransport::open(UdpOptions{.bind = {kLoopback, 0}});
+  EXPECT_TRUE(t) << t.error().message();
+  return t ? std::move(*t) : nullptr;
 }
 
 // Receive slots with their own buffers.
@@ -124,9 +123,9 @@ TEST(InterfaceMtu, LoopbackIsWhatTheKernelSays) {
 }
 
 TEST(InterfaceMtu, AddressOfNoInterfaceIsRefusedWithItsName) {
-  std::string why;
-  EXPECT_FALSE(interface_mtu(0xC0000201, &why));  // 192.0.2.1, TEST-NET-1
-  EXPECT_NE(why.find("192.0.2.1"), std::string::npos) << why;
+  auto mtu = interface_mtu(0xC0000201);  // 192.0.2.1, TEST-NET-1
+  EXPECT_FALSE(mtu);
+  EXPECT_NE(mtu.error().message().find("192.0.2.1"), std::string::npos) << mtu.error().message();
 }
 
 TEST(UdpTransport, BindsEphemeralPort) {
@@ -246,18 +245,17 @@ TEST(UdpTransport, SendingToClosedPortDoesNotStall) {
 TEST(UdpTransport, BusyPortGivesClearError) {
   auto a = open_loopback();
   ASSERT_NE(a, nullptr);
-  std::string error;
-  auto b = UdpTransport::open(UdpOptions{.bind = a->local()}, &error);
-  EXPECT_EQ(b, nullptr);
-  EXPECT_EQ(error, "cannot bind " + a->local().to_string() + ": Address already in use");
+  auto b = UdpTransport::open(UdpOptions{.bind = a->local()});
+  EXPECT_FALSE(b);
+  EXPECT_EQ(b.error().code(), Error::Code::kTransport);
+  EXPECT_EQ(b.error().message(), "cannot bind " + a->local().to_string() + ": Address already in use");
 }
 
 TEST(UdpTransport, ReusePortAllowsSharing) {
-  std::string error;
-  auto a = UdpTransport::open(UdpOptions{.bind = {kLoopback, 0}, .reuse_port = true}, &error);
-  ASSERT_NE(a, nullptr) << error;
-  auto b = UdpTransport::open(UdpOptions{.bind = a->local(), .reuse_port = true}, &error);
-  EXPECT_NE(b, nullptr) << error;
+  auto a = UdpTransport::open(UdpOptions{.bind = {kLoopback, 0}, .reuse_port = true});
+  ASSERT_TRUE(a) << a.error().message();
+  auto b = UdpTransport::open(UdpOptions{.bind = (*a)->local(), .reuse_port = true});
+  EXPECT_TRUE(b) << b.error().message();
 }
 
 // GSO and GRO: a run of equal-sized datagrams to one peer leaves as one
@@ -288,9 +286,9 @@ TEST(UdpTransport, TrainsArriveAsTheirDatagrams) {
 
 TEST(UdpTransport, TrainsReachAPeerWithoutGroAsSingleDatagrams) {
   auto a = open_loopback();
-  std::string error;
-  auto b = UdpTransport::open(UdpOptions{.bind = {kLoopback, 0}, .gro = false}, &error);
-  ASSERT_TRUE(a && b) << error;
+  auto b_open = UdpTransport::open(UdpOptions{.bind = {kLoopback, 0}, .gro = false});
+  ASSERT_TRUE(a && b_open) << b_open.error().message();
+  auto b = std::move(*b_open);
   EXPECT_FALSE(b->gro());
   std::vector<std::vector<std::byte>> payloads;
   for (unsigned i = 0; i < 20; ++i) payloads.push_back(pattern(3000, i));
@@ -365,9 +363,9 @@ TEST(UdpTransport, TrainsAboveTheRouteMtuFallBackToSingleDatagrams) {
   ASSERT_TRUE(sh("ip netns exec " + ns + " ip addr add " + net + "2/24 dev eth0"));
   ASSERT_TRUE(sh("ip netns exec " + ns + " ip link set eth0 up"));
 
-  std::string error;
-  auto a = UdpTransport::open(UdpOptions{.bind = {0, 0}}, &error);
-  ASSERT_NE(a, nullptr) << error;
+  auto a_open = UdpTransport::open(UdpOptions{.bind = {0, 0}});
+  ASSERT_TRUE(a_open) << a_open.error().message();
+  auto a = std::move(*a_open);
   auto peer = parse_endpoint(net + "2:9");
   ASSERT_TRUE(peer);
   const auto big = pattern(8232, 1), small = pattern(1000, 2);
@@ -389,39 +387,36 @@ TEST(Endpoint, ToString) {
 }
 
 TEST(Endpoint, ParsesLiteralsAndNames) {
-  std::string error;
-  auto ep = parse_endpoint("127.0.0.1:7000", &error);
-  ASSERT_TRUE(ep) << error;
+  auto ep = parse_endpoint("127.0.0.1:7000");
+  ASSERT_TRUE(ep) << ep.error().message();
   EXPECT_EQ(*ep, (Endpoint{kLoopback, 7000}));
 
-  ep = parse_endpoint("10.1.2.3:0", &error);
-  ASSERT_TRUE(ep) << error;
+  ep = parse_endpoint("10.1.2.3:0");
+  ASSERT_TRUE(ep) << ep.error().message();
   EXPECT_EQ(*ep, (Endpoint{0x0A010203, 0}));
 
-  ep = parse_endpoint("localhost:65535", &error);
-  ASSERT_TRUE(ep) << error;
+  ep = parse_endpoint("localhost:65535");
+  ASSERT_TRUE(ep) << ep.error().message();
   EXPECT_EQ(*ep, (Endpoint{kLoopback, 65535}));
 }
 
 TEST(Endpoint, RejectsBadInput) {
-  std::string error;
-  EXPECT_FALSE(parse_endpoint("abc", &error));
-  EXPECT_EQ(error, "missing ':PORT' in 'abc'");
-  EXPECT_FALSE(parse_endpoint("1.2.3.4:x", &error));
-  EXPECT_EQ(error, "bad port 'x'");
-  EXPECT_FALSE(parse_endpoint("1.2.3.4:65536", &error));
-  EXPECT_EQ(error, "bad port '65536'");
-  EXPECT_FALSE(parse_endpoint("1.2.3.4:", &error));
-  EXPECT_EQ(error, "bad port ''");
-  EXPECT_FALSE(parse_endpoint("1.2.3.4:-1", &error));
-  EXPECT_EQ(error, "bad port '-1'");
-  EXPECT_FALSE(parse_endpoint("1.2.3.4:70 ", &error));
-  EXPECT_EQ(error, "bad port '70 '");
-  EXPECT_FALSE(parse_endpoint(":7000", &error));
-  EXPECT_EQ(error, "missing host in ':7000'");
-  EXPECT_FALSE(parse_endpoint("no-such-host.invalid:7000", &error));
-  EXPECT_EQ(error.rfind("cannot resolve host 'no-such-host.invalid'", 0), 0u) << error;
-  EXPECT_FALSE(parse_endpoint("abc"));  // error pointer is optional
+  // The message of a refusal (an invalid-argument error).
+  auto error_of = [](std::string_view text) {
+    auto ep = parse_endpoint(text);
+    EXPECT_FALSE(ep) << text;
+    EXPECT_EQ(ep.error().code(), Error::Code::kInvalidArgument) << text;
+    return ep.error().message();
+  };
+  EXPECT_EQ(error_of("abc"), "missing ':PORT' in 'abc'");
+  EXPECT_EQ(error_of("1.2.3.4:x"), "bad port 'x'");
+  EXPECT_EQ(error_of("1.2.3.4:65536"), "bad port '65536'");
+  EXPECT_EQ(error_of("1.2.3.4:"), "bad port ''");
+  EXPECT_EQ(error_of("1.2.3.4:-1"), "bad port '-1'");
+  EXPECT_EQ(error_of("1.2.3.4:70 "), "bad port '70 '");
+  EXPECT_EQ(error_of(":7000"), "missing host in ':7000'");
+  const std::string unresolved = error_of("no-such-host.invalid:7000");
+  EXPECT_EQ(unresolved.rfind("cannot resolve host 'no-such-host.invalid'", 0), 0u) << unresolved;
 }
 
 }  // namespace

@@ -457,9 +457,9 @@ int run_rw(Options& o) {
 
   std::unique_ptr<RawClient> raw;
   if (!o.skip_raw) {
-    auto ep = transport::parse_endpoint(env.raw_addr, &error);
+    auto ep = transport::parse_endpoint(env.raw_addr);
     if (!ep) {
-      fmt::print(stderr, "netdam-bench: --raw-server: {}\n", error);
+      fmt::print(stderr, "netdam-bench: --raw-server: {}\n", ep.error().message());
       return 2;
     }
     raw = RawClient::open(*ep, &error);
@@ -697,10 +697,9 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   if (rs->parsed()) {
-    std::string why;
-    auto ep = transport::parse_endpoint(rs_listen, &why);
+    auto ep = transport::parse_endpoint(rs_listen);
     if (!ep) {
-      fmt::print(stderr, "raw-server: --listen: {}\n", why);
+      fmt::print(stderr, "raw-server: --listen: {}\n", ep.error().message());
       return 2;
     }
     rso.listen = *ep;

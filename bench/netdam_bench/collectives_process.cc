@@ -53,8 +53,12 @@ bool start_daemon(const std::vector<std::string>& argv_in, const std::string& di
   // SIGTERM when we die, not SIGKILL: netdamd then exits cleanly and unlinks its shm.
   common::SpawnOptions so = common::SpawnOptions::logging_to(out.log_path);
   so.die_with_parent = true;
-  pid_t pid = common::spawn(argv, so, &error);
-  if (pid < 0) return false;
+  auto spawned = common::spawn(argv, so);
+  if (!spawned) {
+    error = spawned.error().message();
+    return false;
+  }
+  pid_t pid = *spawned;
   out.pid = pid;
   int code = 0;
   if (common::await_port_file(pid, port_file, std::chrono::seconds(10), out.address, code)) return true;

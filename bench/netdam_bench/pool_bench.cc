@@ -476,8 +476,11 @@ int pool_main(int argc, char** argv) {
       return 2;
     }
     server_pids.push_back(r.pid);
-    auto ep = transport::parse_endpoint(r.address, &error);
-    if (ep) raw = RawClient::open(*ep, &error);
+    auto ep = transport::parse_endpoint(r.address);
+    if (ep)
+      raw = RawClient::open(*ep, &error);
+    else
+      error = ep.error().message();
     if (!raw) {
       fmt::print(stderr, "netdam-bench pool: raw server: {}\n", error);
       return 2;

@@ -105,8 +105,12 @@ bool start_server(const std::vector<std::string>& argv_in, const std::string& lo
   common::SpawnOptions so = common::SpawnOptions::logging_to(log_path);
   so.die_with_parent = true;
   so.cpu = cpu;
-  pid_t pid = common::spawn(args, so, &error);
-  if (pid < 0) return false;
+  auto spawned = common::spawn(args, so);
+  if (!spawned) {
+    error = spawned.error().message();
+    return false;
+  }
+  pid_t pid = *spawned;
   g_children[g_count] = pid;
   g_count = g_count + 1;
   out.pid = pid;

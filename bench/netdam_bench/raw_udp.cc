@@ -113,14 +113,13 @@ int run_raw_server(const RawServerOptions& opts) {
   u.bind = opts.listen;
   u.reuse_port = opts.threads > 1;
   for (unsigned i = 0; i < opts.threads; ++i) {
-    std::string why;
-    auto s = transport::UdpTransport::open(u, &why);
+    auto s = transport::UdpTransport::open(u);
     if (!s) {
-      std::fprintf(stderr, "raw-server: %s\n", why.c_str());
+      std::fprintf(stderr, "raw-server: %s\n", s.error().message().c_str());
       return 2;
     }
-    u.bind = s->local();
-    socks.push_back(std::move(s));
+    u.bind = (*s)->local();
+    socks.push_back(std::move(*s));
   }
   std::vector<std::byte> memory(std::max<size_t>(opts.memory, kMaxDatagramOut), std::byte{0x5a});
   std::vector<std::thread> threads;
@@ -140,9 +139,12 @@ int run_raw_server(const RawServerOptions& opts) {
 std::unique_ptr<RawClient> RawClient::open(const transport::Endpoint& server, std::string* error) {
   transport::UdpOptions u;  // exactly what Client::connect opens
   u.bind = transport::Endpoint{0, 0};
-  auto t = transport::UdpTransport::open(u, error);
-  if (!t) return nullptr;
-  return std::unique_ptr<RawClient>(new RawClient(std::move(t), server));
+  auto t = transport::UdpTransport::open(u);
+  if (!t) {
+    *error = t.error().message();
+    return nullptr;
+  }
+  return std::unique_ptr<RawClient>(new RawClient(std::move(*t), server));
 }
 
 RawClient::RawClient(std::unique_ptr<transport::UdpTransport> t, transport::Endpoint server)

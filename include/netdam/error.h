@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <utility>
 #include <variant>
 
@@ -36,6 +37,8 @@ class Error {
   Status status() const { return status_; }  // the device's status for kNak
   const std::string& message() const { return message_; }
   std::string to_string() const;
+  // The same error (code, status) with `prefix` put before its message.
+  Error prefixed(std::string_view prefix) const { return {code_, status_, std::string(prefix) + message_}; }
 
  private:
   Error(Code c, Status s, std::string m) : code_(c), status_(s), message_(std::move(m)) {}

@@ -173,14 +173,13 @@ Client::Client(std::unique_ptr<transport::Transport> t, const transport::Endpoin
 Client::~Client() = default;
 
 Result<std::unique_ptr<Client>> Client::connect(std::string_view device, ClientOptions opts) {
-  std::string why;
-  auto ep = transport::parse_endpoint(device, &why);
-  if (!ep) return Error::invalid(why);
+  auto ep = transport::parse_endpoint(device);
+  if (!ep) return ep.error();  // kInvalidArgument
   transport::UdpOptions u;
   u.bind = transport::Endpoint{0, 0};
-  auto t = transport::UdpTransport::open(u, &why);
-  if (!t) return Error::transport(why);
-  return connect(std::move(t), *ep, opts);
+  auto t = transport::UdpTransport::open(u);
+  if (!t) return t.error();  // kTransport
+  return connect(std::move(*t), *ep, opts);
 }
 
 Error Client::learn_cookie(const Hop& at) {

@@ -8,10 +8,9 @@ LocalMemory::LocalMemory(std::unique_ptr<Mapping> m) : mapping_(std::move(m)) {}
 LocalMemory::~LocalMemory() = default;
 
 Result<std::unique_ptr<LocalMemory>> LocalMemory::open(std::string_view shm_name) {
-  std::string why;
-  auto m = Mapping::open_shared(std::string(shm_name), &why);
-  if (!m) return Error::transport(why);
-  return std::unique_ptr<LocalMemory>(new LocalMemory(std::move(m)));
+  auto m = Mapping::open_shared(std::string(shm_name));
+  if (!m) return m.error();  // kTransport
+  return std::unique_ptr<LocalMemory>(new LocalMemory(std::move(*m)));
 }
 
 std::span<std::byte> LocalMemory::bytes() const { return mapping_->bytes(); }

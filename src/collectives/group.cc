@@ -96,9 +96,8 @@ Result<std::unique_ptr<Group>> Group::create(const GroupOptions& opts,
                                              std::span<std::byte> local_memory) {
   auto home = home_device(opts);
   if (!home) return home.error();
-  std::string why;
-  auto ep = transport::parse_endpoint(home.value(), &why);
-  if (!ep) return Error::invalid(why);
+  auto ep = transport::parse_endpoint(home.value());
+  if (!ep) return ep.error();  // kInvalidArgument
   auto client = Client::connect(std::move(t), *ep, opts.client);
   if (!client) return client.error();
   std::unique_ptr<Group> g(new Group(opts, std::move(client.value()), local_memory));
@@ -133,9 +132,8 @@ uint64_t own_aggregation_capacity(const GroupOptions& o) {
 // "IPv4:PORT" strings as hops (ip and port only).
 Error parse_hops(const std::vector<std::string>& addresses, std::string_view what, std::vector<Hop>& out) {
   for (const auto& a : addresses) {
-    std::string why;
-    auto ep = transport::parse_endpoint(a, &why);
-    if (!ep) return Error::invalid(fmt::format("{} '{}': {}", what, a, why));
+    auto ep = transport::parse_endpoint(a);
+    if (!ep) return Error::invalid(fmt::format("{} '{}': {}", what, a, ep.error().message()));
     Hop h;
     h.ip = ep->ip;
     h.port = ep->port;
@@ -188,11 +186,10 @@ Error Group::setup() {
     partials = static_cast<int>(opts_.torus_dims.size()) - 1;
   }
   if (!opts_.multicast.empty()) {
-    std::string why;
-    auto group = transport::parse_endpoint(opts_.multicast, &why);
+    auto group = transport::parse_endpoint(opts_.multicast);
     if (!group || !transport::is_multicast(group->ip))
       return Error::invalid("multicast '" + opts_.multicast + "': " +
-                            (group ? "not a multicast address (224.0.0.0/4)" : why));
+                            (group ? "not a multicast address (224.0.0.0/4)" : group.error().message()));
     multicast_.ip = group->ip;  // until probe_multicast() says otherwise
     multicast_.port = group->port;
   }

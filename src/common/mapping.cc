@@ -14,77 +14,61 @@
 namespace netdam {
 
 namespace {
-bool fail(std::string* error, std::string msg) {
-  if (error) *error = std::move(msg) + ": " + std::strerror(errno);
-  return false;
-}
+// A failed system call: `msg` and errno's text.
+Error fail(std::string msg) { return Error::transport(std::move(msg) + ": " + std::strerror(errno)); }
 
 std::string shm_name(const std::string& name) { return name.starts_with('/') ? name : "/" + name; }
 }  // namespace
 
-std::unique_ptr<Mapping> Mapping::anonymous(uint64_t size, std::string* error) {
-  if (size == 0) {
-    if (error) *error = "device memory size must be at least 1 byte";
-    return nullptr;
-  }
+Result<std::unique_ptr<Mapping>> Mapping::anonymous(uint64_t size) {
+  if (size == 0) return Error::invalid("device memory size must be at least 1 byte");
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) {
-    fail(error, "cannot allocate " + format_size(size) + " of device memory");
-    return nullptr;
-  }
+  if (p == MAP_FAILED) return fail("cannot allocate " + format_size(size) + " of device memory");
   return std::unique_ptr<Mapping>(new Mapping(p, size, -1, {}));
 }
 
-std::unique_ptr<Mapping> Mapping::create_shared(const std::string& name, uint64_t size,
-                                                std::string* error) {
+Result<std::unique_ptr<Mapping>> Mapping::create_shared(const std::string& name, uint64_t size) {
   const std::string path = shm_name(name);
   int fd = shm_open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    fail(error, "cannot create shared memory /dev/shm" + path);
-    return nullptr;
-  }
+  if (fd < 0) return fail("cannot create shared memory /dev/shm" + path);
   // A live device holds the lock; a file left by a crashed one does not.
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    fail(error, "shared memory /dev/shm" + path + " is in use by another device");
+    Error e = fail("shared memory /dev/shm" + path + " is in use by another device");
     close(fd);
-    return nullptr;
+    return e;
   }
   // Truncate to zero first so a stale object's contents never leak into the
   // new device: memory starts zeroed, like an anonymous mapping.
   if (ftruncate(fd, 0) != 0 || ftruncate(fd, static_cast<off_t>(size)) != 0) {
-    fail(error, "cannot size shared memory /dev/shm" + path + " to " + format_size(size));
+    Error e = fail("cannot size shared memory /dev/shm" + path + " to " + format_size(size));
     close(fd);
     shm_unlink(path.c_str());
-    return nullptr;
+    return e;
   }
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
-    fail(error, "cannot map " + format_size(size) + " of shared memory /dev/shm" + path);
+    Error e = fail("cannot map " + format_size(size) + " of shared memory /dev/shm" + path);
     close(fd);
     shm_unlink(path.c_str());
-    return nullptr;
+    return e;
   }
   return std::unique_ptr<Mapping>(new Mapping(p, size, fd, path));
 }
 
-std::unique_ptr<Mapping> Mapping::open_shared(const std::string& name, std::string* error) {
+Result<std::unique_ptr<Mapping>> Mapping::open_shared(const std::string& name) {
   const std::string path = shm_name(name);
   int fd = shm_open(path.c_str(), O_RDWR | O_CLOEXEC, 0);
-  if (fd < 0) {
-    fail(error, "cannot open device shared memory /dev/shm" + path);
-    return nullptr;
-  }
+  if (fd < 0) return fail("cannot open device shared memory /dev/shm" + path);
   struct stat st {};
   if (fstat(fd, &st) != 0 || st.st_size <= 0) {
-    if (error) *error = "device shared memory /dev/shm" + path + " is empty";
     close(fd);
-    return nullptr;
+    return Error::transport("device shared memory /dev/shm" + path + " is empty");
   }
   void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (p == MAP_FAILED) {
-    fail(error, "cannot map device shared memory /dev/shm" + path);
+    Error e = fail("cannot map device shared memory /dev/shm" + path);
     close(fd);
-    return nullptr;
+    return e;
   }
   return std::unique_ptr<Mapping>(new Mapping(p, static_cast<size_t>(st.st_size), fd, {}));
 }

@@ -9,19 +9,23 @@
 #include <span>
 #include <string>
 
+#include "netdam/error.h"
+
 namespace netdam {
 
+// The factories return the mapping, or an Error: kInvalidArgument for a
+// zero size, kTransport for a failed system call (with strerror's text) or
+// an empty shared object.
 class Mapping {
  public:
   // Anonymous private memory, zero-filled.
-  static std::unique_ptr<Mapping> anonymous(uint64_t size, std::string* error);
+  static Result<std::unique_ptr<Mapping>> anonymous(uint64_t size);
   // Creates (or takes over a stale) /dev/shm/NAME of `size` bytes, zero-filled,
   // and holds an exclusive lock on it while alive so two devices never share
   // one; the object is removed when the Mapping is destroyed.
-  static std::unique_ptr<Mapping> create_shared(const std::string& name, uint64_t size,
-                                                std::string* error);
+  static Result<std::unique_ptr<Mapping>> create_shared(const std::string& name, uint64_t size);
   // Maps an existing /dev/shm/NAME that a device created (host side).
-  static std::unique_ptr<Mapping> open_shared(const std::string& name, std::string* error);
+  static Result<std::unique_ptr<Mapping>> open_shared(const std::string& name);
 
   ~Mapping();
   Mapping(const Mapping&) = delete;

@@ -18,16 +18,11 @@ extern char** environ;
 
 namespace netdam::common {
 
-pid_t spawn(const std::vector<std::string>& argv, const SpawnOptions& o, std::string* error) {
-  if (argv.empty()) {
-    if (error) *error = "spawn: no program";
-    return -1;
-  }
+Result<pid_t> spawn(const std::vector<std::string>& argv, const SpawnOptions& o) {
+  if (argv.empty()) return Error::invalid("spawn: no program");
   // Said here, not as an exit code 127 from the child.
-  if (access(argv[0].c_str(), X_OK) != 0) {
-    if (error) *error = "cannot run " + argv[0] + ": " + std::strerror(errno);
-    return -1;
-  }
+  if (access(argv[0].c_str(), X_OK) != 0)
+    return Error::transport("cannot run " + argv[0] + ": " + std::strerror(errno));
   // Everything the child needs is built here: between fork and exec only
   // async-signal-safe calls are allowed (the parent may have threads).
   std::vector<char*> args;
@@ -45,10 +40,7 @@ pid_t spawn(const std::vector<std::string>& argv, const SpawnOptions& o, std::st
 
   const pid_t parent = getpid();
   const pid_t pid = fork();
-  if (pid < 0) {
-    if (error) *error = std::string("fork: ") + std::strerror(errno);
-    return -1;
-  }
+  if (pid < 0) return Error::transport(std::string("fork: ") + std::strerror(errno));
   if (pid == 0) {
     if (o.die_with_parent) {
       prctl(PR_SET_PDEATHSIG, SIGTERM);

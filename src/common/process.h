@@ -10,6 +10,8 @@
 #include <string_view>
 #include <vector>
 
+#include "netdam/error.h"
+
 namespace netdam::common {
 
 // Fields are set one by one (GCC's -Wextra warns about designated
@@ -38,8 +40,9 @@ struct SpawnOptions {
 // Starts argv[0] (a path) with `argv`: default signal dispositions, an empty
 // signal mask, redirections as `o` says. Safe in a process with threads
 // (fork + exec, nothing but async-signal-safe calls in between). Returns
-// the pid, or -1 with `error` set.
-pid_t spawn(const std::vector<std::string>& argv, const SpawnOptions& o, std::string* error);
+// the pid, or an Error: kInvalidArgument for an empty argv, kTransport when
+// argv[0] cannot be run or fork fails.
+Result<pid_t> spawn(const std::vector<std::string>& argv, const SpawnOptions& o);
 
 // Waits up to `wait` for the child `pid` to write "HOST:PORT\n" to
 // `port_file`: true with `address` set. False if it exits first (`pid`

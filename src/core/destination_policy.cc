@@ -18,22 +18,18 @@ std::string Cidr::to_string() const {
          std::to_string((net >> 8) & 255) + "." + std::to_string(net & 255) + "/" + std::to_string(bits);
 }
 
-std::optional<Cidr> parse_cidr(const std::string& text, std::string* error) {
+Result<Cidr> parse_cidr(const std::string& text) {
   const auto slash = text.find('/');
   const std::string ip = text.substr(0, slash);
   in_addr a{};
-  if (inet_pton(AF_INET, ip.c_str(), &a) != 1) {
-    if (error) *error = "'" + text + "' is not an IPv4 address or A.B.C.D/N subnet";
-    return std::nullopt;
-  }
+  if (inet_pton(AF_INET, ip.c_str(), &a) != 1)
+    return Error::invalid("'" + text + "' is not an IPv4 address or A.B.C.D/N subnet");
   unsigned bits = 32;
   if (slash != std::string::npos) {
     const std::string b = text.substr(slash + 1);
     auto [p, ec] = std::from_chars(b.data(), b.data() + b.size(), bits);
-    if (ec != std::errc() || p != b.data() + b.size() || bits > 32) {
-      if (error) *error = "'" + text + "': the prefix length must be 0..32";
-      return std::nullopt;
-    }
+    if (ec != std::errc() || p != b.data() + b.size() || bits > 32)
+      return Error::invalid("'" + text + "': the prefix length must be 0..32");
   }
   const auto n = static_cast<uint8_t>(bits);
   return Cidr{ntohl(a.s_addr) & mask(n), n};

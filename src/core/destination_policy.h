@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "netdam/error.h"
+
 namespace netdam::core {
 
 struct Cidr {
@@ -22,8 +24,8 @@ struct Cidr {
   bool contains(uint32_t ip) const;
   std::string to_string() const;
 };
-// "A.B.C.D/N" or "A.B.C.D" (a /32).
-std::optional<Cidr> parse_cidr(const std::string& text, std::string* error);
+// "A.B.C.D/N" or "A.B.C.D" (a /32); a kInvalidArgument Error if not.
+Result<Cidr> parse_cidr(const std::string& text);
 
 struct DestinationPolicy {
   std::vector<Cidr> allow;

@@ -47,7 +47,7 @@ std::optional<uint32_t> parse_perms(const std::string& text) {
   return std::nullopt;
 }
 
-std::optional<core::Region> parse_region(const std::string& text, std::string* error) {
+Result<core::Region> parse_region(const std::string& text) {
   std::vector<std::string> parts;
   size_t start = 0;
   for (size_t i = 0; i <= text.size(); ++i) {
@@ -56,9 +56,8 @@ std::optional<core::Region> parse_region(const std::string& text, std::string* e
       start = i + 1;
     }
   }
-  auto bad = [&](std::string why) -> std::optional<core::Region> {
-    if (error) *error = fmt::format("bad region '{}': {} (want BASE:SIZE:KEY[:PERMS])", text, why);
-    return std::nullopt;
+  auto bad = [&](std::string_view why) {
+    return Error::invalid(fmt::format("bad region '{}': {} (want BASE:SIZE:KEY[:PERMS])", text, why));
   };
   if (parts.size() < 3 || parts.size() > 4) return bad("wrong number of fields");
   auto base = parse_size(parts[0]);
@@ -87,15 +86,15 @@ std::optional<uint64_t> size_value(const toml::node& n) {
 
 }  // namespace
 
-std::optional<std::string> load_config_file(const std::string& path, DaemonConfig& cfg) {
+Error load_config_file(const std::string& path, DaemonConfig& cfg) {
   toml::table t;
   try {
     t = toml::parse_file(path);
   } catch (const toml::parse_error& e) {
-    return fmt::format("{}: {} (line {})", path, e.description(), e.source().begin.line);
+    return Error::invalid(fmt::format("{}: {} (line {})", path, e.description(), e.source().begin.line));
   }
   auto err = [&](std::string_view key, std::string_view why) {
-    return fmt::format("{}: '{}' {}", path, key, why);
+    return Error::invalid(fmt::format("{}: '{}' {}", path, key, why));
   };
   static const std::vector<std::string_view> kKnown = {
       "listen", "memory", "threads", "max_payload", "shm", "prefault", "admin_key", "replay_window",
@@ -107,9 +106,8 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
       return err(k.str(), "is not a known setting");
 
   if (auto v = t["listen"].value<std::string>()) {
-    std::string why;
-    auto e = transport::parse_endpoint(*v, &why);
-    if (!e) return err("listen", why);
+    auto e = transport::parse_endpoint(*v);
+    if (!e) return err("listen", e.error().message());
     cfg.listen = *e;
   }
   if (auto n = t.get("memory")) {
@@ -131,8 +129,7 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
   if (auto v = t["port_file"].value<std::string>()) cfg.port_file = *v;
   if (auto v = t["log_level"].value<std::string>()) cfg.log_level = *v;
   if (auto v = t["metrics"].value<std::string>()) {
-    std::string why;
-    if (!transport::parse_endpoint(*v, &why)) return err("metrics", why);
+    if (auto e = transport::parse_endpoint(*v); !e) return err("metrics", e.error().message());
     cfg.metrics = *v;
   }
   if (auto v = t["admin_key"].value<int64_t>()) {
@@ -162,9 +159,9 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
     if (!arr) return err("allow", "must be an array of \"A.B.C.D/N\" strings");
     for (auto& el : *arr) {
       auto v = el.value<std::string>();
-      std::string why;
-      auto c = v ? core::parse_cidr(*v, &why) : std::nullopt;
-      if (!c) return err("allow", v ? why : "entries must be strings");
+      if (!v) return err("allow", "entries must be strings");
+      auto c = core::parse_cidr(*v);
+      if (!c) return err("allow", c.error().message());
       cfg.allow.push_back(*c);
     }
   }
@@ -214,7 +211,7 @@ std::optional<std::string> load_config_file(const std::string& path, DaemonConfi
       cfg.regions.push_back(reg);
     }
   }
-  return std::nullopt;
+  return Error::ok();
 }
 
 size_t payload_for_mtu(size_t mtu) {
@@ -226,23 +223,23 @@ size_t payload_for_mtu(size_t mtu) {
   return p;
 }
 
-std::optional<std::string> validate(const DaemonConfig& cfg) {
-  if (cfg.memory == 0) return "memory must be at least 1 byte";
-  if (cfg.threads < 1 || cfg.threads > 64) return "threads must be 1..64";
+Error validate(const DaemonConfig& cfg) {
+  if (cfg.memory == 0) return Error::invalid("memory must be at least 1 byte");
+  if (cfg.threads < 1 || cfg.threads > 64) return Error::invalid("threads must be 1..64");
   if (cfg.max_payload && (*cfg.max_payload < core::kMinPayload || *cfg.max_payload > kMaxPayloadLimit))
-    return fmt::format("max_payload must be {}..{} bytes", core::kMinPayload, kMaxPayloadLimit);
+    return Error::invalid(fmt::format("max_payload must be {}..{} bytes", core::kMinPayload, kMaxPayloadLimit));
   // Every shard of the replay window (16) must hold one full ring.
   const uint64_t ring = cfg.replay_window * core::ReplayWindow::entry_size();
   if (cfg.replay_bytes / 16 < ring)
-    return fmt::format("replay_bytes ({}) must be at least 16 full windows ({} bytes): raise it or "
-                       "lower replay_window",
-                       cfg.replay_bytes, 16 * ring);
+    return Error::invalid(fmt::format(
+        "replay_bytes ({}) must be at least 16 full windows ({} bytes): raise it or lower replay_window",
+        cfg.replay_bytes, 16 * ring));
   for (const auto& r : cfg.regions) {
     if (r.size == 0 || r.base > cfg.memory || r.size > cfg.memory - r.base)
-      return fmt::format("region key {:#x} [{:#x}, +{}) lies outside the {} bytes of memory", r.key,
-                         r.base, r.size, cfg.memory);
+      return Error::invalid(fmt::format("region key {:#x} [{:#x}, +{}) lies outside the {} bytes of memory",
+                                        r.key, r.base, r.size, cfg.memory));
   }
-  return std::nullopt;
+  return Error::ok();
 }
 
 }  // namespace netdam::device

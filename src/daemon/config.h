@@ -9,6 +9,7 @@
 
 #include "core/destination_policy.h"
 #include "core/regions.h"
+#include "netdam/error.h"
 #include "netdam/types.h"
 #include "transport/transport.h"
 
@@ -53,12 +54,14 @@ struct DaemonConfig {
   std::string log_level = "info";
 };
 
-// Reads a TOML file into `cfg`, overriding what it sets. Returns an error
-// message naming the file and key, or nullopt.
-std::optional<std::string> load_config_file(const std::string& path, DaemonConfig& cfg);
+// Reads a TOML file into `cfg`, overriding what it sets. Returns a
+// kInvalidArgument Error whose message names the file and key, or
+// Error::ok().
+Error load_config_file(const std::string& path, DaemonConfig& cfg);
 
-// "BASE:SIZE:KEY[:PERMS]" with sizes as in parse_size and PERMS r, w or rw.
-std::optional<core::Region> parse_region(const std::string& text, std::string* error);
+// "BASE:SIZE:KEY[:PERMS]" with sizes as in parse_size and PERMS r, w or rw;
+// a kInvalidArgument Error saying what is wrong if not.
+Result<core::Region> parse_region(const std::string& text);
 // 32 hex digits -> a 128-bit secret (not all zero).
 std::optional<std::array<uint64_t, 2>> parse_secret(const std::string& text);
 // "r", "w", "rw" -> permission bits.
@@ -68,7 +71,8 @@ std::optional<uint32_t> parse_perms(const std::string& text);
 std::optional<uint32_t> parse_key(const std::string& text);
 std::optional<uint64_t> parse_key64(const std::string& text);
 
-// Checks ranges and consistency; returns an error message or nullopt.
-std::optional<std::string> validate(const DaemonConfig& cfg);
+// Checks ranges and consistency; returns a kInvalidArgument Error saying
+// what is wrong, or Error::ok().
+Error validate(const DaemonConfig& cfg);
 
 }  // namespace netdam::device

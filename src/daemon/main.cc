@@ -108,11 +108,10 @@ int main(int argc, char** argv) {
 
   device::DaemonConfig cfg;
   if (!config_file.empty())
-    if (auto e = device::load_config_file(config_file, cfg)) return fail(*e);
+    if (Error e = device::load_config_file(config_file, cfg)) return fail(e.message());
   if (!listen.empty()) {
-    std::string why;
-    auto ep = transport::parse_endpoint(listen, &why);
-    if (!ep) return fail("--listen: " + why);
+    auto ep = transport::parse_endpoint(listen);
+    if (!ep) return fail("--listen: " + ep.error().message());
     cfg.listen = *ep;
   }
   if (!memory.empty()) {
@@ -138,9 +137,8 @@ int main(int argc, char** argv) {
     cfg.admin_key = *k;
   }
   for (const auto& a : allow) {
-    std::string why;
-    auto c = core::parse_cidr(a, &why);
-    if (!c) return fail("--allow: " + why);
+    auto c = core::parse_cidr(a);
+    if (!c) return fail("--allow: " + c.error().message());
     cfg.allow.push_back(*c);
   }
   if (allow_any) cfg.allow_any = true;
@@ -153,12 +151,11 @@ int main(int argc, char** argv) {
   }
   if (!regions.empty()) cfg.regions.clear();
   for (const auto& r : regions) {
-    std::string why;
-    auto reg = device::parse_region(r, &why);
-    if (!reg) return fail("--region: " + why);
+    auto reg = device::parse_region(r);
+    if (!reg) return fail("--region: " + reg.error().message());
     cfg.regions.push_back(*reg);
   }
-  if (auto e = device::validate(cfg)) return fail(*e);
+  if (Error e = device::validate(cfg)) return fail(e.message());
   auto level = spdlog::level::from_str(cfg.log_level);
   if (level == spdlog::level::off && cfg.log_level != "off")
     return fail("--log-level: unknown level '" + cfg.log_level + "'");
@@ -171,10 +168,9 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  std::string why;
-  auto mem = cfg.shm.empty() ? Mapping::anonymous(cfg.memory, &why)
-                             : Mapping::create_shared(cfg.shm, cfg.memory, &why);
-  if (!mem) return fail(why);
+  auto mapped = cfg.shm.empty() ? Mapping::anonymous(cfg.memory) : Mapping::create_shared(cfg.shm, cfg.memory);
+  if (!mapped) return fail(mapped.error().message());
+  std::unique_ptr<Mapping> mem = std::move(*mapped);
   if (cfg.prefault) {
     // Memory starts zeroed, so writing zeros changes nothing but makes the
     // pages resident and their mappings writable.
@@ -194,14 +190,14 @@ int main(int argc, char** argv) {
   std::string payload_origin = "configured";
   if (cfg.max_payload) {
     dc.max_payload = *cfg.max_payload;
-  } else if (auto mtu = transport::interface_mtu(cfg.listen.ip, &why)) {
+  } else if (auto mtu = transport::interface_mtu(cfg.listen.ip)) {
     dc.max_payload = device::payload_for_mtu(*mtu);
     payload_origin = fmt::format("from MTU {}", *mtu);
   } else {
     dc.max_payload = kDefaultMaxPayload;
     payload_origin = "default";
     spdlog::warn("cannot learn the MTU of {} ({}): max payload {} B; set --max-payload to fit the path",
-                 cfg.listen.to_string(), why, dc.max_payload);
+                 cfg.listen.to_string(), mtu.error().message(), dc.max_payload);
   }
   dc.replay_window = cfg.replay_window;
   dc.replay_requesters = cfg.replay_requesters;
@@ -243,21 +239,21 @@ int main(int argc, char** argv) {
   opt.bind = cfg.listen;
   opt.reuse_port = cfg.threads > 1;
   for (unsigned i = 0; i < cfg.threads; ++i) {
-    auto s = transport::UdpTransport::open(opt, &why);
-    if (!s) return fail(why);
-    opt.bind = s->local();  // later sockets join the port the first one got
-    sockets.push_back(std::move(s));
+    auto s = transport::UdpTransport::open(opt);
+    if (!s) return fail(s.error().message());
+    opt.bind = (*s)->local();  // later sockets join the port the first one got
+    sockets.push_back(std::move(*s));
   }
   const auto bound = sockets.front()->local();
   // --multicast: one more socket and serving thread, for datagrams sent to
   // the group (docs/COLLECTIVES.md, section 9).
   if (!multicast.empty()) {
-    auto group = transport::parse_endpoint(multicast, &why);
-    if (!group) return fail("--multicast: " + why);
-    auto s = transport::UdpTransport::open_multicast(*group, cfg.listen.ip, &why);
-    if (!s) return fail("--multicast: " + why);
+    auto group = transport::parse_endpoint(multicast);
+    if (!group) return fail("--multicast: " + group.error().message());
+    auto s = transport::UdpTransport::open_multicast(*group, cfg.listen.ip);
+    if (!s) return fail("--multicast: " + s.error().message());
     spdlog::info("member of multicast group {}", group->to_string());
-    sockets.push_back(std::move(s));
+    sockets.push_back(std::move(*s));
   }
 
   // Each socket, wrapped in a FaultyTransport if faults are injected (the
@@ -294,9 +290,10 @@ int main(int argc, char** argv) {
   std::unique_ptr<metrics::Server> metrics_server;
   if (!cfg.metrics.empty()) {
     for (auto& s : shards) s = &latencies.new_shard();
-    metrics_server = metrics::Server::start(
-        cfg.metrics, {.stats = [&dev] { return dev.stats(); }, .extra = {}, .latency = &latencies}, &why);
-    if (!metrics_server) return fail("--metrics: " + why);
+    auto started = metrics::Server::start(
+        cfg.metrics, {.stats = [&dev] { return dev.stats(); }, .extra = {}, .latency = &latencies});
+    if (!started) return fail("--metrics: " + started.error().message());
+    metrics_server = std::move(*started);
     spdlog::info("serving metrics on http://{}/metrics", metrics_server->endpoint());
   }
 

@@ -66,11 +66,8 @@ std::optional<size_t> header_size(std::span<const std::byte> fixed) {
   return n;
 }
 
-std::optional<Header> decode(std::span<const std::byte> b, std::string* why) {
-  auto bad = [&](const char* w) -> std::optional<Header> {
-    if (why) *why = w;
-    return std::nullopt;
-  };
+Result<Header> decode(std::span<const std::byte> b) {
+  auto bad = [](const char* w) { return Error::protocol(w); };
   if (b.size() < kFixedHeader || std::memcmp(b.data(), kMagic, 8) != 0)
     return bad("no dataset header (not a dataset, or its load did not finish)");
   const std::byte* p = b.data();

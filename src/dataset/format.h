@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "netdam/error.h"
+
 namespace netdam::dataset {
 
 inline constexpr char kMagic[8] = {'N', 'E', 'T', 'D', 'A', 'M', 'D', 'S'};
@@ -64,7 +66,8 @@ std::vector<std::byte> encode(const Header& h);
 std::optional<size_t> header_size(std::span<const std::byte> fixed);
 
 // Decodes and checks a whole header: magic, version, CRC, that the file
-// table adds up and the offsets fit. nullopt + `why` if not.
-std::optional<Header> decode(std::span<const std::byte> bytes, std::string* why);
+// table adds up and the offsets fit. A kProtocol Error saying which check
+// failed if not.
+Result<Header> decode(std::span<const std::byte> bytes);
 
 }  // namespace netdam::dataset

@@ -151,9 +151,8 @@ Result<DatasetInfo> dataset_info(Pool& pool, std::string_view name) {
     head.resize(*size);
     if (Error e = pool.get(a->base, head, a->key)) return e;
   }
-  std::string why;
-  auto h = dataset::decode(head, &why);
-  if (!h) return Error::protocol(fmt::format("'{}': {}", name, why));
+  auto h = dataset::decode(head);
+  if (!h) return Error::protocol(fmt::format("'{}': {}", name, h.error().message()));
   if (h->total_size() > a->size) return Error::protocol(fmt::format("'{}': dataset larger than its allocation", name));
   return to_info(name, *h, *a);
 }

@@ -53,15 +53,14 @@ Result<std::unique_ptr<PoolIo>> PoolIo::open(Pool& pool, const PoolAllocation& a
       continue;
     }
     d->live = true;
-    std::string why;
     transport::UdpOptions u;
     u.bind = transport::Endpoint{0, 0};
-    auto t = transport::UdpTransport::open(u, &why);
-    if (!t) return Error::transport(why);
-    d->fd = t->fd();
+    auto t = transport::UdpTransport::open(u);
+    if (!t) return t.error();  // kTransport
+    d->fd = (*t)->fd();
     ClientOptions co = client;
     co.rkey = s.rkey;  // the device's region key for this allocation
-    auto c = Client::connect(std::move(t), ep, co);
+    auto c = Client::connect(std::move(*t), ep, co);
     if (!c) {
       d->broken = c.error();
     } else {

@@ -90,21 +90,16 @@ struct Server::Impl {
 
 bool Server::available() { return true; }
 
-std::unique_ptr<Server> Server::start(const std::string& host_port, Sources sources, std::string* error) {
-  std::string why;
-  const auto ep = transport::parse_endpoint(host_port, &why);
-  if (!ep) {
-    *error = why;
-    return nullptr;
-  }
+Result<std::unique_ptr<Server>> Server::start(const std::string& host_port, Sources sources) {
+  const auto ep = transport::parse_endpoint(host_port);
+  if (!ep) return ep.error();
   auto impl = std::make_unique<Impl>();
   impl->collector = std::make_shared<Collector>(std::move(sources));
   try {
     // One worker thread: scrapes come seconds apart.
     impl->exposer = std::make_unique<prometheus::Exposer>(ep->to_string(), 1);
   } catch (const std::exception& e) {
-    *error = fmt::format("cannot serve metrics on {}: {}", ep->to_string(), e.what());
-    return nullptr;
+    return Error::transport(fmt::format("cannot serve metrics on {}: {}", ep->to_string(), e.what()));
   }
   impl->exposer->RegisterCollectable(impl->collector);
   const auto ports = impl->exposer->GetListeningPorts();

@@ -15,6 +15,7 @@
 #include "core/stats.h"
 #include "metrics/latency.h"
 #include "metrics/samples.h"
+#include "netdam/error.h"
 
 namespace netdam::metrics {
 
@@ -31,8 +32,10 @@ struct Sources {
 class Server {
  public:
   // Serves on `host_port` (IPv4 "A.B.C.D:PORT"; port 0 = any free port)
-  // until destroyed. nullptr + error on failure.
-  static std::unique_ptr<Server> start(const std::string& host_port, Sources sources, std::string* error);
+  // until destroyed. On failure an Error: kInvalidArgument for a bad
+  // `host_port` (or a build without metrics), kTransport if the HTTP
+  // server cannot listen.
+  static Result<std::unique_ptr<Server>> start(const std::string& host_port, Sources sources);
   // Whether this build has the endpoint at all.
   static bool available();
   // Stops the HTTP threads; civetweb's listener notices within its 2 s poll

@@ -8,10 +8,10 @@ struct Server::Impl {};
 
 bool Server::available() { return false; }
 
-std::unique_ptr<Server> Server::start(const std::string&, Sources, std::string* error) {
-  *error = "metrics are not built into this binary (configure with -DNETDAM_METRICS=ON and prometheus-cpp "
-           "installed: apt-get install prometheus-cpp-dev)";
-  return nullptr;
+Result<std::unique_ptr<Server>> Server::start(const std::string&, Sources) {
+  return Error::invalid(
+      "metrics are not built into this binary (configure with -DNETDAM_METRICS=ON and prometheus-cpp "
+      "installed: apt-get install prometheus-cpp-dev)");
 }
 
 Server::Server(std::unique_ptr<Impl> impl, std::string endpoint)

@@ -20,36 +20,27 @@ uint32_t random_nonzero() {
 }
 }  // namespace
 
-bool Catalog::load(std::string* error) {
+Error Catalog::load() {
   if (!store_) {
     pool_id_ = random_nonzero();
-    return true;
+    return Error::ok();
   }
-  auto st = store_->load(error);
-  if (!st) return false;
+  auto st = store_->load();
+  if (!st) return st.error();
   next_id_ = st->meta.count("next_id") ? st->meta["next_id"] : 1;
   if (st->meta.count("pool_id")) {
     pool_id_ = st->meta["pool_id"];
   } else {
     pool_id_ = random_nonzero();
-    if (!store_->set_meta("pool_id", pool_id_)) {
-      *error = "state file: " + store_->error();
-      return false;
-    }
+    if (!store_->set_meta("pool_id", pool_id_)) return Error::transport("state file: " + store_->error());
   }
   for (const auto& d : st->devices) {
-    if (d.id != devices_.size()) {
-      *error = fmt::format("state file: device ids are not 0..n-1 (found {})", d.id);
-      return false;
-    }
+    if (d.id != devices_.size())
+      return Error::protocol(fmt::format("state file: device ids are not 0..n-1 (found {})", d.id));
     PoolDevice pd;
     pd.row = d;
-    std::string why;
-    auto ep = transport::parse_endpoint(d.address, &why);
-    if (!ep) {
-      *error = "state file: device " + d.address + ": " + why;
-      return false;
-    }
+    auto ep = transport::parse_endpoint(d.address);
+    if (!ep) return Error::protocol("state file: device " + d.address + ": " + ep.error().message());
     pd.endpoint = *ep;
     pd.space = pool::ExtentAllocator(d.capacity);
     devices_.push_back(std::move(pd));
@@ -63,42 +54,33 @@ bool Catalog::load(std::string* error) {
     by_name_[a.name] = a.id;
   }
   for (const auto& e : st->extents) {
-    if (e.device_id >= devices_.size() || !devices_[e.device_id].space.reserve(e.base, e.length)) {
-      *error = fmt::format("state file: extent of allocation {} slot {} does not fit device {}", e.alloc_id,
-                           e.slot, e.device_id);
-      return false;
-    }
+    if (e.device_id >= devices_.size() || !devices_[e.device_id].space.reserve(e.base, e.length))
+      return Error::protocol(fmt::format("state file: extent of allocation {} slot {} does not fit device {}",
+                                         e.alloc_id, e.slot, e.device_id));
     if (e.state == ExtentState::kReleasing) {
       releasing_.push_back(e);
       continue;
     }
     auto it = allocs_.find(e.alloc_id);
-    if (it == allocs_.end() || e.slot >= it->second.slots.size()) {
-      *error = fmt::format("state file: extent of unknown allocation {} slot {}", e.alloc_id, e.slot);
-      return false;
-    }
+    if (it == allocs_.end() || e.slot >= it->second.slots.size())
+      return Error::protocol(fmt::format("state file: extent of unknown allocation {} slot {}", e.alloc_id, e.slot));
     it->second.slots[e.slot] = e;
   }
-  return true;
+  return Error::ok();
 }
 
-std::optional<uint32_t> Catalog::add_device(const std::string& address, std::string* error) {
-  auto ep = transport::parse_endpoint(address, error);
-  if (!ep) return std::nullopt;
+Result<uint32_t> Catalog::add_device(const std::string& address) {
+  auto ep = transport::parse_endpoint(address);
+  if (!ep) return ep.error();
   for (const auto& d : devices_)
     if (d.endpoint == *ep) return d.row.id;
-  if (devices_.size() >= pool::kMaxPoolDevices) {
-    *error = fmt::format("a pool has at most {} devices", pool::kMaxPoolDevices);
-    return std::nullopt;
-  }
+  if (devices_.size() >= pool::kMaxPoolDevices)
+    return Error::invalid(fmt::format("a pool has at most {} devices", pool::kMaxPoolDevices));
   PoolDevice pd;
   pd.row.id = static_cast<uint32_t>(devices_.size());
   pd.row.address = ep->to_string();
   pd.endpoint = *ep;
-  if (store_ && !store_->put_device(pd.row)) {
-    *error = "state file: " + store_->error();
-    return std::nullopt;
-  }
+  if (store_ && !store_->put_device(pd.row)) return Error::transport("state file: " + store_->error());
   devices_.push_back(std::move(pd));
   return devices_.back().row.id;
 }
@@ -113,13 +95,9 @@ Allocation* Catalog::find(const std::string& name) {
   return it == by_name_.end() ? nullptr : find(it->second);
 }
 
-std::optional<Catalog::Plan> Catalog::plan(const pool::AllocRequest& req, uint64_t key, uint32_t device_key,
-                                           Status* status, std::string* why) {
-  auto refuse = [&](Status s, std::string msg) -> std::optional<Plan> {
-    *status = s;
-    *why = std::move(msg);
-    return std::nullopt;
-  };
+Result<Catalog::Plan> Catalog::plan(const pool::AllocRequest& req, uint64_t key, uint32_t device_key) {
+  // The status answers the POOL_ALLOC; the message goes to the log.
+  auto refuse = [](Status s, std::string msg) { return Error::nak(s, std::move(msg)); };
   if (by_name_.count(req.name)) return refuse(Status::kAlreadyExists, "allocation '" + req.name + "' exists");
   if (next_id_ > pool::kMaxAllocationId) return refuse(Status::kNoSpace, "allocation ids are exhausted");
   std::vector<uint32_t> live;
@@ -140,7 +118,7 @@ std::optional<Catalog::Plan> Catalog::plan(const pool::AllocRequest& req, uint64
   pool::Layout layout{req.size, req.stripe ? req.stripe : pool::kDefaultStripe, slots, copies};
   if (req.size == 0 || req.size > pool::kMaxAllocationSize)
     return refuse(Status::kBadLength, "size must be 1 B .. 1 TiB");
-  if (auto bad = pool::validate(layout)) return refuse(Status::kBadPayload, *bad);
+  if (Error bad = pool::validate(layout)) return refuse(Status::kBadPayload, bad.message());
   const uint64_t need = layout.extent_bytes();
 
   // Which devices: from first_device on (in index order), or the live ones
@@ -189,27 +167,23 @@ void Catalog::abort(const Plan& p) {
   for (const auto& e : p.alloc.slots) devices_[e.device_id].space.release(e.base, e.length);
 }
 
-bool Catalog::commit(Plan& p, std::string* why) {
+Error Catalog::commit(Plan& p) {
   const uint64_t id = next_id_;
   p.alloc.row.id = id;
   for (auto& e : p.alloc.slots) e.alloc_id = id;
-  if (store_ && !store_->insert_allocation(p.alloc.row, p.alloc.slots, id + 1)) {
-    *why = "state file: " + store_->error();
-    return false;
-  }
+  if (store_ && !store_->insert_allocation(p.alloc.row, p.alloc.slots, id + 1))
+    return Error::transport("state file: " + store_->error());
   next_id_ = id + 1;  // never reused, even after free
   by_name_[p.alloc.row.name] = id;
   allocs_[id] = p.alloc;
-  return true;
+  return Error::ok();
 }
 
-bool Catalog::free(uint64_t id, const std::vector<uint32_t>& releasing_slots, std::string* why) {
+Error Catalog::free(uint64_t id, const std::vector<uint32_t>& releasing_slots) {
   auto it = allocs_.find(id);
-  if (it == allocs_.end()) return false;
-  if (store_ && !store_->delete_allocation(id, releasing_slots)) {
-    *why = "state file: " + store_->error();
-    return false;
-  }
+  if (it == allocs_.end()) return Error::invalid(fmt::format("no allocation {}", id));
+  if (store_ && !store_->delete_allocation(id, releasing_slots))
+    return Error::transport("state file: " + store_->error());
   for (auto& e : it->second.slots) {
     if (std::find(releasing_slots.begin(), releasing_slots.end(), e.slot) != releasing_slots.end()) {
       e.state = ExtentState::kReleasing;
@@ -220,7 +194,7 @@ bool Catalog::free(uint64_t id, const std::vector<uint32_t>& releasing_slots, st
   }
   by_name_.erase(it->second.row.name);
   allocs_.erase(it);
-  return true;
+  return Error::ok();
 }
 
 bool Catalog::release(const ExtentRow& e) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mmu/state_store.h"
+#include "netdam/error.h"
 #include "netdam/types.h"
 #include "pool/extent_allocator.h"
 #include "pool/layout.h"
@@ -39,10 +40,13 @@ class Catalog {
   // `store` may be null (no --state: nothing persists).
   explicit Catalog(std::unique_ptr<StateStore> store) : store_(std::move(store)) {}
 
-  // Rebuilds everything from the state file. False + error on inconsistency.
-  bool load(std::string* error);
-  // Adds a device by address unless known; returns its index.
-  std::optional<uint32_t> add_device(const std::string& address, std::string* error);
+  // Rebuilds everything from the state file. An Error if it cannot be read
+  // (kTransport) or is inconsistent (kProtocol); Error::ok() otherwise.
+  Error load();
+  // Adds a device by address unless known; returns its index, or an Error:
+  // kInvalidArgument for a bad address or a full pool, kTransport if the
+  // state file cannot be written.
+  Result<uint32_t> add_device(const std::string& address);
 
   std::vector<PoolDevice>& devices() { return devices_; }
   const std::vector<PoolDevice>& devices() const { return devices_; }
@@ -54,21 +58,22 @@ class Catalog {
   bool persistent() const { return store_ != nullptr; }
 
   // Chooses devices and reserves extents for `req` (all or nothing). On
-  // failure returns the status for the answer and a message.
+  // failure returns Error::nak with the status for the answer and a message.
   struct Plan {
     Allocation alloc;
   };
   // `key` is the allocation's, `device_key` that of its regions on the devices.
-  std::optional<Plan> plan(const pool::AllocRequest& req, uint64_t key, uint32_t device_key, Status* status,
-                           std::string* why);
-  // Persists a planned allocation (assigning its id); false: nothing kept.
-  bool commit(Plan& p, std::string* why);
+  Result<Plan> plan(const pool::AllocRequest& req, uint64_t key, uint32_t device_key);
+  // Persists a planned allocation (assigning its id); a kTransport Error if
+  // the state file cannot be written (nothing kept).
+  Error commit(Plan& p);
   // Gives the extents of a plan back.
   void abort(const Plan& p);
   // Forgets an allocation. Extents on devices in `releasing` (down: their
   // regions could not be deleted) stay reserved, kReleasing, until
-  // release() is called for them.
-  bool free(uint64_t id, const std::vector<uint32_t>& releasing_slots, std::string* why);
+  // release() is called for them. An Error if there is no such allocation
+  // (kInvalidArgument) or the state file cannot be written (kTransport).
+  Error free(uint64_t id, const std::vector<uint32_t>& releasing_slots);
   std::vector<ExtentRow>& releasing() { return releasing_; }
   bool release(const ExtentRow& e);
 

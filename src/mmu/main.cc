@@ -92,9 +92,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   mmu::ProxyOptions o;
-  std::string why;
-  auto ep = transport::parse_endpoint(listen, &why);
-  if (!ep) return fail("--listen: " + why);
+  auto ep = transport::parse_endpoint(listen);
+  if (!ep) return fail("--listen: " + ep.error().message());
   o.listen = *ep;
   o.devices = devices;
   if (device_admin_key.empty()) return fail("--device-admin-key is required (the devices' netdamd --admin-key)");
@@ -131,24 +130,22 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  if (!metrics.empty() && !metrics::Server::available()) {
-    metrics::Server::start(metrics, {}, &why);
-    return fail("--metrics: " + why);
-  }
-  auto proxy = mmu::Proxy::create(o, &why);
-  if (!proxy) return fail(why);
+  if (!metrics.empty() && !metrics::Server::available())
+    return fail("--metrics: " + metrics::Server::start(metrics, {}).error().message());
+  auto created = mmu::Proxy::create(o);
+  if (!created) return fail(created.error().message());
+  std::unique_ptr<mmu::Proxy> proxy = std::move(*created);
   // --metrics: the proxy times its requests into one shard (it is one
   // thread); the endpoint reads it and the proxy's counters when scraped.
   metrics::Latencies latencies;
   std::unique_ptr<metrics::Server> metrics_server;
   if (!metrics.empty()) {
     proxy->serve_metrics(latencies.new_shard());
-    metrics_server = metrics::Server::start(metrics,
-                                            {.stats = [p = proxy.get()] { return p->stats(); },
-                                             .extra = [p = proxy.get()] { return pool_samples(p->view()); },
-                                             .latency = &latencies},
-                                            &why);
-    if (!metrics_server) return fail("--metrics: " + why);
+    auto started = metrics::Server::start(metrics, {.stats = [p = proxy.get()] { return p->stats(); },
+                                                    .extra = [p = proxy.get()] { return pool_samples(p->view()); },
+                                                    .latency = &latencies});
+    if (!started) return fail("--metrics: " + started.error().message());
+    metrics_server = std::move(*started);
     spdlog::info("serving metrics on http://{}/metrics", metrics_server->endpoint());
   }
   const auto bound = proxy->local();

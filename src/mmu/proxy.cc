@@ -98,38 +98,32 @@ struct Proxy::Job {
   std::array<std::byte, 8> word{};
 };
 
-std::unique_ptr<Proxy> Proxy::create(const ProxyOptions& o, std::string* error) {
-  if (o.device_admin_key == 0) {
-    *error = "--device-admin-key is required: the proxy registers each allocation's regions on the devices";
-    return nullptr;
-  }
-  if (o.max_payload < core::kMinPayload || o.max_payload > kMaxPayloadLimit) {
-    *error = fmt::format("--max-payload must be {} .. {}", core::kMinPayload, kMaxPayloadLimit);
-    return nullptr;
-  }
+Result<std::unique_ptr<Proxy>> Proxy::create(const ProxyOptions& o) {
+  if (o.device_admin_key == 0)
+    return Error::invalid(
+        "--device-admin-key is required: the proxy registers each allocation's regions on the devices");
+  if (o.max_payload < core::kMinPayload || o.max_payload > kMaxPayloadLimit)
+    return Error::invalid(fmt::format("--max-payload must be {} .. {}", core::kMinPayload, kMaxPayloadLimit));
   std::unique_ptr<StateStore> store;
   if (!o.state_file.empty()) {
-    store = StateStore::open(o.state_file, error);
-    if (!store) return nullptr;
+    auto opened = StateStore::open(o.state_file);
+    if (!opened) return opened.error();
+    store = std::move(*opened);
   }
   std::unique_ptr<Proxy> p(new Proxy(o, std::move(store)));
-  if (!p->catalog_.load(error)) return nullptr;
+  if (Error e = p->catalog_.load()) return e;
   for (const auto& d : o.devices)
-    if (!p->catalog_.add_device(d, error)) {
-      *error = "--device " + d + ": " + *error;
-      return nullptr;
-    }
-  if (p->catalog_.devices().empty()) {
-    *error = "no devices: give at least one --device HOST:PORT";
-    return nullptr;
-  }
+    if (auto added = p->catalog_.add_device(d); !added) return added.error().prefixed("--device " + d + ": ");
+  if (p->catalog_.devices().empty()) return Error::invalid("no devices: give at least one --device HOST:PORT");
   transport::UdpOptions u;
   u.bind = o.listen;
-  p->listen_ = transport::UdpTransport::open(u, error);
-  if (!p->listen_) return nullptr;
+  auto listen = transport::UdpTransport::open(u);
+  if (!listen) return listen.error();
+  p->listen_ = std::move(*listen);
   u.bind = Endpoint{0, 0};
-  p->health_ = transport::UdpTransport::open(u, error);
-  if (!p->health_) return nullptr;
+  auto health = transport::UdpTransport::open(u);
+  if (!health) return health.error();
+  p->health_ = std::move(*health);
   p->conns_.resize(p->catalog_.devices().size());
   for (auto& c : p->conns_) c = std::make_unique<Conn>();
   p->probe_devices(500ms);
@@ -389,10 +383,11 @@ std::vector<std::byte> Proxy::pool_alloc(std::span<const std::byte> payload, Sta
   for (int attempt = 0; attempt < 4; ++attempt) {
     const uint64_t key = random_allocation_key();
     const uint32_t device_key = random_device_key();
-    std::string why;
-    auto plan = catalog_.plan(*req, key, device_key, s, &why);
+    auto plan = catalog_.plan(*req, key, device_key);
     if (!plan) {
-      spdlog::info("POOL_ALLOC '{}' ({} B, {}) refused: {}", req->name, req->size, pool::to_string(req->policy), why);
+      *s = plan.error().status();
+      spdlog::info("POOL_ALLOC '{}' ({} B, {}) refused: {}", req->name, req->size, pool::to_string(req->policy),
+                   plan.error().message());
       return {};
     }
     // Register the allocation's region on every device it uses; undo all
@@ -409,7 +404,7 @@ std::vector<std::byte> Proxy::pool_alloc(std::span<const std::byte> payload, Sta
       err = c->region_add(opts_.device_admin_key, RegionInfo{e.base, e.length, device_key, 3});
       if (err) break;
     }
-    if (!err && !catalog_.commit(*plan, &why)) err = Error::transport(why);
+    if (!err) err = catalog_.commit(*plan);
     if (!err) {
       const Allocation& a = *catalog_.find(plan->alloc.row.id);
       spdlog::info("POOL_ALLOC '{}': id {}, {} B, {}, stripe {} B over {} device(s), {} cop{}", a.row.name, a.row.id,
@@ -452,9 +447,8 @@ Status Proxy::pool_free(std::span<const std::byte> payload) {
     if (err && !(err.code() == Error::Code::kNak && err.status() == Status::kBadKey)) releasing.push_back(e.slot);
   }
   const uint64_t id = a->row.id;
-  std::string why;
-  if (!catalog_.free(id, releasing, &why)) {
-    spdlog::error("POOL_FREE '{}': {}", *name, why);
+  if (Error e = catalog_.free(id, releasing)) {
+    spdlog::error("POOL_FREE '{}': {}", *name, e.message());
     return Status::kUnavailable;
   }
   spdlog::info("POOL_FREE '{}' (id {}){}", *name, id,
@@ -918,18 +912,17 @@ void Proxy::device_seen(uint32_t id, uint32_t boot, uint64_t capacity) {
                  dev.row.address, boot, lost);
   catalog_.set_device_seen(id, boot, capacity);
   if (c.client) c.retired.push_back({std::move(c.client), c.fd, c.last_answer + 2 * opts_.device_timeout + 100ms});
-  std::string why;
   transport::UdpOptions u;
   u.bind = Endpoint{0, 0};
-  auto t = transport::UdpTransport::open(u, &why);
+  auto t = transport::UdpTransport::open(u);
   if (!t) {
-    spdlog::error("device {}: {}", id, why);
+    spdlog::error("device {}: {}", id, t.error().message());
     return;
   }
-  const int fd = t->fd();
+  const int fd = (*t)->fd();
   ClientOptions co;
   co.timeout = opts_.device_timeout;
-  auto cl = Client::connect(std::move(t), dev.endpoint, co);
+  auto cl = Client::connect(std::move(*t), dev.endpoint, co);
   if (!cl) {
     spdlog::warn("device {} ({}): {}", id, dev.row.address, cl.error().to_string());
     return;

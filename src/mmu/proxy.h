@@ -49,8 +49,8 @@ struct ProxyOptions {
 class Proxy {
  public:
   // Opens the sockets, loads the state file, probes the devices (up to
-  // about 0.5 s). nullptr + error on failure.
-  static std::unique_ptr<Proxy> create(const ProxyOptions& o, std::string* error);
+  // about 0.5 s). An Error saying what failed otherwise.
+  static Result<std::unique_ptr<Proxy>> create(const ProxyOptions& o);
   ~Proxy();
   Proxy(const Proxy&) = delete;
   Proxy& operator=(const Proxy&) = delete;

@@ -54,21 +54,19 @@ class Stmt {
 
 }  // namespace
 
-std::unique_ptr<StateStore> StateStore::open(const std::string& path, std::string* error) {
+Result<std::unique_ptr<StateStore>> StateStore::open(const std::string& path) {
   sqlite3* db = nullptr;
   if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr) != SQLITE_OK) {
-    if (error) *error = "cannot open state file " + path + ": " + (db ? sqlite3_errmsg(db) : "out of memory");
+    Error e = Error::transport("cannot open state file " + path + ": " + (db ? sqlite3_errmsg(db) : "out of memory"));
     sqlite3_close(db);
-    return nullptr;
+    return e;
   }
   std::unique_ptr<StateStore> s(new StateStore(db));
   sqlite3_busy_timeout(db, 2000);
   // WAL: a commit is one sequential append; FULL: it is on disk when the
   // proxy answers, so an acknowledged POOL_ALLOC survives a crash.
-  if (!s->exec("PRAGMA journal_mode=WAL") || !s->exec("PRAGMA synchronous=FULL") || !s->exec(kSchema)) {
-    if (error) *error = "state file " + path + ": " + s->error_;
-    return nullptr;
-  }
+  if (!s->exec("PRAGMA journal_mode=WAL") || !s->exec("PRAGMA synchronous=FULL") || !s->exec(kSchema))
+    return Error::transport("state file " + path + ": " + s->error_);
   return s;
 }
 
@@ -89,7 +87,7 @@ bool StateStore::rollback() {
   return false;
 }
 
-std::optional<StoredState> StateStore::load(std::string* error) {
+Result<StoredState> StateStore::load() {
   StoredState st;
   {
     Stmt q(db_, "SELECT k, v FROM meta");
@@ -140,8 +138,7 @@ std::optional<StoredState> StateStore::load(std::string* error) {
   }
   return st;
 fail:
-  if (error) *error = std::string("reading the state file: ") + sqlite3_errmsg(db_);
-  return std::nullopt;
+  return Error::transport(std::string("reading the state file: ") + sqlite3_errmsg(db_));
 }
 
 bool StateStore::set_meta(const std::string& key, uint64_t value) {

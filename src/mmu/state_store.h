@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "netdam/error.h"
+
 struct sqlite3;
 
 namespace netdam::mmu {
@@ -56,13 +58,15 @@ struct StoredState {
 
 class StateStore {
  public:
-  // Opens (creating if needed) the database at `path`. nullptr + error.
-  static std::unique_ptr<StateStore> open(const std::string& path, std::string* error);
+  // Opens (creating if needed) the database at `path`; a kTransport Error
+  // with SQLite's message on failure.
+  static Result<std::unique_ptr<StateStore>> open(const std::string& path);
   ~StateStore();
   StateStore(const StateStore&) = delete;
   StateStore& operator=(const StateStore&) = delete;
 
-  std::optional<StoredState> load(std::string* error);
+  // Everything in the file; a kTransport Error if it cannot be read.
+  Result<StoredState> load();
 
   // Each call is one transaction; false + error() on failure (nothing changed).
   bool set_meta(const std::string& key, uint64_t value);

@@ -5,15 +5,15 @@
 
 namespace netdam::pool {
 
-std::optional<const char*> validate(const Layout& l) {
-  if (l.size == 0) return "size is 0";
-  if (l.size > kMaxAllocationSize) return "size is above the 1 TiB limit of an allocation";
+Error validate(const Layout& l) {
+  if (l.size == 0) return Error::invalid("size is 0");
+  if (l.size > kMaxAllocationSize) return Error::invalid("size is above the 1 TiB limit of an allocation");
   if (l.stripe < kMinStripe || l.stripe > kMaxStripe || !std::has_single_bit(l.stripe))
-    return "stripe must be a power of two from 64 B to 1 GiB";
-  if (l.slots == 0 || l.slots > 255) return "an allocation spans 1..255 devices";
-  if (l.copies == 0 || l.copies > kMaxCopies) return "copies must be 1 or 2";
-  if (l.copies == 2 && l.slots < 2) return "a replicated allocation needs at least 2 devices";
-  return std::nullopt;
+    return Error::invalid("stripe must be a power of two from 64 B to 1 GiB");
+  if (l.slots == 0 || l.slots > 255) return Error::invalid("an allocation spans 1..255 devices");
+  if (l.copies == 0 || l.copies > kMaxCopies) return Error::invalid("copies must be 1 or 2");
+  if (l.copies == 2 && l.slots < 2) return Error::invalid("a replicated allocation needs at least 2 devices");
+  return Error::ok();
 }
 
 std::vector<Piece> split(const Layout& l, uint64_t off, uint64_t len) {

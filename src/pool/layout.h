@@ -19,6 +19,8 @@
 #include <span>
 #include <vector>
 
+#include "netdam/error.h"
+
 namespace netdam::pool {
 
 // Global addresses: (allocation id << 40) | offset.
@@ -47,8 +49,9 @@ struct Layout {
   uint64_t extent_bytes() const { return uint64_t{copies} * rows() * stripe; }
 };
 
-// nullptr-free validation: a message if the layout is unusable, else nullopt.
-std::optional<const char*> validate(const Layout& l);
+// A kInvalidArgument Error saying why if the layout is unusable, else
+// Error::ok().
+Error validate(const Layout& l);
 
 // One piece of a request: [off, off + len) of the allocation, all in one
 // stripe, i.e. on one slot per copy.

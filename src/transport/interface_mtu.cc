@@ -24,11 +24,8 @@ std::optional<size_t> mtu_of(int fd, const char* name) {
 
 }  // namespace
 
-std::optional<size_t> interface_mtu(uint32_t ip, std::string* why) {
-  auto fail = [&](std::string text) -> std::optional<size_t> {
-    if (why) *why = std::move(text);
-    return std::nullopt;
-  };
+Result<size_t> interface_mtu(uint32_t ip) {
+  auto fail = [](std::string text) { return Error::transport(std::move(text)); };
   ifaddrs* list = nullptr;
   if (getifaddrs(&list) != 0) return fail(std::string("getifaddrs: ") + std::strerror(errno));
   const int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
@@ -58,7 +55,7 @@ std::optional<size_t> interface_mtu(uint32_t ip, std::string* why) {
     inet_ntop(AF_INET, &a, text, sizeof text);
     return fail(std::string("no interface that is up has address ") + text);
   }
-  return best;
+  return *best;
 }
 
 }  // namespace netdam::transport

@@ -14,6 +14,8 @@
 #include <string>
 #include <string_view>
 
+#include "netdam/error.h"
+
 namespace netdam::transport {
 
 // An IPv4 UDP endpoint in host byte order.
@@ -26,8 +28,9 @@ struct Endpoint {
 };
 
 // Parses "HOST:PORT" (HOST an IPv4 literal or a name resolved with
-// getaddrinfo, e.g. "localhost"). nullopt with `error` set on failure.
-std::optional<Endpoint> parse_endpoint(std::string_view text, std::string* error = nullptr);
+// getaddrinfo, e.g. "localhost"). On failure a kInvalidArgument Error
+// saying what is wrong (a name that does not resolve included).
+Result<Endpoint> parse_endpoint(std::string_view text);
 
 // 224.0.0.0/4: an IPv4 multicast group address.
 inline bool is_multicast(uint32_t ip) { return (ip >> 28) == 0xE; }

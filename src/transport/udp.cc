@@ -55,10 +55,7 @@ Endpoint from_sockaddr(const sockaddr_in& sin) {
 
 std::string errno_text(int err) { return std::system_category().message(err); }
 
-std::unique_ptr<UdpTransport> fail(std::string* error, std::string message) {
-  if (error != nullptr) *error = std::move(message);
-  return nullptr;
-}
+Error fail(std::string message) { return Error::transport(std::move(message)); }
 
 // Raising a buffer above net.core.[rw]mem_max needs the *FORCE variant
 // (CAP_NET_ADMIN); without privileges the plain option silently caps the
@@ -86,16 +83,16 @@ constexpr int kIcmpRetries = 4;
 
 }  // namespace
 
-std::unique_ptr<UdpTransport> UdpTransport::open(const UdpOptions& options, std::string* error) {
+Result<std::unique_ptr<UdpTransport>> UdpTransport::open(const UdpOptions& options) {
   const int fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return fail(error, "cannot create UDP socket: " + errno_text(errno));
+  if (fd < 0) return fail("cannot create UDP socket: " + errno_text(errno));
   // Owns fd until the transport takes it over.
   std::unique_ptr<UdpTransport> transport(new UdpTransport(fd, options.bind));
 
   if (options.reuse_port) {
     const int one = 1;
     if (setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one) != 0) {
-      return fail(error, "cannot set SO_REUSEPORT: " + errno_text(errno));
+      return fail("cannot set SO_REUSEPORT: " + errno_text(errno));
     }
   }
   set_buffer(fd, SO_RCVBUFFORCE, SO_RCVBUF, options.rcvbuf);
@@ -109,39 +106,38 @@ std::unique_ptr<UdpTransport> UdpTransport::open(const UdpOptions& options, std:
 
   const sockaddr_in bind_addr = to_sockaddr(options.bind);
   if (bind(fd, reinterpret_cast<const sockaddr*>(&bind_addr), sizeof bind_addr) != 0) {
-    return fail(error, "cannot bind " + options.bind.to_string() + ": " + errno_text(errno));
+    return fail("cannot bind " + options.bind.to_string() + ": " + errno_text(errno));
   }
   sockaddr_in actual{};
   socklen_t len = sizeof actual;
   if (getsockname(fd, reinterpret_cast<sockaddr*>(&actual), &len) != 0) {
-    return fail(error, "getsockname failed: " + errno_text(errno));
+    return fail("getsockname failed: " + errno_text(errno));
   }
   transport->local_ = from_sockaddr(actual);
   return transport;
 }
 
-std::unique_ptr<UdpTransport> UdpTransport::open_multicast(Endpoint group, uint32_t interface_ip,
-                                                          std::string* error) {
+Result<std::unique_ptr<UdpTransport>> UdpTransport::open_multicast(Endpoint group, uint32_t interface_ip) {
   if (!is_multicast(group.ip) || group.port == 0)
-    return fail(error, group.to_string() + " is not a multicast group and port (224.0.0.0/4)");
+    return Error::invalid(group.to_string() + " is not a multicast group and port (224.0.0.0/4)");
   const int fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return fail(error, "cannot create UDP socket: " + errno_text(errno));
+  if (fd < 0) return fail("cannot create UDP socket: " + errno_text(errno));
   std::unique_ptr<UdpTransport> transport(new UdpTransport(fd, group));
   const int one = 1;
   if (setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0)
-    return fail(error, "cannot set SO_REUSEADDR: " + errno_text(errno));
+    return fail("cannot set SO_REUSEADDR: " + errno_text(errno));
   set_buffer(fd, SO_RCVBUFFORCE, SO_RCVBUF, 4 << 20);
   set_buffer(fd, SO_SNDBUFFORCE, SO_SNDBUF, 4 << 20);
   // Bound to the group address, the socket gets only that group's datagrams.
   const sockaddr_in bind_addr = to_sockaddr(group);
   if (bind(fd, reinterpret_cast<const sockaddr*>(&bind_addr), sizeof bind_addr) != 0)
-    return fail(error, "cannot bind " + group.to_string() + ": " + errno_text(errno));
+    return fail("cannot bind " + group.to_string() + ": " + errno_text(errno));
   ip_mreq mreq{};
   mreq.imr_multiaddr.s_addr = htonl(group.ip);
   mreq.imr_interface.s_addr = htonl(interface_ip);
   if (setsockopt(fd, IPPROTO_IP, IP_ADD_MEMBERSHIP, &mreq, sizeof mreq) != 0)
-    return fail(error, "cannot join multicast group " + group.to_string() + " on " +
-                           Endpoint{interface_ip, 0}.to_string() + ": " + errno_text(errno));
+    return fail("cannot join multicast group " + group.to_string() + " on " +
+                Endpoint{interface_ip, 0}.to_string() + ": " + errno_text(errno));
   transport->enable_recverr(true);
   return transport;
 }

@@ -44,18 +44,18 @@ struct UdpOptions {
 
 class UdpTransport final : public Transport {
  public:
-  // Opens a nonblocking socket bound to options.bind. On failure returns
-  // nullptr and, if `error` is given, a message such as
+  // Opens a nonblocking socket bound to options.bind. On failure a
+  // kTransport Error with a message such as
   // "cannot bind 127.0.0.1:7000: Address already in use".
-  static std::unique_ptr<UdpTransport> open(const UdpOptions& options, std::string* error);
+  static Result<std::unique_ptr<UdpTransport>> open(const UdpOptions& options);
   // A socket that receives what is sent to the IPv4 multicast `group`
   // (224.0.0.0/4): bound to group:port with SO_REUSEADDR (several devices
   // on one host may join), membership (IP_ADD_MEMBERSHIP) on the interface
   // that has address `interface_ip` (0: the kernel's choice). It sends like
-  // any other socket. nullptr and `error` on failure (no such interface,
-  // no multicast route, not a multicast address).
-  static std::unique_ptr<UdpTransport> open_multicast(Endpoint group, uint32_t interface_ip,
-                                                      std::string* error);
+  // any other socket. On failure an Error: kInvalidArgument for an address
+  // that is not a multicast group, kTransport for the socket's failures (no
+  // such interface, no multicast route).
+  static Result<std::unique_ptr<UdpTransport>> open_multicast(Endpoint group, uint32_t interface_ip);
 
   ~UdpTransport() override;
   UdpTransport(const UdpTransport&) = delete;

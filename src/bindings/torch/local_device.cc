@@ -45,11 +45,11 @@ Result<std::unique_ptr<LocalDevice>> LocalDevice::start(const LocalDeviceOptions
                                    "--memory", std::to_string(opts.memory), "--shm", d->shm_,
                                    "--admin-key", fmt::format("{:#x}", opts.admin_key), "--prefault",
                                    "--max-payload", opts.max_payload, "--log-level", opts.log_level};
-  std::string why;
   common::SpawnOptions so = common::SpawnOptions::logging_to(log);
   so.die_with_parent = true;  // SIGTERM: netdamd exits cleanly and unlinks its shm
-  pid_t pid = common::spawn(argv, so, &why);
-  if (pid < 0) return Error::transport(why);
+  auto spawned = common::spawn(argv, so);
+  if (!spawned) return Error::transport(spawned.error().message());
+  pid_t pid = *spawned;
   d->pid_ = pid;
   // Prefaulting a few hundred MiB takes a moment on a loaded machine.
   int code = 0;
