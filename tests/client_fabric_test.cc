@@ -340,3 +340,37 @@ TEST(Client, ManyAsyncOpsComplete) {
 
 }  // namespace
 }  // namespace netdam
+
+namespace netdam {
+namespace {
+// Every congestion controller drives the same client: windows that move,
+// and (depth, swift) pacing on the fabric's virtual clock, with loss,
+// duplication and reordering. Exact data, and the window stays in bounds.
+class ClientCongestion : public ::testing::TestWithParam<Congestion> {};
+
+TEST_P(ClientCongestion, ManyAsyncOpsCompleteUnderFaults) {
+  Fabric fabric(FaultModel{0.05, 0.05, 0.05, 0us, 10us, 9});
+  FabricDevice dev(fabric, kDeviceAddr, 7);
+  ClientOptions o;
+  o.congestion = GetParam();
+  auto c = connect(fabric, o);
+  ASSERT_TRUE(c);
+  auto data = random_bytes(400 * 8192, 12);
+  std::vector<Op> ops;
+  for (size_t i = 0; i < 400; ++i)
+    ops.push_back(c->write_async(i * 8192, std::span(data).subspan(i * 8192, 8192)));
+  for (auto& op : ops) ASSERT_FALSE(c->wait(op)) << op.error().to_string();
+  std::vector<std::byte> back(data.size());
+  ASSERT_FALSE(c->read(0, back));
+  EXPECT_EQ(back, data);
+  EXPECT_GE(c->congestion_window(), c->options().max_payload);
+  EXPECT_LE(c->congestion_window(), o.window_bytes);
+  if (GetParam() == Congestion::kFixed) EXPECT_EQ(c->congestion_window(), o.window_bytes);
+}
+
+INSTANTIATE_TEST_SUITE_P(Controllers, ClientCongestion,
+                         ::testing::Values(Congestion::kFixed, Congestion::kDepth, Congestion::kSwift),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+}  // namespace
+}  // namespace netdam

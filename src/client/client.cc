@@ -1005,7 +1005,9 @@ void Client::pump(bool block) {
   if (block) {
     const TimePoint now = transport_->now();
     TimePoint wake = inflight_.empty() ? now + kMinRto : recovery_->next_check;
-    if (!queue_.empty()) wake = std::min(wake, recovery_->cc.send_at(now));
+    // Held back by the pacer (not by the window, which only answers open):
+    // wake when it lets the next request go.
+    if (const TimePoint pace = recovery_->cc.send_at(now); !queue_.empty() && pace > now) wake = std::min(wake, pace);
     timeout = std::clamp<std::chrono::nanoseconds>(wake - now, std::chrono::nanoseconds(0),
                                                    std::chrono::nanoseconds(kMinRto) / 2);
   }

@@ -32,7 +32,7 @@ Error Catalog::load() {
     pool_id_ = st->meta["pool_id"];
   } else {
     pool_id_ = random_nonzero();
-    if (!store_->set_meta("pool_id", pool_id_)) return Error::transport("state file: " + store_->error());
+    if (Error e = store_->set_meta("pool_id", pool_id_)) return Error::transport("state file: " + e.message());
   }
   for (const auto& d : st->devices) {
     if (d.id != devices_.size())
@@ -80,7 +80,8 @@ Result<uint32_t> Catalog::add_device(const std::string& address) {
   pd.row.id = static_cast<uint32_t>(devices_.size());
   pd.row.address = ep->to_string();
   pd.endpoint = *ep;
-  if (store_ && !store_->put_device(pd.row)) return Error::transport("state file: " + store_->error());
+  if (store_)
+    if (Error e = store_->put_device(pd.row)) return Error::transport("state file: " + e.message());
   devices_.push_back(std::move(pd));
   return devices_.back().row.id;
 }
@@ -171,8 +172,9 @@ Error Catalog::commit(Plan& p) {
   const uint64_t id = next_id_;
   p.alloc.row.id = id;
   for (auto& e : p.alloc.slots) e.alloc_id = id;
-  if (store_ && !store_->insert_allocation(p.alloc.row, p.alloc.slots, id + 1))
-    return Error::transport("state file: " + store_->error());
+  if (store_)
+    if (Error e = store_->insert_allocation(p.alloc.row, p.alloc.slots, id + 1))
+      return Error::transport("state file: " + e.message());
   next_id_ = id + 1;  // never reused, even after free
   by_name_[p.alloc.row.name] = id;
   allocs_[id] = p.alloc;
@@ -182,8 +184,8 @@ Error Catalog::commit(Plan& p) {
 Error Catalog::free(uint64_t id, const std::vector<uint32_t>& releasing_slots) {
   auto it = allocs_.find(id);
   if (it == allocs_.end()) return Error::invalid(fmt::format("no allocation {}", id));
-  if (store_ && !store_->delete_allocation(id, releasing_slots))
-    return Error::transport("state file: " + store_->error());
+  if (store_)
+    if (Error e = store_->delete_allocation(id, releasing_slots)) return Error::transport("state file: " + e.message());
   for (auto& e : it->second.slots) {
     if (std::find(releasing_slots.begin(), releasing_slots.end(), e.slot) != releasing_slots.end()) {
       e.state = ExtentState::kReleasing;
@@ -198,7 +200,7 @@ Error Catalog::free(uint64_t id, const std::vector<uint32_t>& releasing_slots) {
 }
 
 bool Catalog::release(const ExtentRow& e) {
-  if (store_ && !store_->delete_extent(e.alloc_id, e.slot)) return false;
+  if (store_ && store_->delete_extent(e.alloc_id, e.slot)) return false;  // kept for the next try
   devices_[e.device_id].space.release(e.base, e.length);
   std::erase_if(releasing_, [&](const ExtentRow& r) { return r.alloc_id == e.alloc_id && r.slot == e.slot; });
   return true;

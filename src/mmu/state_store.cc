@@ -80,11 +80,11 @@ bool StateStore::exec(const char* sql) {
   return false;
 }
 
-bool StateStore::rollback() {
+Error StateStore::rollback() {
   const std::string why = error_.empty() ? sqlite3_errmsg(db_) : error_;
   exec("ROLLBACK");
   error_ = why;
-  return false;
+  return failed();
 }
 
 Result<StoredState> StateStore::load() {
@@ -141,20 +141,23 @@ fail:
   return Error::transport(std::string("reading the state file: ") + sqlite3_errmsg(db_));
 }
 
-bool StateStore::set_meta(const std::string& key, uint64_t value) {
+bool StateStore::set_meta_row(const std::string& key, uint64_t value) {
   Stmt q(db_, "INSERT INTO meta(k, v) VALUES(?, ?) ON CONFLICT(k) DO UPDATE SET v = excluded.v");
   if (q.bind(1, key).bind(2, value).run()) return true;
   error_ = sqlite3_errmsg(db_);
   return false;
 }
 
-bool StateStore::put_device(const DeviceRow& d) {
+Error StateStore::set_meta(const std::string& key, uint64_t value) {
+  return set_meta_row(key, value) ? Error::ok() : failed();
+}
+
+Error StateStore::put_device(const DeviceRow& d) {
   Stmt q(db_,
          "INSERT INTO devices(id, address, boot, capacity) VALUES(?, ?, ?, ?) "
          "ON CONFLICT(id) DO UPDATE SET address = excluded.address, boot = excluded.boot, capacity = excluded.capacity");
-  if (q.bind(1, d.id).bind(2, d.address).bind(3, d.boot).bind(4, d.capacity).run()) return true;
-  error_ = sqlite3_errmsg(db_);
-  return false;
+  if (q.bind(1, d.id).bind(2, d.address).bind(3, d.boot).bind(4, d.capacity).run()) return Error::ok();
+  return Error::transport(sqlite3_errmsg(db_));
 }
 
 namespace {
@@ -167,10 +170,10 @@ bool insert_extent(sqlite3* db, const ExtentRow& e) {
 }
 }  // namespace
 
-bool StateStore::insert_allocation(const AllocationRow& a, const std::vector<ExtentRow>& extents,
-                                   uint64_t next_id) {
+Error StateStore::insert_allocation(const AllocationRow& a, const std::vector<ExtentRow>& extents,
+                                    uint64_t next_id) {
   error_.clear();
-  if (!begin()) return false;
+  if (!begin()) return failed();
   {
     Stmt q(db_,
            "INSERT INTO allocations(id, name, size, stripe, slots, copies, policy, key) VALUES(?, ?, ?, ?, ?, ?, ?, ?)");
@@ -180,13 +183,13 @@ bool StateStore::insert_allocation(const AllocationRow& a, const std::vector<Ext
   }
   for (const auto& e : extents)
     if (!insert_extent(db_, e)) return rollback();
-  if (!set_meta("next_id", next_id)) return rollback();
-  return commit() || rollback();
+  if (!set_meta_row("next_id", next_id)) return rollback();
+  return commit() ? Error::ok() : rollback();
 }
 
-bool StateStore::delete_allocation(uint64_t id, const std::vector<uint32_t>& releasing_slots) {
+Error StateStore::delete_allocation(uint64_t id, const std::vector<uint32_t>& releasing_slots) {
   error_.clear();
-  if (!begin()) return false;
+  if (!begin()) return failed();
   {
     Stmt q(db_, "DELETE FROM allocations WHERE id = ?");
     if (!q.bind(1, id).run()) return rollback();
@@ -199,21 +202,20 @@ bool StateStore::delete_allocation(uint64_t id, const std::vector<uint32_t>& rel
     Stmt q(db_, "DELETE FROM extents WHERE alloc_id = ? AND state != ?");
     if (!q.bind(1, id).bind(2, static_cast<uint64_t>(ExtentState::kReleasing)).run()) return rollback();
   }
-  return commit() || rollback();
+  return commit() ? Error::ok() : rollback();
 }
 
-bool StateStore::set_extent(const ExtentRow& e) {
+Error StateStore::set_extent(const ExtentRow& e) {
   Stmt q(db_, "UPDATE extents SET state = ?, boot = ? WHERE alloc_id = ? AND slot = ?");
-  if (q.bind(1, static_cast<uint64_t>(e.state)).bind(2, e.boot).bind(3, e.alloc_id).bind(4, e.slot).run()) return true;
-  error_ = sqlite3_errmsg(db_);
-  return false;
+  if (q.bind(1, static_cast<uint64_t>(e.state)).bind(2, e.boot).bind(3, e.alloc_id).bind(4, e.slot).run())
+    return Error::ok();
+  return Error::transport(sqlite3_errmsg(db_));
 }
 
-bool StateStore::delete_extent(uint64_t alloc_id, uint32_t slot) {
+Error StateStore::delete_extent(uint64_t alloc_id, uint32_t slot) {
   Stmt q(db_, "DELETE FROM extents WHERE alloc_id = ? AND slot = ?");
-  if (q.bind(1, alloc_id).bind(2, slot).run()) return true;
-  error_ = sqlite3_errmsg(db_);
-  return false;
+  if (q.bind(1, alloc_id).bind(2, slot).run()) return Error::ok();
+  return Error::transport(sqlite3_errmsg(db_));
 }
 
 }  // namespace netdam::mmu

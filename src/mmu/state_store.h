@@ -68,22 +68,26 @@ class StateStore {
   // Everything in the file; a kTransport Error if it cannot be read.
   Result<StoredState> load();
 
-  // Each call is one transaction; false + error() on failure (nothing changed).
-  bool set_meta(const std::string& key, uint64_t value);
-  bool put_device(const DeviceRow& d);
-  bool insert_allocation(const AllocationRow& a, const std::vector<ExtentRow>& extents, uint64_t next_id);
+  // Each call is one transaction; on failure a kTransport Error with
+  // SQLite's message, and nothing changed.
+  Error set_meta(const std::string& key, uint64_t value);
+  Error put_device(const DeviceRow& d);
+  Error insert_allocation(const AllocationRow& a, const std::vector<ExtentRow>& extents, uint64_t next_id);
   // Deletes the allocation; its extents in `releasing` stay, marked kReleasing.
-  bool delete_allocation(uint64_t id, const std::vector<uint32_t>& releasing_slots);
-  bool set_extent(const ExtentRow& e);  // state and boot of one extent
-  bool delete_extent(uint64_t alloc_id, uint32_t slot);
-  const std::string& error() const { return error_; }
+  Error delete_allocation(uint64_t id, const std::vector<uint32_t>& releasing_slots);
+  Error set_extent(const ExtentRow& e);  // state and boot of one extent
+  Error delete_extent(uint64_t alloc_id, uint32_t slot);
 
  private:
   explicit StateStore(sqlite3* db) : db_(db) {}
+  // The steps of a transaction: false on failure, with SQLite's message in
+  // error_ for the Error the public call returns.
+  Error failed() const { return Error::transport(error_); }
+  bool set_meta_row(const std::string& key, uint64_t value);
   bool exec(const char* sql);
   bool begin() { return exec("BEGIN IMMEDIATE"); }
   bool commit() { return exec("COMMIT"); }
-  bool rollback();
+  Error rollback();  // undoes the transaction; returns why it failed
   sqlite3* db_;
   std::string error_;
 };
