@@ -30,9 +30,10 @@ class PoolProxyTest : public ::testing::Test {
     ASSERT_TRUE(mmu_.start(args)) << mmu_.error();
     Connect();
   }
-  void Connect() {
+  void Connect(Congestion congestion = Congestion::kFixed) {
     PoolOptions o;
     o.timeout = 2000ms;
+    o.congestion = congestion;
     auto p = Pool::connect(mmu_.endpoint(), o);
     ASSERT_TRUE(p) << p.error().to_string();
     pool_ = std::move(*p);
@@ -113,6 +114,29 @@ TEST_F(PoolProxyTest, InterleavedRandomAgainstReference) {
   std::vector<std::byte> f(5000);
   ASSERT_FALSE(pool_->get(a.base + 1000, f, a.key, Path::kDirect));
   for (size_t i = 0; i < f.size(); ++i) ASSERT_EQ(f[i], std::byte{static_cast<uint8_t>(i % 2 ? 0xCD : 0xAB)}) << i;
+}
+
+// The pool's clients (proxy and direct) run the controller PoolOptions
+// names, the proxy's toward its devices the one --congestion names: a large
+// transfer both ways is exact with each.
+TEST_F(PoolProxyTest, EveryCongestionControllerMovesDataExactly) {
+  Start(2, {"--congestion", "depth"});  // the proxy's clients toward the devices too
+  AllocOptions o;
+  o.stripe = 4096;
+  const uint64_t size = 3 << 20;
+  PoolAllocation a = Alloc("cc", size, o);
+  std::mt19937_64 rng(7);
+  for (Congestion cc : {Congestion::kFixed, Congestion::kDepth, Congestion::kSwift}) {
+    Connect(cc);
+    EXPECT_EQ(pool_->proxy_client().options().congestion, cc);
+    for (Path path : {Path::kProxy, Path::kDirect}) {
+      auto data = Random(size, rng);
+      ASSERT_FALSE(pool_->put(a.base, data, a.key, path)) << to_string(cc);
+      std::vector<std::byte> got(size);
+      ASSERT_FALSE(pool_->get(a.base, got, a.key, path)) << to_string(cc);
+      ASSERT_TRUE(got == data) << to_string(cc);
+    }
+  }
 }
 
 // Every bad access gets a precise error, never another allocation's data.

@@ -27,6 +27,13 @@ TEST(MmuSecurity, RefusesToStartWithoutAdminKey) {
   EXPECT_NE(r.err.find("--insecure"), std::string::npos) << r.err;
 }
 
+TEST(MmuSecurity, RefusesAnUnknownCongestionController) {
+  auto r = run_process({build_path("src/mmu/netdam-mmu"), "--device-admin-key", "1", "--insecure", "--device",
+                        "127.0.0.1:1", "--congestion", "reno"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--congestion: 'reno'"), std::string::npos) << r.err;
+}
+
 class MmuTest : public ::testing::Test {
  protected:
   void Start(size_t devices, std::vector<std::string> extra) {

@@ -38,6 +38,7 @@ namespace netdam {
 struct PoolOptions {
   uint64_t admin_key = 0;                  // the proxy's --admin-key, if it has one
   std::chrono::milliseconds timeout{2000};  // per request (control ops), per packet (data)
+  Congestion congestion = Congestion::kFixed;  // the window's controller of every client (docs/CONGESTION.md)
 };
 
 enum class PoolPolicy : uint8_t { kInterleaved = 0, kSingle = 1, kReplicated = 2 };

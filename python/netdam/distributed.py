@@ -125,6 +125,8 @@ class _Settings:
         self.offload = parse_size(os.environ.get("NETDAM_OFFLOAD_MEMORY", "0"))
         self.max_payload_text = os.environ.get("NETDAM_MAX_PAYLOAD", "63KiB")
         self.algorithm = os.environ.get("NETDAM_ALGORITHM", "auto")
+        # Per sender, so not part of key(): ranks may differ (docs/CONGESTION.md).
+        self.congestion = os.environ.get("NETDAM_CONGESTION", "fixed")
         self.world_size = world_size
         for name, cap in (("NETDAM_CAPACITY", self.capacity), ("NETDAM_SUBGROUP_CAPACITY", self.sub_capacity)):
             if cap < 64 * world_size or cap % 8:
@@ -295,7 +297,7 @@ def create_process_group(store, rank, size, timeout):
     pg = ProcessGroupNetdam(rank, devices, shm=shm, admin_key=settings.admin_key, capacity=capacity,
                             slots=settings.slots, timeout=settings.timeout, device=device, base=base,
                             key_base=key_base, liveness=settings.liveness, mailbox=mailbox,
-                            algorithm=settings.algorithm)
+                            algorithm=settings.algorithm, congestion=settings.congestion)
     _groups.add(pg)
     if place0:
         _place0 = weakref.ref(pg)

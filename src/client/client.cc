@@ -902,9 +902,12 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
   const TimePoint now = transport_->now();
   if (h.status != Status::kNotReady && !p.held) {
     recovery_->route(p).on_answer(p.first_sent, p.last_sent, p.sends, now);
-    // An aggregate's answer waits for the slowest contributor: its round
-    // trip says nothing about the queues, its depth does.
-    const bool timed = p.sends == 1 && !p.aggregate;
+    // Karn: only a request sent once times the path. An aggregate's first
+    // answer comes at once too (held, or the result if it completed the
+    // block; PROTOCOL.md 6.13), so it times the queues on the way to the
+    // aggregating device: under incast, the very queue to control. Its
+    // later answer (the result after waiting for the others) is not timed.
+    const bool timed = p.sends == 1;
     recovery_->cc.on_answer(now, p.window_cost(), timed ? std::optional(now - p.first_sent) : std::nullopt,
                             h.depth);
   }

@@ -85,6 +85,10 @@ int main(int argc, char** argv) {
                  "milliseconds after which an unanswered device operation fails (default 500)")
       ->check(CLI::Range(20, 600000));
   app.add_option("--max-payload", max_payload, "largest payload clients may send (default 8192)");
+  std::string congestion = "fixed";
+  app.add_option("--congestion", congestion,
+                 "the window's controller toward the devices: fixed, depth or swift (docs/CONGESTION.md; "
+                 "default fixed)");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error (default info)");
   app.add_option("--metrics", metrics,
                  "HOST:PORT to serve Prometheus metrics on (GET /metrics: counters and per-opcode latency "
@@ -118,6 +122,10 @@ int main(int argc, char** argv) {
   o.state_file = state;
   o.ping_interval = std::chrono::milliseconds(ping_ms);
   o.device_timeout = std::chrono::milliseconds(timeout_ms);
+  if (auto c = parse_congestion(congestion))
+    o.congestion = *c;
+  else
+    return fail("--congestion: '" + congestion + "' (fixed, depth, swift)");
   auto level = spdlog::level::from_str(log_level);
   if (level == spdlog::level::off && log_level != "off") return fail("--log-level: unknown level '" + log_level + "'");
   spdlog::set_level(level);

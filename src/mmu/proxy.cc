@@ -922,6 +922,7 @@ void Proxy::device_seen(uint32_t id, uint32_t boot, uint64_t capacity) {
   const int fd = (*t)->fd();
   ClientOptions co;
   co.timeout = opts_.device_timeout;
+  co.congestion = opts_.congestion;
   auto cl = Client::connect(std::move(*t), dev.endpoint, co);
   if (!cl) {
     spdlog::warn("device {} ({}): {}", id, dev.row.address, cl.error().to_string());

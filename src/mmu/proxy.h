@@ -44,6 +44,7 @@ struct ProxyOptions {
   size_t replay_window = 1024;
   size_t replay_requesters = 4096;
   size_t max_fill = 16u << 20;          // FILL through the proxy is expanded into WRITEs
+  Congestion congestion = Congestion::kFixed;  // the window's controller toward each device
 };
 
 class Proxy {

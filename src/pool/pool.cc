@@ -47,6 +47,7 @@ PoolAllocation to_public(const pool::AllocRecord& r) {
 Result<std::unique_ptr<Pool>> Pool::connect(std::string_view proxy, PoolOptions opts) {
   ClientOptions co;
   co.timeout = opts.timeout;
+  co.congestion = opts.congestion;
   auto c = Client::connect(proxy, co);
   if (!c) return c.error();
   if (!(*c)->device_info().pool_proxy)
@@ -175,6 +176,7 @@ Result<Client*> Pool::device(uint32_t ip, uint16_t port, uint32_t boot) {
   }
   ClientOptions co;
   co.timeout = opts_.timeout;
+  co.congestion = opts_.congestion;
   auto c = Client::connect(ep.to_string(), co);
   if (!c) return c.error();
   Client* raw = c->get();

@@ -158,6 +158,15 @@ class ClientTest(unittest.TestCase):
             self.c.read(4 << 20, 8)
         self.assertEqual(cm.exception.status, "OUT_OF_BOUNDS")
 
+    def test_congestion_controllers(self):
+        data = np.arange(64 * 1024, dtype=np.uint8).tobytes()
+        for name in ("fixed", "depth", "swift"):
+            with netdam.Client(self.dev.endpoint, congestion=name) as c:
+                c.write(3 << 20, data)
+                self.assertEqual(c.read(3 << 20, len(data)), data, name)
+        with self.assertRaises(ValueError):
+            netdam.Client(self.dev.endpoint, congestion="reno")
+
     def test_timeout_to_silent_port(self):
         silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         silent.bind(("127.0.0.1", 0))

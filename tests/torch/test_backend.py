@@ -44,12 +44,16 @@ def free_port():
 def launch():
     port = free_port()
     # NETDAM_OFFLOAD_MEMORY: device memory for the offloaded optimizer.
+    # NETDAM_CONGESTION: this suite's clients run the depth controller
+    # (test_lifecycle.py keeps the default, fixed), half the ranks swift:
+    # ranks need not agree on it.
     env = dict(os.environ, NETDAM_CAPACITY=str(CAPACITY), NETDAM_OFFLOAD_MEMORY="64MiB")
     env.pop("NETDAM_DEVICE", None)
     env.pop("NETDAM_DEVICES", None)
     env.pop("NETDAM_TIMEOUT", None)
     start = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(WORLD), str(port)], env=env,
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(WORLD), str(port)],
+                              env=dict(env, NETDAM_CONGESTION="depth" if r % 2 == 0 else "swift"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(WORLD)]
     failed = False

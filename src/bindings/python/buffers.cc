@@ -137,6 +137,11 @@ Algorithm parse_algorithm_arg(const std::string& a) {
   throw py::value_error("algorithm: '" + a + "' (auto, ring, direct, torus)");
 }
 
+Congestion parse_congestion_arg(const std::string& c) {
+  if (auto v = parse_congestion(c)) return *v;
+  throw py::value_error("congestion: '" + c + "' (fixed, depth, swift)");
+}
+
 std::chrono::milliseconds seconds_arg(double seconds, const char* what) {
   if (!(seconds > 0) || !std::isfinite(seconds))
     throw py::value_error(std::string(what) + ": must be a positive number of seconds");

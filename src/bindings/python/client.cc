@@ -61,12 +61,14 @@ Sparse sparse_arg(const py::object& s) {
 
 class PyClient {
  public:
-  PyClient(const std::string& device, uint64_t rkey, double timeout, size_t max_payload, bool detect_restart)
-      : client_(connect(device, rkey, timeout, max_payload, detect_restart), "client") {}
+  PyClient(const std::string& device, uint64_t rkey, double timeout, size_t max_payload, bool detect_restart,
+           const std::string& congestion)
+      : client_(connect(device, rkey, timeout, max_payload, detect_restart, congestion), "client") {}
 
   static std::unique_ptr<Client> connect(const std::string& device, uint64_t rkey, double timeout,
-                                         size_t max_payload, bool detect_restart) {
+                                         size_t max_payload, bool detect_restart, const std::string& congestion) {
     ClientOptions o;
+    o.congestion = parse_congestion_arg(congestion);
     o.rkey = rkey;
     o.timeout = seconds_arg(timeout, "timeout");
     o.max_payload = max_payload;
@@ -204,7 +206,7 @@ void bind_client(py::module_& m) {
   using py::arg;
   py::class_<PyClient>(m, "Client", R"doc(
 Client(device: str, rkey: int = 1, timeout: float = 2.0, max_payload: int = 0,
-       detect_restart: bool = True)
+       detect_restart: bool = True, congestion: str = 'fixed')
 
 One NetDAM device over UDP. Connecting PINGs the device (raises
 netdam.Timeout if it does not answer within `timeout` seconds).
@@ -222,10 +224,13 @@ Every blocking call releases the GIL. A Client may be shared by threads
     c.write(0, b"hello")
     assert c.read(0, 5) == b"hello"
 )doc")
-      .def(py::init<const std::string&, uint64_t, double, size_t, bool>(), arg("device"), arg("rkey") = 1,
-           arg("timeout") = 2.0, arg("max_payload") = 0, arg("detect_restart") = true,
+      .def(py::init<const std::string&, uint64_t, double, size_t, bool, const std::string&>(), arg("device"),
+           arg("rkey") = 1, arg("timeout") = 2.0, arg("max_payload") = 0, arg("detect_restart") = true,
+           arg("congestion") = "fixed",
            "__init__(device: str, rkey: int = 1, timeout: float = 2.0, max_payload: int = 0,\n"
-           "         detect_restart: bool = True) -> None\n\nConnects to \"HOST:PORT\" and PINGs the device.")
+           "         detect_restart: bool = True, congestion: str = 'fixed') -> None\n\n"
+           "Connects to \"HOST:PORT\" and PINGs the device. congestion: the window's controller, 'fixed',\n"
+           "'depth' or 'swift' (docs/CONGESTION.md).")
       .def("close", &PyClient::close, "close() -> None\n\nCloses the socket; later calls raise ValueError.")
       .def("__enter__", [](py::object self) { return self; }, "__enter__() -> Client\n\nReturns self.")
       .def("__exit__", [](PyClient& c, py::args) { c.close(); }, "__exit__(*exc) -> None\n\nCloses it (see close()).")

@@ -123,6 +123,7 @@ std::optional<DType> parse_dtype_name(py::handle dtype);
 RedOp parse_redop_arg(const std::string& op);           // sum, min, max
 Reduction parse_reduction_arg(const std::string& op);   // sum, min, max, avg
 Algorithm parse_algorithm_arg(const std::string& a);    // auto, ring, direct, torus
+Congestion parse_congestion_arg(const std::string& c);  // fixed, depth, swift
 std::chrono::milliseconds seconds_arg(double seconds, const char* what);
 // A Python int as a 64-bit word: negative values wrap (two's complement).
 uint64_t word_arg(py::handle v, const char* what);

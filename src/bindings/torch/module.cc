@@ -58,7 +58,7 @@ PYBIND11_MODULE(_torch_backend, m) {
       .def(py::init([](int rank, const std::vector<std::string>& devices, const std::string& shm, uint32_t admin_key,
                        uint64_t capacity, int slots, double timeout_s, std::shared_ptr<LocalDevice> device,
                        uint64_t base, uint32_t key_base, double liveness_s, uint64_t mailbox,
-                       const std::string& algorithm) {
+                       const std::string& algorithm, const std::string& congestion) {
              NetdamOptions o;
              netdam::GroupOptions& g = o.runner.group;
              g.rank = rank;
@@ -76,6 +76,10 @@ PYBIND11_MODULE(_torch_backend, m) {
              else if (algorithm != "auto")
                throw std::invalid_argument("netdam: algorithm '" + algorithm + "' (auto, ring, direct)");
              g.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+             if (auto c = netdam::parse_congestion(congestion))
+               g.client.congestion = *c;
+             else
+               throw std::invalid_argument("netdam: congestion '" + congestion + "' (fixed, depth, swift)");
              // Ranks may arrive far apart (one checkpoints, the others wait
              // in a collective): a chain is answered NOT_READY and resent
              // meanwhile, which must not count against a shorter per-packet
@@ -90,7 +94,7 @@ PYBIND11_MODULE(_torch_backend, m) {
            py::arg("capacity") = 64ull << 20, py::arg("slots") = 2, py::arg("timeout") = 1800.0,
            py::arg("device") = nullptr, py::arg("base") = 0, py::arg("key_base") = 0x4E440100,
            py::arg("liveness") = 5.0, py::arg("mailbox") = 1 << 20, py::arg("algorithm") = "auto",
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("congestion") = "fixed", py::call_guard<py::gil_scoped_release>())
       .def("_shutdown", &ProcessGroupNetdam::shutdown, py::call_guard<py::gil_scoped_release>(),
            "Finishes what was queued and stops the group's thread (also done when the group is deleted).")
       .def_property_readonly("capacity", &ProcessGroupNetdam::capacity)
