@@ -365,7 +365,9 @@ TEST_P(ClientCongestion, ManyAsyncOpsCompleteUnderFaults) {
   EXPECT_EQ(back, data);
   EXPECT_GE(c->congestion_window(), c->options().max_payload);
   EXPECT_LE(c->congestion_window(), o.window_bytes);
-  if (GetParam() == Congestion::kFixed) EXPECT_EQ(c->congestion_window(), o.window_bytes);
+  if (GetParam() == Congestion::kFixed) {
+    EXPECT_EQ(c->congestion_window(), o.window_bytes);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Controllers, ClientCongestion,

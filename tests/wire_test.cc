@@ -538,15 +538,25 @@ TEST(WireGolden, ReadRequestDatagram) {
   EXPECT_EQ(d, unhex(kReadRequestHex)) << hex(d);
 }
 
+// The device the golden examples address: boot id 0x5EED0001, region key 7
+// over the first 32 KiB.
+struct GoldenDevice {
+  static DeviceConfig config() {
+    DeviceConfig cfg;
+    cfg.boot_id = 0x5EED0001;
+    return cfg;
+  }
+  GoldenDevice() { EXPECT_EQ(dev.regions().add(Region{0, 32 * 1024, 7, kPermAll}), Status::kOk); }
+  std::vector<std::byte> memory = std::vector<std::byte>(64 * 1024);
+  Device dev{memory, config()};
+  Engine engine{dev};
+  std::vector<std::byte> out = std::vector<std::byte>(Engine::out_buffer_size(dev.config()));
+};
+
 // The golden requests, fed to a real engine, give the golden answers.
 TEST(WireGolden, EngineAnswersGoldenRequests) {
-  std::vector<std::byte> memory(64 * 1024);
-  DeviceConfig cfg;
-  cfg.boot_id = 0x5EED0001;
-  Device dev(memory, cfg);
-  ASSERT_EQ(dev.regions().add(Region{0, 32 * 1024, 7, kPermAll}), Status::kOk);
-  Engine engine(dev);
-  std::vector<std::byte> out(Engine::out_buffer_size(dev.config()));
+  GoldenDevice g;
+  auto& [memory, dev, engine, out] = g;
   const Address client{0x0A000001, 5000};
 
   auto write = unhex(kWriteRequestHex);
@@ -573,13 +583,8 @@ TEST(WireGolden, EngineAnswersGoldenRequests) {
 // PROTOCOL.md 3.1: an answer's byte 10 is the device's queue depth, not a
 // segment count; the engine writes what its owner measured.
 TEST(WireGolden, AnswerCarriesQueueDepth) {
-  std::vector<std::byte> memory(64 * 1024);
-  DeviceConfig cfg;
-  cfg.boot_id = 0x5EED0001;
-  Device dev(memory, cfg);
-  ASSERT_EQ(dev.regions().add(Region{0, 32 * 1024, 7, kPermAll}), Status::kOk);
-  Engine engine(dev);
-  std::vector<std::byte> out(Engine::out_buffer_size(dev.config()));
+  GoldenDevice g;
+  auto& [memory, dev, engine, out] = g;
   auto write = unhex(kWriteRequestHex);  // the bytes the READ example answers
   ASSERT_EQ(engine.handle({0x0A000001, 5000}, write, out).kind, Action::Kind::kReply);
   engine.set_backlog(queue_depth(3 << 20, 16 << 20));  // 3 of 16 MiB queued: ceil(47.8) = 48

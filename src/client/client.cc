@@ -511,7 +511,7 @@ Error Client::wait(Op& op) {
 }
 
 void Client::poll() { pump(false); }
-size_t Client::congestion_window() const { return std::min(opts_.window_bytes, recovery_->cc.window()); }
+size_t Client::congestion_window() const { return recovery_->cc.window(); }
 std::chrono::steady_clock::time_point Client::now() const { return transport_->now(); }
 void Client::wait_any() { pump(true); }
 
@@ -767,7 +767,7 @@ void Client::send_queued() {
   const uint64_t oldest = inflight_.empty() ? next_txn_ : inflight_.begin()->first;
   std::vector<std::unique_ptr<Packet>> unacked;  // alive until the batch is flushed
   client_detail::CongestionControl& cc = recovery_->cc;
-  const size_t window = std::min(opts_.window_bytes, cc.window());
+  const size_t window = cc.window();  // at most window_bytes
   const TimePoint now = transport_->now();
   while (!queue_.empty() && inflight_.size() < opts_.window_packets &&
          (inflight_.empty() || inflight_bytes_ + queue_.front()->window_cost() <= window) &&

@@ -28,23 +28,20 @@ size_t CongestionControl::window() const {
 }
 
 void CongestionControl::on_answer(TimePoint now, size_t bytes, std::optional<Ns> rtt, uint8_t depth) {
+  if (cfg_.algorithm == Congestion::kFixed) return;  // nothing to learn: no window to move, no pacing
   if (rtt && *rtt > Ns::zero()) {
     srtt_ = srtt_ == Ns::zero() ? *rtt : srtt_ + (*rtt - srtt_) / 8;
   }
-  switch (cfg_.algorithm) {
-    case Congestion::kFixed: return;
-    case Congestion::kDepth: on_answer_depth(now, bytes, rtt, depth); break;
-    case Congestion::kSwift:
-      if (rtt) on_answer_swift(now, bytes, *rtt);
-      break;
-  }
+  if (cfg_.algorithm == Congestion::kDepth)
+    on_answer_depth(now, bytes, rtt, depth);
+  else if (rtt)
+    on_answer_swift(now, bytes, *rtt);
   clamp();
 }
 
 void CongestionControl::on_answer_depth(TimePoint now, size_t bytes, std::optional<Ns> rtt, uint8_t depth) {
   double level = depth / 255.0;
   if (rtt) level = std::max(level, kTarget * static_cast<double>(rtt->count()) / static_cast<double>(cfg_.target.count()));
-  level_ = level;
   if (level < kEmpty) {
     cwnd_ += static_cast<double>(bytes);
   } else if (level < kTarget) {

@@ -93,8 +93,6 @@ class CongestionControl {
   bool paces() const { return cfg_.algorithm != Congestion::kFixed && srtt_ > Ns::zero(); }
 
   Ns srtt() const { return srtt_; }
-  // kDepth's congestion level of the last answer (0..1+), for tests.
-  double level() const { return level_; }
   uint64_t decreases() const { return decreases_; }
 
  private:
@@ -111,7 +109,6 @@ class CongestionControl {
   Ns srtt_{0};
   TimePoint last_decrease_{};
   TimePoint next_send_{};
-  double level_ = 0;
   uint64_t decreases_ = 0;
 };
 

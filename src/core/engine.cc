@@ -182,10 +182,7 @@ size_t Device::parked_count() {
   return parked_.size() + stamp_waits_.size() + woken_.size();
 }
 
-size_t Device::parked_bytes() {
-  std::lock_guard lock(park_mu_);
-  return parked_bytes_;
-}
+size_t Device::parked_bytes() { return parked_bytes_.load(std::memory_order_relaxed); }
 
 std::vector<Device::Parked> Device::unpark() {
   std::lock_guard lock(park_mu_);

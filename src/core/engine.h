@@ -144,7 +144,9 @@ class Device {
   std::unordered_multimap<uint64_t, StampWait> stamp_waits_;
   std::vector<Parked> woken_;
   std::atomic<size_t> stamp_waiters_{0};  // stamp_waits_.size(), read without the lock
-  size_t parked_bytes_ = 0;
+  // Written under park_mu_; read without it once per receive batch
+  // (parked_bytes(), the answers' depth).
+  std::atomic<size_t> parked_bytes_{0};
   bool armed_since_unpark_ = false;
   mutable std::mutex engines_mu_;
   std::vector<const Stats*> engines_;

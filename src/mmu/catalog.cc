@@ -32,7 +32,7 @@ Error Catalog::load() {
     pool_id_ = st->meta["pool_id"];
   } else {
     pool_id_ = random_nonzero();
-    if (Error e = store_->set_meta("pool_id", pool_id_)) return Error::transport("state file: " + e.message());
+    if (Error e = store_->set_meta("pool_id", pool_id_)) return e.prefixed("state file: ");
   }
   for (const auto& d : st->devices) {
     if (d.id != devices_.size())
@@ -81,7 +81,7 @@ Result<uint32_t> Catalog::add_device(const std::string& address) {
   pd.row.address = ep->to_string();
   pd.endpoint = *ep;
   if (store_)
-    if (Error e = store_->put_device(pd.row)) return Error::transport("state file: " + e.message());
+    if (Error e = store_->put_device(pd.row)) return e.prefixed("state file: ");
   devices_.push_back(std::move(pd));
   return devices_.back().row.id;
 }
@@ -174,7 +174,7 @@ Error Catalog::commit(Plan& p) {
   for (auto& e : p.alloc.slots) e.alloc_id = id;
   if (store_)
     if (Error e = store_->insert_allocation(p.alloc.row, p.alloc.slots, id + 1))
-      return Error::transport("state file: " + e.message());
+      return e.prefixed("state file: ");
   next_id_ = id + 1;  // never reused, even after free
   by_name_[p.alloc.row.name] = id;
   allocs_[id] = p.alloc;
@@ -185,7 +185,7 @@ Error Catalog::free(uint64_t id, const std::vector<uint32_t>& releasing_slots) {
   auto it = allocs_.find(id);
   if (it == allocs_.end()) return Error::invalid(fmt::format("no allocation {}", id));
   if (store_)
-    if (Error e = store_->delete_allocation(id, releasing_slots)) return Error::transport("state file: " + e.message());
+    if (Error e = store_->delete_allocation(id, releasing_slots)) return e.prefixed("state file: ");
   for (auto& e : it->second.slots) {
     if (std::find(releasing_slots.begin(), releasing_slots.end(), e.slot) != releasing_slots.end()) {
       e.state = ExtentState::kReleasing;
