@@ -28,7 +28,7 @@
 #   --timeout SEC      per system (default 1800)
 #
 # Environment: NETDAM_BENCH (netdam-bench path), NETDAM_ARGS (extra
-# netdam-bench arguments), GLOO_ALGOS (gloo_bench --algos; default all),
+# netdam-bench arguments), NETDAMD_ARGS (extra netdamd arguments), GLOO_ALGOS (gloo_bench --algos; default all),
 # BUILD_DIR (default build).
 #
 # Exit status: 0; 1 a system failed or netdam returned a wrong element
@@ -145,6 +145,7 @@ cg_cleanup() {
 cl=("$cluster" --prefix "$prefix")
 up_args=(--hosts "$P" --devices "$M" --rate "$rate" --mtu "$mtu" --build "$build")
 ((need_devices)) && up_args+=(--netdamd)
+[[ -n "${NETDAMD_ARGS:-}" ]] && up_args+=(--netdamd-args "$NETDAMD_ARGS")
 ((run_aggregate && colocated)) && up_args+=(--colocated)
 teardown() { "${cl[@]}" down >/dev/null 2>&1; cg_cleanup; }
 trap teardown EXIT
@@ -199,7 +200,7 @@ link_bytes() {
 # Starts one process per host namespace (a command line per rank from
 # rank_cmd R), waits for all; if one fails, stops the rest. Sets rc.
 run_ranks() {  # run_ranks NAME
-  local name=$1 r pids=() pid st worst=0 failed=0
+  local name=$1 r k pids=() pid st worst=0 failed=0
   for ((r = 0; r < P; r++)); do
     local -a c
     rank_cmd "$r"
@@ -210,10 +211,19 @@ run_ranks() {  # run_ranks NAME
   local left=("${pids[@]}")
   while ((${#left[@]})); do
     pid=""
-    wait -n -p pid "${left[@]}"
+    wait -n -p pid "${left[@]}" 2>/dev/null
     st=$?
-    [[ -n "$pid" ]] || break
-    local keep=() k
+    if [[ -z "${pid:-}" ]]; then
+      # bash reaped them already (`wait -n` then says "no such job"):
+      # plain `wait PID` still returns each one's status.
+      for k in "${left[@]}"; do
+        wait "$k" 2>/dev/null
+        st=$?
+        ((st > worst)) && worst=$st
+      done
+      break
+    fi
+    local keep=()
     for k in "${left[@]}"; do [[ "$k" == "$pid" ]] || keep+=("$k"); done
     left=("${keep[@]}")
     if ((st != 0 && st != 3 && !failed)); then
@@ -321,7 +331,7 @@ netdam_aggregate() {  # netdam_aggregate NAME ADDRS
   rank_cmd() {
     # shellcheck disable=SC2206
     c=("$bench" allreduce --ranks "$P" --rank "$1" --aggregators "$addrs" --algo aggregate
-       -b "$min" -e "$max" -f "$factor" --admin-key 0xAD ${NETDAM_ARGS:-})
+       -b "$min" -e "$max" -f "$factor" -n "$iters" -w 2 --min-iters 2 --admin-key 0xAD ${NETDAM_ARGS:-})
     (($1 == 0)) && c+=(--csv "$out/$name.csv")
   }
   run_ranks "$name"
@@ -332,7 +342,7 @@ netdam_chains_run() {
   rank_cmd() {
     # shellcheck disable=SC2206
     c=("$bench" allreduce --devices "$CLUSTER_DEVICE_ADDRS" --rank "$1"
-       -b "$min" -e "$max" -f "$factor" --admin-key 0xAD ${NETDAM_ARGS:-})
+       -b "$min" -e "$max" -f "$factor" -n "$iters" -w 2 --min-iters 2 --admin-key 0xAD ${NETDAM_ARGS:-})
     (($1 == 0)) && c+=(--csv "$out/netdam-chains.csv")
   }
   run_ranks netdam-chains

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <random>
 #include <set>
 
@@ -28,7 +29,8 @@ constexpr uint32_t kAdmin = 0xAD;
 // aggregation regions (admin key), as a real group does.
 struct AggCluster {
   AggCluster(int p, int m, FaultModel faults, uint64_t capacity, std::chrono::milliseconds timeout = 10s,
-             int slots = 2, bool skip_zero = true, bool mapped = false)
+             int slots = 2, bool skip_zero = true, bool mapped = false,
+             const std::function<void(GroupOptions&)>& tweak = {})
       : fabric(faults) {
     GroupOptions o;
     o.ranks = p;
@@ -39,6 +41,7 @@ struct AggCluster {
     o.admin_key = kAdmin;
     o.skip_zero_blocks = skip_zero;
     for (int a = 0; a < m; ++a) o.aggregators.push_back(agg_addr(a).to_string());
+    if (tweak) tweak(o);
     for (int a = 0; a < m; ++a)
       devices.push_back(std::make_unique<testing::FabricDevice>(fabric, agg_addr(a), 200 + a, 256u << 20, kAdmin));
     // Ranks register their aggregators' regions in create(): create every
@@ -245,6 +248,79 @@ TEST(AggregateGroup, ZeroBlocksAreSkippedBitExactly) {
     rx_dense += dense.stat(m, "rx_bytes");
   }
   EXPECT_LT(rx_sparse * 2, rx_dense);
+}
+
+// Blocks zero on every rank are agreed on first (a MAX over a flag per
+// block) and not sent at all; blocks zero on some ranks only still travel
+// as markers. Every round is bit-exact with the rank-order reference under
+// loss, duplication and reordering, including a round whose blocks are all
+// zero everywhere (no generation is used for it) followed by dense rounds
+// on the same slots.
+TEST(AggregateGroup, BlocksZeroEverywhereAreNotSent) {
+  FaultModel f;
+  f.drop = f.duplicate = f.reorder = 0.1;
+  f.delay_max = 50us;
+  f.seed = 5;
+  const int p = 3;
+  auto union4 = [](GroupOptions& o) { o.zero_union_blocks = 4; };
+  auto never = [](GroupOptions& o) { o.zero_union_blocks = 0; };
+  AggCluster skip(p, 2, f, 512u << 10, 10s, 2, true, false, union4);
+  AggCluster markers(p, 2, f, 512u << 10, 10s, 2, true, false, never);
+  const size_t block = skip.groups[0]->aggregate_block_bytes() / 4;  // floats
+  const size_t blocks = 40;
+  // Round kind: 0 sparse, 1 everything zero, 2 dense, 3 a ReduceScatter.
+  const int rounds[] = {0, 1, 2, 0, 1, 1, 2, 3, 0};
+  for (size_t round = 0; round < std::size(rounds); ++round) {
+    const int kind = rounds[round];
+    std::vector<std::vector<std::byte>> in;
+    for (int r = 0; r < p; ++r) {
+      in.push_back(random_elements(DType::kF32, block * blocks + 7, round * 10 + static_cast<uint64_t>(r)));
+      for (size_t b = 0; b <= blocks; ++b) {
+        // Sparse: 5..29 zero everywhere, 2 zero on rank 0 only, 31 zero
+        // but for rank 2's -0.0 (not zero bits: it is sent).
+        const bool zero = kind == 1 || (kind != 2 && ((b >= 5 && b < 30) || (b == 2 && r == 0) || b == 31));
+        if (!zero) continue;
+        for (size_t i = b * block; i < std::min((b + 1) * block, block * blocks + 7); ++i) {
+          const float v = kind != 1 && b == 31 && r == 2 ? -0.0f : 0.0f;
+          std::memcpy(in.back().data() + 4 * i, &v, 4);
+        }
+      }
+    }
+    const auto want = reference(in, DType::kF32, RedOp::kSum);
+    for (AggCluster* c : {&skip, &markers}) {
+      const size_t out_bytes = kind == 3 ? in[0].size() / p / 4 * 4 : in[0].size();
+      std::vector<std::vector<std::byte>> out(p, std::vector<std::byte>(out_bytes, std::byte{0xEE}));
+      std::vector<Work> works;
+      for (int r = 0; r < p; ++r) {
+        auto& g = *c->groups[static_cast<size_t>(r)];
+        const auto& x = in[static_cast<size_t>(r)];
+        works.push_back(kind == 3 ? g.reduce_scatter_async(std::span(x).first(out_bytes * p), out[static_cast<size_t>(r)],
+                                                           DType::kF32, Reduction::kSum)
+                                  : g.allreduce_async(x, out[static_cast<size_t>(r)], DType::kF32, Reduction::kSum));
+      }
+      c->run(works);
+      for (int r = 0; r < p; ++r) {
+        ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok())
+            << "round " << round << ": " << works[static_cast<size_t>(r)].error().to_string();
+        if (kind == 3) {
+          // ReduceScatter's reference: the sum over the first out_bytes x p bytes.
+          EXPECT_EQ(0, std::memcmp(out[static_cast<size_t>(r)].data(), want.data() + out_bytes * static_cast<size_t>(r),
+                                   out_bytes))
+              << "round " << round << " rank " << r;
+        } else {
+          EXPECT_EQ(out[static_cast<size_t>(r)], want) << "round " << round << " rank " << r;
+        }
+      }
+    }
+  }
+  // The markers' run sent a contribution for every block of every round;
+  // the skipping run none for the blocks zero everywhere.
+  uint64_t sent_skip = 0, sent_markers = 0;
+  for (int m = 0; m < 2; ++m) {
+    sent_skip += skip.stat(m, "agg.contributions");
+    sent_markers += markers.stat(m, "agg.contributions");
+  }
+  EXPECT_LT(sent_skip * 2, sent_markers) << sent_skip << " vs " << sent_markers;
 }
 
 TEST(AggregateGroup, OtherCollectives) {

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace netdam::transport {
@@ -207,6 +208,36 @@ TEST(UdpTransport, TimeoutReturnsZeroAfterTimeout) {
   EXPECT_GE(elapsed, milliseconds(50));
   EXPECT_LT(elapsed, milliseconds(1000));
   EXPECT_EQ(t->recv_batch(slots.msgs, Duration::zero()), 0u);  // a poll
+}
+
+// Spinning changes when a receiver looks, not what it gets: a datagram
+// that comes during the spin, or after it (in poll), arrives; with nothing
+// to get the call still waits out its whole timeout, and a spin longer than
+// the timeout ends with it.
+TEST(UdpTransport, SpinningReceiverGetsWhatArrivesDuringAndAfterTheSpin) {
+  auto a = open_loopback();
+  auto b = UdpTransport::open(UdpOptions{.bind = {kLoopback, 0}, .spin = std::chrono::microseconds(20'000)});
+  ASSERT_TRUE(b) << b.error().message();
+  ASSERT_NE(a, nullptr);
+  Slots slots(4, 100);
+  TimePoint start = (*b)->now();
+  EXPECT_EQ((*b)->recv_batch(slots.msgs, milliseconds(50)), 0u);
+  EXPECT_GE((*b)->now() - start, milliseconds(50));
+  start = (*b)->now();
+  EXPECT_EQ((*b)->recv_batch(slots.msgs, milliseconds(5)), 0u);  // the timeout ends the spin
+  EXPECT_LT((*b)->now() - start, milliseconds(15));
+  const std::byte one[1] = {std::byte{7}};
+  for (const auto delay : {milliseconds(2), milliseconds(40)}) {  // during the spin, then after it
+    std::thread sender([&] {
+      std::this_thread::sleep_for(delay);
+      const OutMsg m{(*b)->local(), {std::span<const std::byte>(one), {}, {}}};
+      a->send_batch(std::span(&m, 1));
+    });
+    const size_t n = (*b)->recv_batch(slots.msgs, milliseconds(2000));
+    sender.join();
+    ASSERT_EQ(n, 1u) << delay.count() << " ms";
+    EXPECT_EQ(slots.msgs[0].data()[0], std::byte{7});
+  }
 }
 
 TEST(UdpTransport, RefusedDatagramsAreSkippedAndCounted) {

@@ -106,6 +106,9 @@ int collectives_main(int argc, char** argv) {
   app.add_option("-d,--type,--datatype", type_s, "f32 | f16 | bf16 | f64 | i32 | i64 (default f32)");
   app.add_option("--redop", redop_s, "sum | min | max | avg (default sum)");
   app.add_option("-n,--iters", c.iters, "timed iterations per size, at most (default 20)")->check(CLI::Range(1, 1000000));
+  app.add_option("--min-iters", c.min_iters,
+                 "timed iterations per size, at least, whatever --time-per-size says (default 1)")
+      ->check(CLI::Range(1, 1000000));
   app.add_option("-w,--warmup_iters", c.warmup, "warm-up iterations per size, at most (default 5; the first 2 x slots (at least 1) always run)")
       ->check(CLI::Range(0, 1000000));
   app.add_option("-c,--check", check, "1: verify every iteration (default), 0: back to back, verify the last");
@@ -145,6 +148,11 @@ int collectives_main(int argc, char** argv) {
   int64_t target_us = c.congestion_target.count();
   app.add_option("--congestion-target-us", target_us, "the controllers' round-trip target (default 1000)")
       ->check(CLI::PositiveNumber);
+  int64_t spin_us = c.spin.count();
+  app.add_option("--spin-us", spin_us,
+                 "the ranks' clients (and --local devices) look for datagrams this long before sleeping "
+                 "(default 100, ClientOptions::spin; 0: never)")
+      ->check(CLI::Range(0, 1'000'000));
   app.add_option("--max-payload", max_payload_s,
                  "--local: the devices' largest payload (default 63KiB: loopback's MTU is 64 KiB; "
                  "8K models 9000-byte jumbo frames)");
@@ -161,6 +169,7 @@ int collectives_main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   c.congestion = *parse_congestion(congestion);
   c.congestion_target = std::chrono::microseconds(target_us);
+  c.spin = std::chrono::microseconds(spin_us);
 
   const std::string op_name = !op_flag.empty() ? op_flag : !op_pos.empty() ? op_pos : "allreduce";
   auto op = parse_op(op_name);
@@ -266,6 +275,7 @@ int collectives_main(int argc, char** argv) {
     // All devices are on loopback, whose MTU is 64 KiB: use it, as TCP
     // does there, unless told otherwise.
     args.insert(args.end(), {"--max-payload", max_payload_s.empty() ? "63KiB" : max_payload_s});
+    args.insert(args.end(), {"--spin-us", std::to_string(spin_us)});
     if (faults) {
       args.insert(args.end(), {"--inject-drop", fmt_prob(drop), "--inject-dup", fmt_prob(dup), "--inject-reorder",
                                fmt_prob(reorder), "--inject-seed", std::to_string(seed + static_cast<uint64_t>(r))});

@@ -331,6 +331,7 @@ int run_rank(const BenchConfig& c) {
   if (c.window) o.client.window_packets = c.window;
   o.client.congestion = c.congestion;
   o.client.congestion_target = c.congestion_target;
+  o.client.spin = c.spin;
   auto created = Group::create(o);
   if (!created) return fail("cannot create the group: " + created.error().to_string());
   Group& g = *created.value();
@@ -446,7 +447,8 @@ int run_rank(const BenchConfig& c) {
       return fail(fmt::format("size {}: exchanging times: {}", s.size, e.to_string()));
     const double probe = std::max(combine(all).time_us, 1.0) * 1e-6;
     const int warm = std::clamp(static_cast<int>(0.25 * c.time_per_size / probe), 0, std::max(c.warmup - probes, 0));
-    const int iters = std::clamp(static_cast<int>(c.time_per_size / probe), 1, std::max(c.iters, 1));
+    const int most = std::max(c.iters, 1);
+    const int iters = std::clamp(static_cast<int>(c.time_per_size / probe), std::min(c.min_iters, most), most);
     if (iters < c.iters || probes + warm < c.warmup)
       adapted.push_back(fmt::format("{} B: {} iterations, {} warm-up", s.size, iters, probes + warm));
 

@@ -23,6 +23,7 @@ struct BenchConfig {
   uint64_t min_bytes = 8, max_bytes = 64ull << 20;
   double factor = 2;
   int iters = 20, warmup = 5;
+  int min_iters = 1;  // --min-iters: a floor under the time budget's count
   bool check = true;           // verify every iteration (untimed)
   double time_per_size = 2.0;  // seconds of timed iterations per size, at most (about)
   int root = 0;                // broadcast
@@ -47,6 +48,7 @@ struct BenchConfig {
   size_t window = 0;           // ClientOptions::window_packets (0: the client's default)
   Congestion congestion = ClientOptions{}.congestion;                  // ClientOptions::congestion
   std::chrono::microseconds congestion_target = ClientOptions{}.congestion_target;
+  std::chrono::microseconds spin = ClientOptions{}.spin;                // ClientOptions::spin
 
   std::string csv;             // rank 0 writes the rows here
   std::string faults_note;     // for the header: what the devices inject

@@ -72,6 +72,12 @@ struct ClientOptions {
   std::chrono::microseconds congestion_target{1000};
   size_t max_payload = 0;                         // 0: the device's maximum
   bool detect_restart = true;                     // fail if the boot id changes
+  // Look for answers this long before sleeping in the socket: a thread
+  // that sleeps wakes tens of microseconds after its answer arrives, which
+  // a small collective pays per hop (docs/COLLECTIVES.md section 11). It
+  // costs a core while it looks, and only while answers have recently come
+  // that soon (transport::UdpOptions::spin); 0 never spins.
+  std::chrono::microseconds spin{100};
 };
 
 // When reduce() sends a block as (index, value) pairs.

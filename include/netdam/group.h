@@ -75,6 +75,13 @@ struct GroupOptions {
   // Aggregation: a rank whose block is all zero bits sends a marker instead
   // (OmniReduce); results stay bit-identical to dense.
   bool skip_zero_blocks = true;
+  // Aggregated reductions (AllReduce, ReduceScatter, Reduce) of at least
+  // this many blocks first agree which blocks are zero on every rank: one
+  // small AllReduce (MAX) of a flag per block, 4 bytes per block. Blocks
+  // zero everywhere are then not sent at all (their result is zero bits, as
+  // dense would give); a marker still costs a datagram and an answer per
+  // rank. Needs skip_zero_blocks; 0: never (docs/COLLECTIVES.md 11).
+  size_t zero_union_blocks = 256;
   // kAuto with an admin_key: collectives up to this many bytes run by
   // aggregation on the ranks' own devices (two one-way trips instead of
   // p+1 hops; small regions after the chain slots); 0: never.
@@ -265,6 +272,8 @@ class Group {
   void probe_multicast();
   Error setup_aggregation();
   bool start_aggregate(detail::WorkState& w);
+  void begin_aggregating(detail::WorkState& w);
+  bool skip_zero_everywhere(detail::WorkState& w);
   void stage_locally(detail::WorkState& w);
   void issue_aggregates(detail::WorkState& w);
   bool step_aggregate(detail::WorkState& w);

@@ -177,6 +177,7 @@ Result<std::unique_ptr<Client>> Client::connect(std::string_view device, ClientO
   if (!ep) return ep.error();  // kInvalidArgument
   transport::UdpOptions u;
   u.bind = transport::Endpoint{0, 0};
+  u.spin = opts.spin;
   auto t = transport::UdpTransport::open(u);
   if (!t) return t.error();  // kTransport
   return connect(std::move(*t), *ep, opts);

@@ -471,6 +471,7 @@ Work Group::allreduce_async(std::span<const std::byte> in, std::span<std::byte> 
   if (use_aggregation(in.size())) {
     w->average_out = out;
     w->average_type = t;
+    w->zero_union = true;
     w->make_aggregate = [=](const collectives::AggregateContext& c) {
       return collectives::aggregate_allreduce(c, in, out, t, device_op(op));
     };
@@ -503,6 +504,7 @@ Work Group::reduce_scatter_async(std::span<const std::byte> in, std::span<std::b
   if (use_aggregation(in.size())) {
     w->average_out = out;
     w->average_type = t;
+    w->zero_union = true;
     w->make_aggregate = [=](const collectives::AggregateContext& c) {
       return collectives::aggregate_reduce_scatter(c, in, out, t, device_op(op));
     };
@@ -567,6 +569,7 @@ Work Group::reduce_async(std::span<const std::byte> in, std::span<std::byte> out
   if (use_aggregation(in.size())) {
     w->average_out = out;
     w->average_type = t;
+    w->zero_union = true;
     w->make_aggregate = [=](const collectives::AggregateContext& c) {
       return collectives::aggregate_reduce(c, in, mine ? out : std::span<std::byte>{}, t, device_op(op), root);
     };
@@ -898,6 +901,23 @@ bool Group::start_aggregate(detail::WorkState& w) {
   const collectives::AggregateContext ctx{w.slot->aggregators, opts_.rank, ranks_, w.generation, agg_stride_,
                                           opts_.skip_zero_blocks};
   w.requests = w.make_aggregate(ctx);
+  // Every rank decides alike: from the block count, not from its data.
+  if (w.zero_union && opts_.skip_zero_blocks && opts_.zero_union_blocks > 0 &&
+      w.requests.size() >= opts_.zero_union_blocks) {
+    w.held = std::move(w.requests);
+    w.nonzero.resize(w.held.size());
+    for (size_t i = 0; i < w.held.size(); ++i) w.nonzero[i] = w.held[i].zero ? 0 : 1;
+    w.anywhere.assign(w.held.size(), 0);
+    w.requests = collectives::aggregate_allreduce(ctx, std::as_bytes(std::span(w.nonzero)),
+                                                  std::as_writable_bytes(std::span(w.anywhere)), DType::kI32,
+                                                  RedOp::kMax);
+  }
+  begin_aggregating(w);
+  return true;
+}
+
+// Sends the WorkState's requests (the prelude's, or the collective's).
+void Group::begin_aggregating(detail::WorkState& w) {
   stage_locally(w);
   w.chains.assign(w.requests.size(), Op());
   w.aggregates_left = w.chains.size();
@@ -907,6 +927,33 @@ bool Group::start_aggregate(detail::WorkState& w) {
   w.deadline = client_->now() + opts_.timeout;
   w.chains_sent = 0;  // the first contribution not known to be done
   w.phase = detail::WorkState::Phase::kAggregating;
+}
+
+// The prelude is over: blocks zero on every rank have a result of zero
+// bits (what dense gives: +0.0 OP +0.0 is +0.0 for every type and
+// operator) and are not sent; the rest go as a generation of their own.
+// With none left no generation is used: a generation nobody contributes
+// to would break the chain of section 11's (L) (a rank could start g+2,
+// and reuse g's state, while another still waits for an answer of g).
+// Returns whether a generation started.
+bool Group::skip_zero_everywhere(detail::WorkState& w) {
+  std::vector<AggregateRequest> kept;
+  kept.reserve(w.held.size());
+  for (size_t i = 0; i < w.held.size(); ++i) {
+    if (w.anywhere[i] != 0) {
+      kept.push_back(w.held[i]);
+    } else if (!w.held[i].result.empty()) {
+      std::memset(w.held[i].result.data(), 0, w.held[i].result.size());
+    }
+  }
+  w.held.clear();
+  w.nonzero.clear();
+  w.anywhere.clear();
+  if (kept.empty()) return false;
+  w.generation = ++w.slot->generation;
+  for (auto& r : kept) r.generation = w.generation;
+  w.requests = std::move(kept);
+  begin_aggregating(w);
   return true;
 }
 
@@ -1013,6 +1060,7 @@ bool Group::step_aggregate(detail::WorkState& w) {
   w.chains.clear();
   w.requests.clear();
   w.mapped_results.clear();
+  if (!w.held.empty() && skip_zero_everywhere(w)) return true;
   if (!w.own_to.empty()) std::memcpy(w.own_to.data(), w.own.data(), w.own.size());
   if (w.average) divide(w.average_out, w.average_type, size());
   finish(w, {});

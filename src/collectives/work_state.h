@@ -39,6 +39,13 @@ struct WorkState {
   size_t aggregates_issued = 0;  // requests[0, issued) have been sent
   size_t aggregates_open = 0;    // sent and not answered (a BAD_KEY retry still counts)
   std::vector<AggregateRequest> requests;  // one per block, as sent
+  // A reduction that may skip blocks zero on every rank
+  // (GroupOptions::zero_union_blocks). While `held` is not empty, the
+  // requests are the prelude's: the AllReduce (MAX) of `nonzero`, a flag
+  // per held block, into `anywhere`.
+  bool zero_union = false;
+  std::vector<AggregateRequest> held;
+  std::vector<int32_t> nonzero, anywhere;
   // Blocks of the co-located aggregator: their result is read through the
   // mapping (offset in device memory -> where it goes), by request index.
   std::vector<std::pair<uint64_t, std::span<std::byte>>> mapped_results;

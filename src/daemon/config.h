@@ -26,6 +26,10 @@ struct DaemonConfig {
   transport::Endpoint listen{0x7F000001, 7000};
   uint64_t memory = 256ull << 20;
   unsigned threads = 1;
+  // Each serving thread looks for datagrams this long before it sleeps,
+  // while datagrams have recently come that soon
+  // (transport::UdpOptions::spin); 0 never spins.
+  unsigned spin_us = 100;
   // Unset: payload_for_mtu() of the listen interface's MTU (netdamd does
   // that at start), kDefaultMaxPayload if the MTU cannot be learned.
   std::optional<size_t> max_payload;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <spdlog/spdlog.h>
 #include <thread>
@@ -45,6 +46,7 @@ int main(int argc, char** argv) {
   CLI::App app{"netdamd: a NetDAM device serving its memory over UDP"};
   std::string config_file, listen, memory, shm, port_file, log_level, admin_key, max_payload, metrics;
   unsigned threads = 0;
+  std::optional<unsigned> spin_us;
   std::vector<std::string> regions;
   app.add_option("--config", config_file, "TOML file with settings (flags override it)")
       ->check(CLI::ExistingFile);
@@ -52,6 +54,11 @@ int main(int argc, char** argv) {
   app.add_option("--memory", memory, "device memory size, e.g. 256MiB, 4GiB (default 256MiB)");
   app.add_option("--threads", threads, "serving threads, each with its own socket (default 1)")
       ->check(CLI::Range(1, 64));
+  app.add_option("--spin-us", spin_us,
+                 "look for datagrams this many microseconds before sleeping, while they have recently "
+                 "come that soon (default 100; 0: never): saves a wake-up per request, costs a core while "
+                 "it looks")
+      ->check(CLI::Range(0, 1'000'000));
   app.add_option("--max-payload", max_payload, "largest payload in bytes (default: the largest power of two whose datagram fits the listen interface's MTU: 1024 for 1500, 8192 for 9000, 32768 on loopback)");
   bool prefault = false, no_default_region = false;
   app.add_flag("--no-default-region", no_default_region,
@@ -125,6 +132,7 @@ int main(int argc, char** argv) {
     cfg.max_payload = *v;
   }
   if (threads) cfg.threads = threads;
+  if (spin_us) cfg.spin_us = *spin_us;
   if (!shm.empty()) cfg.shm = shm;
   if (prefault) cfg.prefault = true;
   if (no_default_region) cfg.default_region = false;
@@ -238,6 +246,7 @@ int main(int argc, char** argv) {
   transport::UdpOptions opt;
   opt.bind = cfg.listen;
   opt.reuse_port = cfg.threads > 1;
+  opt.spin = std::chrono::microseconds(cfg.spin_us);
   for (unsigned i = 0; i < cfg.threads; ++i) {
     auto s = transport::UdpTransport::open(opt);
     if (!s) return fail(s.error().message());

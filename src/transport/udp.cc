@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <netinet/udp.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -103,6 +104,7 @@ Result<std::unique_ptr<UdpTransport>> UdpTransport::open(const UdpOptions& optio
     transport->gso_max_segment_.store(kMaxTrainBytes, std::memory_order_relaxed);
   transport->gro_ = options.gro && setsockopt(fd, IPPROTO_UDP, UDP_GRO, &one, sizeof one) == 0;
   transport->enable_recverr(options.local_backpressure);
+  transport->spin_ = options.spin;
 
   const sockaddr_in bind_addr = to_sockaddr(options.bind);
   if (bind(fd, reinterpret_cast<const sockaddr*>(&bind_addr), sizeof bind_addr) != 0) {
@@ -429,13 +431,38 @@ size_t UdpTransport::recv_now(std::span<InMsg> msgs) {
 size_t UdpTransport::recv_raw(std::span<InMsg> msgs, Duration timeout) {
   if (msgs.empty()) return 0;
   if (timeout <= Duration::zero()) return recv_now(msgs);
-  const TimePoint deadline = Clock::now() + timeout;
+  const TimePoint start = Clock::now();
+  const TimePoint deadline = start + timeout;
+  const auto spin = std::chrono::duration_cast<Duration>(spin_);
+  // Whether each of the last 8 waits ended within the spin: spinning pays
+  // only where datagrams follow each other closely (the contributions of
+  // one collective), not on a quiet socket, which then sleeps at once.
+  auto note = [&](bool soon) {
+    recent_soon_.store(static_cast<uint8_t>((recent_soon_.load(std::memory_order_relaxed) << 1) | (soon ? 1 : 0)),
+                       std::memory_order_relaxed);
+  };
+  if (spin > Duration::zero() && recent_soon_.load(std::memory_order_relaxed) != 0) {
+    const TimePoint stop = std::min(deadline, start + spin);
+    do {
+      if (const size_t got = recv_now(msgs); got > 0) {
+        note(true);
+        return got;
+      }
+      sched_yield();
+    } while (Clock::now() < stop);
+  }
   for (;;) {
-    if (const size_t got = recv_now(msgs); got > 0) return got;
+    if (const size_t got = recv_now(msgs); got > 0) {
+      if (spin > Duration::zero()) note(Clock::now() - start <= spin);
+      return got;
+    }
     // Loop rather than trust one wakeup: poll can report readable and the
     // datagram still vanish (bad checksum, another thread took it).
     const Duration left = deadline - Clock::now();
-    if (left <= Duration::zero()) return 0;
+    if (left <= Duration::zero()) {
+      if (spin > Duration::zero()) note(false);
+      return 0;
+    }
     pollfd p{fd_, POLLIN, 0};
     const timespec ts{static_cast<time_t>(left.count() / 1'000'000'000),
                       static_cast<long>(left.count() % 1'000'000'000)};

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -40,6 +41,14 @@ struct UdpOptions {
   // the peer a retransmission timeout. ICMP errors then also reach the
   // socket; they are drained and counted, never taken for datagrams.
   bool local_backpressure = true;
+  // recv with a timeout first looks for a datagram this long before it
+  // sleeps in poll. A sleeping thread is woken tens of microseconds after
+  // its datagram arrived (an IPI through the hypervisor in a VM, then the
+  // scheduler), and a small collective pays that on every hop; MPI and
+  // eRPC poll for the same reason. Spinning costs the core meanwhile
+  // (it yields to anything runnable), so a socket spins only while one of
+  // its last 8 waits ended within the spin; 0 never spins.
+  std::chrono::microseconds spin{0};
 };
 
 class UdpTransport final : public Transport {
@@ -103,6 +112,8 @@ class UdpTransport final : public Transport {
   std::atomic<uint64_t> trains_sent_{0}, trains_received_{0};
   std::atomic<uint64_t> local_drops_{0}, icmp_errors_{0};
   bool recverr_ = false;
+  std::chrono::microseconds spin_{0};
+  std::atomic<uint8_t> recent_soon_{0xFF};  // recv_raw: a bit per recent wait, 1 = ended within spin_
   // Largest datagram sent in a train. A train the kernel refuses (a
   // segment above the route's MTU: EINVAL) lowers it below that segment
   // size and is sent datagram by datagram; 0: no trains at all.
