@@ -34,8 +34,20 @@ TEST(Config, ExampleFileParses) {
   EXPECT_EQ(cfg.replay_bytes, 64ull << 20);
   EXPECT_EQ(cfg.refusals_per_second, 1000u);
   EXPECT_EQ(cfg.amplification_limit, 3u);
+  EXPECT_EQ(cfg.spin_us, 100u);
   EXPECT_FALSE(cfg.allow_any);
   EXPECT_FALSE(validate(cfg));
+}
+
+TEST(Config, SpinIsMicrosecondsAndZeroTurnsItOff) {
+  DaemonConfig cfg;
+  auto path = write_temp("spin_us = 0\n");
+  auto err = load_config_file(path, cfg);
+  std::remove(path.c_str());
+  ASSERT_FALSE(err) << err.message();
+  EXPECT_EQ(cfg.spin_us, 0u);
+  cfg.spin_us = 2'000'000;
+  EXPECT_TRUE(validate(cfg));
 }
 
 TEST(Config, SecuritySettings) {
@@ -68,6 +80,8 @@ TEST(Config, ErrorsNameTheSetting) {
   } cases[] = {
       {"memory = \"lots\"", "'memory'"},
       {"threads = 0", "'threads'"},
+      {"spin_us = -1", "'spin_us'"},
+      {"spin_us = 5000000", "'spin_us'"},
       {"listen = \"nohost\"", "'listen'"},
       {"bogus = 1", "'bogus' is not a known setting"},
       {"[[region]]\nbase = 0\nkey = 5", "'region.size'"},
