@@ -131,6 +131,61 @@ TEST(CollectivesProcess, AllReduceExact) {
   EXPECT_LT(Clock::now() - t0, 20s);
 }
 
+// Ranks of one host map every device there (GroupOptions::aggregator_shm):
+// kAuto then aggregates every size, the blocks go into the devices' STAGEs
+// through the mappings and the results come back the same way, so only
+// control datagrams reach the devices. Exact under injected faults; wrong
+// name lists are refused at create with what is wrong.
+TEST(CollectivesProcess, AggregationThroughEveryDevicesMappingIsExact) {
+  std::vector<std::vector<std::string>> extra;
+  for (int r = 0; r < kRanks; ++r)
+    extra.push_back({"--inject-drop", "0.05", "--inject-dup", "0.05", "--inject-reorder", "0.05",
+                     "--inject-seed", std::to_string(2000 + r)});
+  Devices d(extra);
+  ASSERT_TRUE(d.error.empty()) << d.error;
+  std::vector<std::thread> threads;
+  std::vector<RankResult> res(kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      GroupOptions o = d.options(r, 5000ms);
+      o.aggregator_shm = d.shm;
+      auto g = Group::create(o);
+      if (!g) {
+        res[r].error = "create: " + g.error().to_string();
+        return;
+      }
+      allreduce_loop(r, *g.value(), res[r], 4);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(res[r].error, "") << "rank " << r;
+    EXPECT_EQ(res[r].done, 4) << "rank " << r;
+    EXPECT_EQ(res[r].wrong, 0u) << "rank " << r;
+  }
+  // 4 x 400 KB reduced, but the devices received only control datagrams.
+  uint64_t rx = 0;
+  for (const auto& ep : d.endpoints) {
+    auto c = Client::connect(ep);
+    ASSERT_TRUE(c) << c.error().to_string();
+    auto st = c.value()->stats();
+    ASSERT_TRUE(st) << st.error().to_string();
+    for (const auto& [name, v] : *st)
+      if (name == "rx_bytes") rx += v;
+  }
+  EXPECT_LT(rx, 4 * kCount * sizeof(float) * kRanks / 10) << rx;
+
+  GroupOptions o = d.options(0, 1000ms);
+  o.aggregator_shm = {d.shm[0]};
+  auto g = Group::create(o);
+  ASSERT_FALSE(g);
+  EXPECT_NE(g.error().message().find("1 names for 3 aggregators"), std::string::npos) << g.error().message();
+  o.aggregator_shm = {d.shm[0], "netdam-ptest-no-such-memory", d.shm[2]};
+  g = Group::create(o);
+  ASSERT_FALSE(g);
+  EXPECT_NE(g.error().message().find("netdam-ptest-no-such-memory"), std::string::npos) << g.error().message();
+}
+
 TEST(CollectivesProcess, AllReduceExactUnderInjectedFaults) {
   std::vector<std::vector<std::string>> extra;
   for (int r = 0; r < kRanks; ++r)

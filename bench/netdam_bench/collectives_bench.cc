@@ -137,6 +137,14 @@ int collectives_main(int argc, char** argv) {
                  "aggregating devices in the network, HOST:PORT (comma-separated); with --algo aggregate")
       ->delimiter(',');
   app.add_option("--shm", shm, "this rank's device memory name, if co-located (with --devices)");
+  app.add_option("--aggregator-shm", c.aggregator_shm,
+                 "aggregation: the memory names of aggregators on this host, one per aggregator (devices' "
+                 "order without --aggregators), empty for the others; --local maps all its devices")
+      ->delimiter(',');
+  bool no_map_all = false;
+  app.add_flag("--local-map-own-only", no_map_all,
+               "--local: each rank maps only its own device's memory, as ranks on separate hosts would "
+               "(default: every rank maps every device, as ranks of one host can)");
   app.add_option("--admin-key", admin_s, "devices' admin key, registers the slots (default 0xAD; 0: already there)");
   app.add_option("--slots", c.slots, "collectives slots (default 2)")->check(CLI::Range(1, 64));
   app.add_option("--timeout", timeout_ms, "group and client timeout in ms (default 5000)");
@@ -259,6 +267,12 @@ int collectives_main(int argc, char** argv) {
   const std::string dir = common::make_temp_dir("netdam-bench.");
   if (dir.empty()) return usage_error("cannot create a temporary directory");
   if (shared) c.aggregators = {""};  // (their addresses once started) sizes device_memory_needed
+  // All the devices are on this host: every rank may stage through every
+  // device's memory (GroupOptions::aggregator_shm; kAuto then aggregates
+  // every size, which needs larger regions).
+  std::vector<std::string> shm_names;
+  for (int r = 0; r < local_devices; ++r) shm_names.push_back(fmt::format("netdam-bench-{}-{}", getpid(), r));
+  if (!no_map_all) c.aggregator_shm = shm_names;
   const uint64_t memory = device_memory_needed(c, static_cast<size_t>(local), static_cast<size_t>(local_devices));
   c.aggregators.clear();
   std::vector<Daemon> daemons(static_cast<size_t>(local_devices));
@@ -268,7 +282,7 @@ int collectives_main(int argc, char** argv) {
   };
   for (int r = 0; r < local_devices; ++r) {
     Daemon& d = daemons[static_cast<size_t>(r)];
-    d.shm = fmt::format("netdam-bench-{}-{}", getpid(), r);
+    d.shm = shm_names[static_cast<size_t>(r)];
     std::vector<std::string> args = {netdamd, "--listen", "127.0.0.1:0", "--memory", std::to_string(memory),
                                      "--shm", d.shm, "--admin-key", "0xAD", "--log-level", "warn", "--prefault"};
     args[8] = fmt::format("{:#x}", c.admin_key);

@@ -293,6 +293,7 @@ uint64_t device_memory_needed(const BenchConfig& c, size_t p, size_t devices) {
   o.admin_key = c.admin_key;
   o.algorithm = c.algorithm;
   o.torus_dims = c.torus_dims;
+  o.aggregator_shm = c.aggregator_shm;
   uint64_t bytes = Group::device_bytes(o, kMaxPayloadLimit) + (1u << 20);
   if (c.algorithm == Algorithm::kAggregate) {
     // Each device aggregates 1/devices of the blocks: RESULT0, RESULT1 and
@@ -319,6 +320,7 @@ int run_rank(const BenchConfig& c) {
   o.ranks = c.devices.empty() ? c.ranks : 0;
   o.aggregators = c.aggregators;
   o.shm = c.shm;
+  o.aggregator_shm = c.aggregator_shm;
   o.admin_key = c.admin_key;
   o.capacity = group_capacity(c);
   o.slots = c.slots;

@@ -42,6 +42,7 @@ struct BenchConfig {
   std::vector<std::string> aggregators;  // GroupOptions::aggregators
   int rank = 0;
   std::string shm;             // this rank's device memory, if co-located
+  std::vector<std::string> aggregator_shm;  // GroupOptions::aggregator_shm
   uint32_t admin_key = 0xAD;
   int slots = 2;
   std::chrono::milliseconds timeout{5000};

@@ -94,6 +94,14 @@ struct GroupOptions {
   // docs/CLUSTER.md). Until congestion control sets it, a fixed window.
   size_t aggregate_window = 16;
   std::string shm;             // this rank's device memory if co-located (netdamd --shm)
+  // Aggregation: the /dev/shm memory names of aggregators on this host
+  // (netdamd --shm), one per aggregator in order (the devices' order when
+  // `aggregators` is empty), "" for those elsewhere. A rank copies its
+  // blocks for a mapped aggregator straight into its STAGE and reads the
+  // results from its RESULT: only the control datagrams cross the kernel,
+  // as for the rank's own device (`shm`). Empty: only `shm` is mapped.
+  // The names must be the devices' at those addresses.
+  std::vector<std::string> aggregator_shm;
   uint32_t admin_key = 0;      // registers the slots on this rank's device (0: already there)
   uint64_t capacity = 64ull << 20;  // largest collective buffer, bytes
   uint64_t base = 0;           // device address of the first slot, the same on every device
@@ -291,6 +299,10 @@ class Group {
   uint64_t agg_base_ = 0;
   uint64_t agg_capacity_ = 0;  // largest buffer aggregated
   int home_aggregator_ = -1;  // index of the aggregator whose memory is mapped (local_)
+  // Per aggregator, its memory if mapped here (local_ for the home one,
+  // else aggregator_shm's mappings, owned by agg_mappings_).
+  std::vector<std::span<std::byte>> agg_maps_;
+  std::vector<std::unique_ptr<class LocalMemory>> agg_mappings_;
   std::unique_ptr<Client> client_;
   std::unique_ptr<class LocalMemory> mapping_;
   std::span<std::byte> local_;  // this rank's device memory, if co-located

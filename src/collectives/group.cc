@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <functional>
@@ -122,10 +123,18 @@ uint64_t aggregate_region_bytes(uint64_t capacity, size_t p, size_t aggregators,
   return ((p + 2) * blocks * stride + 4095) / 4096 * 4096;
 }
 // Whether a group aggregates on the ranks' own devices, and up to what size.
+// kAuto aggregates every size when every device's memory is mapped here
+// (one host: only control datagrams cross the kernel, and the ring's
+// chains would move each byte through it several times), else the small
+// ones (docs/COLLECTIVES.md 11).
 uint64_t own_aggregation_capacity(const GroupOptions& o) {
   if (o.devices.empty() || !o.aggregators.empty()) return 0;
   if (o.algorithm == Algorithm::kAggregate) return o.capacity;
-  if (o.algorithm == Algorithm::kAuto && o.admin_key != 0) return std::min(o.capacity, o.aggregate_auto_bytes);
+  const bool all_mapped = o.aggregator_shm.size() == o.devices.size() &&
+                          std::none_of(o.aggregator_shm.begin(), o.aggregator_shm.end(),
+                                       [](const std::string& n) { return n.empty(); });
+  if (o.algorithm == Algorithm::kAuto && o.admin_key != 0)
+    return all_mapped ? o.capacity : std::min(o.capacity, o.aggregate_auto_bytes);
   return 0;
 }
 
@@ -320,6 +329,23 @@ Error Group::setup_aggregation() {
   if (home_aggregator_ >= 0 && local_.size() < region_end)
     return Error::invalid(fmt::format("the mapped device memory ({} B) is smaller than its aggregation regions ({} B)",
                                       local_.size(), region_end));
+  agg_maps_.assign(aggs.size(), {});
+  if (home_aggregator_ >= 0) agg_maps_[static_cast<size_t>(home_aggregator_)] = local_;
+  if (!opts_.aggregator_shm.empty() && opts_.aggregator_shm.size() != aggs.size())
+    return Error::invalid(fmt::format("aggregator_shm has {} names for {} aggregators", opts_.aggregator_shm.size(),
+                                      aggs.size()));
+  for (size_t a = 0; a < opts_.aggregator_shm.size(); ++a) {
+    const std::string& name = opts_.aggregator_shm[a];
+    if (name.empty() || !agg_maps_[a].empty()) continue;
+    auto m = LocalMemory::open(name);
+    if (!m) return m.error().prefixed(fmt::format("aggregator {}'s memory {}: ", transport::Endpoint{aggs[a].ip, aggs[a].port}.to_string(), name));
+    if (m.value()->bytes().size() < region_end)
+      return Error::invalid(fmt::format("aggregator {}'s memory {} ({} B) is smaller than its aggregation regions ({} B)",
+                                        transport::Endpoint{aggs[a].ip, aggs[a].port}.to_string(), name,
+                                        m.value()->bytes().size(), region_end));
+    agg_maps_[a] = m.value()->bytes();
+    agg_mappings_.push_back(std::move(m.value()));
+  }
   aggregators_ = std::move(aggs);
   return {};
 }
@@ -957,31 +983,40 @@ bool Group::skip_zero_everywhere(detail::WorkState& w) {
   return true;
 }
 
-// Blocks whose aggregator is this rank's co-located device (its memory is
-// mapped here) go through the mapping: the block is copied into STAGE_r
-// and the contribution only says so (STAGED); the result is read from
-// RESULT once the device answers (NO_RESULT). Only the control datagrams
-// cross the network stack.
+// Blocks whose aggregator's memory is mapped here (this rank's co-located
+// device, or another on this host: aggregator_shm) go through the mapping:
+// the block is copied into STAGE_r and the contribution only says so
+// (STAGED); the result is read from RESULT once the device answers
+// (NO_RESULT). Only the control datagrams cross the network stack.
 void Group::stage_locally(detail::WorkState& w) {
-  w.mapped_results.assign(w.requests.size(), {0, {}});
-  if (local_.empty() || home_aggregator_ < 0) return;
-  const Hop& home = aggregators_[static_cast<size_t>(home_aggregator_)];
+  w.mapped_results.assign(w.requests.size(), {nullptr, {}});
+  if (std::all_of(agg_maps_.begin(), agg_maps_.end(), [](auto m) { return m.empty(); })) return;
   size_t s = 0;
   while (slots_[s].get() != w.slot) ++s;
   const uint64_t base = agg_base_ + s * agg_region_bytes_;
   const core::AggGeometry g = core::AggGeometry::of(agg_region_bytes_, static_cast<uint16_t>(ranks_), agg_stride_);
+  size_t a = 0;  // the last request's aggregator: runs of blocks go to one
   for (size_t i = 0; i < w.requests.size(); ++i) {
     AggregateRequest& r = w.requests[i];
-    if (r.device.ip != home.ip || r.device.port != home.port) continue;
+    auto is_its = [&](size_t k) { return aggregators_[k].ip == r.device.ip && aggregators_[k].port == r.device.port; };
+    if (!is_its(a)) {
+      a = 0;
+      while (a < aggregators_.size() && !is_its(a)) ++a;
+      if (a == aggregators_.size()) {
+        a = 0;
+        continue;
+      }
+    }
+    const std::span<std::byte> mem = agg_maps_[a];
+    if (mem.empty()) continue;
     if (!r.relay && !r.zero) {  // a zero block stays a marker: nothing to copy
       if (r.length > 0)
-        std::memcpy(local_.data() + base + g.stage(static_cast<uint16_t>(opts_.rank), r.block), r.data.data(),
-                  r.length);
+        std::memcpy(mem.data() + base + g.stage(static_cast<uint16_t>(opts_.rank), r.block), r.data.data(), r.length);
       r.staged = true;
       r.data = {};
     }
     if (!r.result.empty()) {
-      w.mapped_results[i] = {base + g.result(w.generation, r.block), r.result};
+      w.mapped_results[i] = {mem.data() + base + g.result(w.generation, r.block), r.result};
       r.result = {};
     }
   }
@@ -1026,7 +1061,7 @@ bool Group::step_aggregate(detail::WorkState& w) {
     --w.aggregates_open;
     if (!e && !w.mapped_results[i].second.empty()) {
       const auto& [from, to] = w.mapped_results[i];
-      std::memcpy(to.data(), local_.data() + from, to.size());
+      std::memcpy(to.data(), from, to.size());
     }
     if (e) {
       const Hop& at = w.requests[i].device;

@@ -46,9 +46,9 @@ struct WorkState {
   bool zero_union = false;
   std::vector<AggregateRequest> held;
   std::vector<int32_t> nonzero, anywhere;
-  // Blocks of the co-located aggregator: their result is read through the
-  // mapping (offset in device memory -> where it goes), by request index.
-  std::vector<std::pair<uint64_t, std::span<std::byte>>> mapped_results;
+  // Blocks of mapped aggregators: their result is read through the
+  // mapping (RESULT in the mapped memory -> where it goes), by request index.
+  std::vector<std::pair<const std::byte*, std::span<std::byte>>> mapped_results;
   std::vector<std::pair<std::chrono::steady_clock::time_point, size_t>> retry;  // BAD_KEY: send again then
   bool average = false;
   // Optimizer steps: the config this rank's device needs before its
