@@ -52,6 +52,8 @@ Settings (every rank must use the same values; checked at creation):
     NETDAM_MAX_PAYLOAD  payload of a started device's packets (default 63KiB)
     NETDAM_OFFLOAD_MEMORY  device memory for an optimizer offloaded to the
                       devices (netdam.optim, see optimizer_group(); default 0)
+    NETDAM_SPIN_US    microseconds a rank looks for answers before it sleeps
+                      (default 0: never, so backward keeps the cores; per rank)
 
 See docs/TORCH.md.
 """
@@ -127,6 +129,14 @@ class _Settings:
         self.algorithm = os.environ.get("NETDAM_ALGORITHM", "auto")
         # Per sender, so not part of key(): ranks may differ (docs/CONGESTION.md).
         self.congestion = os.environ.get("NETDAM_CONGESTION", "fixed")
+        # 0 by default: a training step overlaps the gradients' all_reduce
+        # with backward, and a spinning rank takes a core from backward
+        # (DDP steps in bench/torch/ddp_bench.py overlapped: 61.7-74.9 ms in
+        # three runs without, 66.4-72.9 ms in two with 100 us).
+        spin = os.environ.get("NETDAM_SPIN_US", "0")
+        if not spin.isdigit():
+            raise ValueError(f"netdam: NETDAM_SPIN_US={spin!r} is not a number of microseconds")
+        self.spin_us = int(spin)
         self.world_size = world_size
         for name, cap in (("NETDAM_CAPACITY", self.capacity), ("NETDAM_SUBGROUP_CAPACITY", self.sub_capacity)):
             if cap < 64 * world_size or cap % 8:
@@ -134,9 +144,14 @@ class _Settings:
 
     def layout(self, max_payload):
         """(bytes of the default group, where group k >= 1 starts, bytes of one, device memory)."""
-        world = _torch_backend.device_memory_bytes(self.capacity, self.slots, self.world_size, max_payload, MAILBOX)
-        sub = _torch_backend.device_memory_bytes(self.sub_capacity, self.slots, self.world_size, max_payload,
-                                                 SUBGROUP_MAILBOX)
+        # Budgeted for ranks that share a host, whose groups map every
+        # device and aggregate every size (regions of (k+2)/k x capacity for
+        # k ranks: a subgroup may have as few as 2).
+        world = _torch_backend.device_memory_bytes(self.capacity, self.slots, self.world_size, max_payload, MAILBOX,
+                                                   aggregate_all=True)
+        sub = max(_torch_backend.device_memory_bytes(self.sub_capacity, self.slots, k, max_payload,
+                                                     SUBGROUP_MAILBOX, aggregate_all=True)
+                  for k in range(min(2, self.world_size), self.world_size + 1))
         arena = -(-(world + self.offload) // (1 << 20)) * (1 << 20)
         return world, arena, sub, arena + self.subgroups * sub
 
@@ -191,7 +206,20 @@ def _check_device(address, settings, shm):
                 f"its device {address} has {info['memory_bytes'] >> 20} MiB of memory; the process groups need "
                 f"{-(-need // (1 << 20))} MiB (NETDAM_CAPACITY, NETDAM_SLOTS, NETDAM_OFFLOAD_MEMORY, "
                 "NETDAM_SUBGROUPS x NETDAM_SUBGROUP_CAPACITY)")
-        return {"address": address, "boot": info["boot_id"], "max_payload": info["max_payload"], "shm": shm}
+        return {"address": address, "boot": info["boot_id"], "max_payload": info["max_payload"], "shm": shm,
+                "host": _host_identity()}
+
+
+def _host_identity():
+    """Ranks with the same identity share a kernel and a /dev/shm, so each
+    can map the others' devices (GroupOptions::aggregator_shm)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        st = os.stat("/dev/shm")
+        return f"{boot}:{st.st_dev}:{st.st_ino}"
+    except OSError:
+        return ""
 
 
 def _exchange(store, prefix, rank, size, mine):
@@ -294,10 +322,18 @@ def create_process_group(store, rank, size, timeout):
         key_base = SUBGROUP_KEYS + place * 0x100
         capacity, mailbox = settings.sub_capacity, SUBGROUP_MAILBOX
         place0 = False
+    # Devices on this rank's host, mapped: their blocks are staged by memcpy
+    # (docs/COLLECTIVES.md section 11); with all of them, kAuto aggregates
+    # every size.
+    here = mine.get("host", "")
+    aggregator_shm = [f["shm"] if here and f.get("host") == here and f["shm"] else "" for f in facts]
+    if not any(aggregator_shm):
+        aggregator_shm = []
     pg = ProcessGroupNetdam(rank, devices, shm=shm, admin_key=settings.admin_key, capacity=capacity,
                             slots=settings.slots, timeout=settings.timeout, device=device, base=base,
                             key_base=key_base, liveness=settings.liveness, mailbox=mailbox,
-                            algorithm=settings.algorithm, congestion=settings.congestion)
+                            algorithm=settings.algorithm, congestion=settings.congestion,
+                            aggregator_shm=aggregator_shm, spin_us=settings.spin_us)
     _groups.add(pg)
     if place0:
         _place0 = weakref.ref(pg)

@@ -440,7 +440,14 @@ def worker(rank, size, port):
             if diff > 1e-5:
                 raise AssertionError(f"ddp offload-{opt}: losses differ by {diff}: {a} vs {b}")
 
-    for name, fn in [("all_reduce", allreduce_all), ("all_reduce non-contiguous", allreduce_noncontiguous),
+    def host_devices_mapped():
+        # Every rank's device is on this host: the group maps them all
+        # (kAuto then aggregates every size through the mappings).
+        names = dist.distributed_c10d._get_default_group().aggregator_shm
+        if len(names) != size or not all(names):
+            raise AssertionError(f"aggregator_shm {names}: want every rank's device mapped")
+
+    for name, fn in [("every device of the host mapped", host_devices_mapped), ("all_reduce", allreduce_all), ("all_reduce non-contiguous", allreduce_noncontiguous),
                      ("broadcast", broadcast_all), ("reduce", reduce_all), ("all_gather", allgather_all),
                      ("reduce_scatter", reduce_scatter_all), ("all_reduce_coalesced", coalesced),
                      ("int8, uint8, int16, bool", small_types), ("PRODUCT, BAND, BOR, BXOR", product_and_bitwise),

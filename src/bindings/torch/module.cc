@@ -50,20 +50,25 @@ PYBIND11_MODULE(_torch_backend, m) {
       "Starts netdamd on 127.0.0.1 (port chosen by the kernel, memory in /dev/shm, prefaulted).");
 
   m.def("device_memory_bytes", &netdam::torch_backend::device_memory_bytes, py::arg("capacity"), py::arg("slots"),
-        py::arg("ranks"), py::arg("max_payload"), py::arg("mailbox") = 1 << 20,
-        "Device memory a process group takes (its control region and slots).");
+        py::arg("ranks"), py::arg("max_payload"), py::arg("mailbox") = 1 << 20, py::arg("aggregate_all") = false,
+        "Device memory a process group takes (its control region and slots; aggregate_all: with every "
+        "device mapped, aggregation regions for the whole capacity).");
 
   py::class_<ProcessGroupNetdam, c10::intrusive_ptr<ProcessGroupNetdam>>(m, "ProcessGroupNetdam",
                                                                          dist.attr("ProcessGroup"))
       .def(py::init([](int rank, const std::vector<std::string>& devices, const std::string& shm, uint32_t admin_key,
                        uint64_t capacity, int slots, double timeout_s, std::shared_ptr<LocalDevice> device,
                        uint64_t base, uint32_t key_base, double liveness_s, uint64_t mailbox,
-                       const std::string& algorithm, const std::string& congestion) {
+                       const std::string& algorithm, const std::string& congestion,
+                       const std::vector<std::string>& aggregator_shm, int64_t spin_us) {
              NetdamOptions o;
              netdam::GroupOptions& g = o.runner.group;
              g.rank = rank;
              g.devices = devices;
              g.shm = shm;
+             g.aggregator_shm = aggregator_shm;
+             if (spin_us < 0) throw std::invalid_argument("netdam: spin_us must be >= 0");
+             g.client.spin = std::chrono::microseconds(spin_us);
              g.admin_key = admin_key;
              g.capacity = capacity;
              g.slots = slots;
@@ -94,7 +99,9 @@ PYBIND11_MODULE(_torch_backend, m) {
            py::arg("capacity") = 64ull << 20, py::arg("slots") = 2, py::arg("timeout") = 1800.0,
            py::arg("device") = nullptr, py::arg("base") = 0, py::arg("key_base") = 0x4E440100,
            py::arg("liveness") = 5.0, py::arg("mailbox") = 1 << 20, py::arg("algorithm") = "auto",
-           py::arg("congestion") = "fixed", py::call_guard<py::gil_scoped_release>())
+           py::arg("congestion") = "fixed", py::arg("aggregator_shm") = std::vector<std::string>{},
+           py::arg("spin_us") = netdam::ClientOptions{}.spin.count(),
+           py::call_guard<py::gil_scoped_release>())
       .def("_shutdown", &ProcessGroupNetdam::shutdown, py::call_guard<py::gil_scoped_release>(),
            "Finishes what was queued and stops the group's thread (also done when the group is deleted).")
       .def_property_readonly("capacity", &ProcessGroupNetdam::capacity)
@@ -102,6 +109,9 @@ PYBIND11_MODULE(_torch_backend, m) {
                              "every rank's device, in rank order")
       .def_property_readonly("shm", [](const ProcessGroupNetdam& pg) { return pg.group_options().shm; },
                              "this rank's device memory in /dev/shm, if mapped")
+      .def_property_readonly("aggregator_shm",
+                             [](const ProcessGroupNetdam& pg) { return pg.group_options().aggregator_shm; },
+                             "every rank's device memory this rank maps (those on its host; \"\" for the others)")
       .def_property_readonly("admin_key", [](const ProcessGroupNetdam& pg) { return pg.group_options().admin_key; })
       .def_property_readonly("timeout",
                              [](const ProcessGroupNetdam& pg) { return pg.group_options().timeout.count() / 1000.0; },

@@ -488,12 +488,16 @@ void Runner::run() {
   }
 }
 
-uint64_t device_memory_bytes(uint64_t capacity, int slots, int ranks, size_t max_payload, uint64_t mailbox) {
+uint64_t device_memory_bytes(uint64_t capacity, int slots, int ranks, size_t max_payload, uint64_t mailbox,
+                             bool aggregate_all) {
   ControlLayout control;
   control.ranks = ranks;
   control.mailbox = mailbox;
   GroupOptions o;  // as the process group creates its Group after the control region (kAuto, with an admin key)
   o.devices.assign(static_cast<size_t>(ranks), "");
+  // Every device mapped (the ranks of one host): kAuto aggregates every
+  // size, in regions for the whole capacity.
+  if (aggregate_all) o.aggregator_shm.assign(static_cast<size_t>(ranks), "mapped");
   o.capacity = capacity;
   o.slots = slots;
   o.admin_key = 0xAD;

@@ -169,6 +169,7 @@ class Runner {
 // Bytes of device memory a group of `ranks` needs for `slots` slots of
 // `capacity` bytes when the devices carry payloads of `max_payload` bytes,
 // with point-to-point mailboxes of `mailbox` bytes (its control region).
-uint64_t device_memory_bytes(uint64_t capacity, int slots, int ranks, size_t max_payload, uint64_t mailbox = 1 << 20);
+uint64_t device_memory_bytes(uint64_t capacity, int slots, int ranks, size_t max_payload, uint64_t mailbox = 1 << 20,
+                             bool aggregate_all = false);
 
 }  // namespace netdam::torch_backend
