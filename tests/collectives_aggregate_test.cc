@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <functional>
+#include <map>
 #include <random>
 #include <set>
 
@@ -465,6 +466,51 @@ TEST(AggregatePlacement, RunsAreDisjointFitTheRegionAndSpreadTheWindow) {
     std::set<uint16_t> window;
     for (uint64_t i = 0; i < collectives::kAggregateSpread; ++i) window.insert(collectives::aggregator_of(c, i).port);
     EXPECT_EQ(window.size(), std::min(m, collectives::kAggregateSpread)) << "m=" << m;
+  }
+}
+
+// A buffer of fewer than R x M blocks is cut into equal blocks of whole
+// 64-byte units, placed one per aggregator: every aggregator that can have
+// one gets one, loads differ by at most one block, every byte is covered
+// once, and every block has its own place inside the region.
+TEST(AggregatePlacement, FewBlocksAreSpreadOverEveryAggregator) {
+  constexpr uint32_t kStride = 8128;
+  for (size_t m : {2, 3, 4, 5, 8, 16}) {
+    std::vector<Hop> aggs;
+    for (size_t j = 0; j < m; ++j) aggs.push_back(Hop{.ip = 0x0A000001, .port = static_cast<uint16_t>(7000 + j)});
+    const collectives::AggregateContext c{aggs, 0, 4, 1, kStride};
+    const uint64_t per_device = collectives::aggregate_blocks_per_device(1u << 20, kStride, 4, m);
+    for (size_t bytes : {size_t{4096}, size_t{8192}, size_t{16384}, size_t{20000}, size_t{65536}, size_t{100000},
+                         size_t{200000}, size_t{1} << 20}) {
+      std::vector<std::byte> in(bytes, std::byte{1}), out(bytes);
+      const auto reqs = collectives::aggregate_allreduce(c, in, out, DType::kI32, RedOp::kSum);
+      const uint64_t dense_blocks = (bytes + kStride - 1) / kStride;
+      const bool spread = dense_blocks < collectives::aggregate_run(m) * m && bytes >= 2 * collectives::kAggregateMinPiece;
+      std::map<uint16_t, size_t> load;
+      std::set<std::pair<uint16_t, uint32_t>> places;
+      uint64_t covered = 0;
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        const auto& r = reqs[i];
+        EXPECT_LE(r.length, kStride);
+        if (i + 1 < reqs.size()) {
+          EXPECT_EQ(r.length % 64, 0u) << "m=" << m << " bytes=" << bytes;
+        }
+        EXPECT_EQ(r.data.data(), in.data() + covered);
+        covered += r.length;
+        ++load[r.device.port];
+        EXPECT_LT(r.block, per_device);
+        EXPECT_TRUE(places.emplace(r.device.port, r.block).second) << "m=" << m << " bytes=" << bytes;
+      }
+      EXPECT_EQ(covered, bytes);
+      if (!spread) continue;
+      EXPECT_EQ(load.size(), std::min(m, reqs.size())) << "m=" << m << " bytes=" << bytes;
+      size_t lo = reqs.size(), hi = 0;
+      for (const auto& [port, n] : load) {
+        lo = std::min(lo, n);
+        hi = std::max(hi, n);
+      }
+      EXPECT_LE(hi - lo, 1u) << "m=" << m << " bytes=" << bytes;
+    }
   }
 }
 

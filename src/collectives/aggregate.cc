@@ -31,11 +31,18 @@ struct ShardRole {
 
 class Builder {
  public:
-  Builder(const AggregateContext& c, DType t, RedOp op) : c_(c), t_(t), op_(op) {}
+  Builder(const AggregateContext& c, DType t, RedOp op) : c_(c), t_(t), op_(op), cut_(c.stride) {}
+
+  // A collective of this one shard: a buffer of few blocks is spread over
+  // every aggregator (plan.h, aggregate_spread).
+  Builder& spread(uint64_t bytes) {
+    cut_ = collectives::aggregate_spread(c_, bytes);
+    return *this;
+  }
 
   void shard(uint64_t bytes, const ShardRole& role) {
-    for (uint64_t off = 0; off < bytes || (bytes == 0 && off == 0); off += c_.stride) {
-      const auto len = static_cast<uint32_t>(std::min<uint64_t>(c_.stride, bytes - off));
+    for (uint64_t off = 0; off < bytes || (bytes == 0 && off == 0); off += cut_) {
+      const auto len = static_cast<uint32_t>(std::min<uint64_t>(cut_, bytes - off));
       AggregateRequest r;
       r.device = aggregator_of(c_, next_);
       r.block = static_cast<uint32_t>(aggregate_local_block(c_, next_));
@@ -63,9 +70,10 @@ class Builder {
   std::vector<AggregateRequest> take() { return std::move(out_); }
 
  private:
-  const AggregateContext& c_;
+  AggregateContext c_;
   DType t_;
   RedOp op_;
+  uint32_t cut_;  // block length
   uint64_t next_ = 0;
   std::vector<AggregateRequest> out_;
 };
@@ -76,7 +84,7 @@ std::vector<AggregateRequest> aggregate_allreduce(const AggregateContext& c,
                                                   std::span<const std::byte> in,
                                                   std::span<std::byte> out, DType t, RedOp op) {
   Builder b(c, t, op);
-  b.shard(in.size(), {in, out});
+  b.spread(in.size()).shard(in.size(), {in, out});
   return b.take();
 }
 
@@ -109,6 +117,7 @@ std::vector<AggregateRequest> aggregate_allgather(const AggregateContext& c,
 std::vector<AggregateRequest> aggregate_broadcast(const AggregateContext& c,
                                                   std::span<std::byte> buf, int root) {
   Builder b(c, DType::kBytes, RedOp::kNone);
+  b.spread(buf.size());
   if (c.rank == root)
     b.shard(buf.size(), {buf, {}});
   else
@@ -121,7 +130,7 @@ std::vector<AggregateRequest> aggregate_reduce(const AggregateContext& c,
                                                std::span<std::byte> out, DType t, RedOp op,
                                                int root) {
   Builder b(c, t, op);
-  b.shard(in.size(), {in, c.rank == root ? out : std::span<std::byte>{}});
+  b.spread(in.size()).shard(in.size(), {in, c.rank == root ? out : std::span<std::byte>{}});
   return b.take();
 }
 

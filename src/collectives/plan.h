@@ -214,6 +214,7 @@ struct AggregateContext {
   uint32_t generation;
   uint32_t stride;         // bytes per block
   bool skip_zero = true;   // send a marker instead of an all-zero block (OmniReduce)
+  uint64_t run = 0;        // blocks per run; 0: aggregate_run(M) (a buffer of few blocks: 1)
 };
 
 // Blocks go to the aggregators in runs of R consecutive blocks: run
@@ -225,18 +226,39 @@ struct AggregateContext {
 // the data path costs (docs/COLLECTIVES.md section 11). R * M stays within
 // kAggregateSpread so that the default window of 16 still spreads over
 // every aggregator (a run only as long as that allows; 1 from 16 devices
-// up). R depends on M alone: every rank must place every block alike.
+// up). R depends on M alone (and, for a buffer of few blocks, on its size:
+// aggregate_spread below): every rank must place every block alike.
 inline constexpr size_t kAggregateSpread = 16;
 inline constexpr size_t kAggregateMaxRun = 4;
 inline uint64_t aggregate_run(size_t aggregators) {
   return std::clamp<size_t>(kAggregateSpread / std::max<size_t>(aggregators, 1), 1, kAggregateMaxRun);
 }
+inline uint64_t aggregate_run(const AggregateContext& c) {
+  return c.run != 0 ? c.run : aggregate_run(c.aggregators.size());
+}
 inline const Hop& aggregator_of(const AggregateContext& c, uint64_t block) {
-  return c.aggregators[(block / aggregate_run(c.aggregators.size())) % c.aggregators.size()];
+  return c.aggregators[(block / aggregate_run(c)) % c.aggregators.size()];
 }
 inline uint64_t aggregate_local_block(const AggregateContext& c, uint64_t block) {
-  const uint64_t m = c.aggregators.size(), run = aggregate_run(m);
+  const uint64_t m = c.aggregators.size(), run = aggregate_run(c);
   return (block / run / m) * run + block % run;
+}
+// A buffer of fewer than R x M blocks would sit on the first aggregators
+// and cross their links alone: it is cut instead into equal blocks (whole
+// 64-byte units, at least kAggregateMinPiece bytes each, at most the
+// stride), as many as makes their count a multiple of M where it can, and
+// placed one per aggregator (R = 1). Every rank knows the size, so all cut
+// and place alike. Returns the block length to cut with and sets c.run.
+inline constexpr uint64_t kAggregateMinPiece = 4096;
+inline uint32_t aggregate_spread(AggregateContext& c, uint64_t bytes) {
+  const uint64_t m = c.aggregators.size(), run = aggregate_run(m);
+  const uint64_t blocks = (bytes + c.stride - 1) / c.stride;
+  if (m < 2 || blocks >= run * m || bytes < 2 * kAggregateMinPiece) return c.stride;
+  uint64_t pieces = std::max<uint64_t>(blocks, std::min<uint64_t>(m, bytes / kAggregateMinPiece));
+  if (pieces > m) pieces = (pieces + m - 1) / m * m;
+  const uint64_t len = ((bytes + pieces - 1) / pieces + 63) / 64 * 64;
+  c.run = 1;
+  return static_cast<uint32_t>(std::min<uint64_t>(len, c.stride));
 }
 
 // Blocks one aggregation region of a slot must hold: the slot's capacity
