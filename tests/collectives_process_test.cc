@@ -56,12 +56,23 @@ struct Devices {
     o.slots = 2;
     o.timeout = timeout;
     o.client.timeout = timeout;
+    if (map_all) o.aggregator_shm = shm;
     return o;
   }
   std::vector<std::unique_ptr<TestDaemon>> daemons;
   std::vector<std::string> shm, endpoints;
   std::string error;
+  bool map_all = false;  // every rank maps every device (GroupOptions::aggregator_shm)
 };
+
+// netdamd flags that drop, duplicate and reorder 5% each, seeded per device.
+std::vector<std::vector<std::string>> injected_faults(int seed_base) {
+  std::vector<std::vector<std::string>> extra;
+  for (int r = 0; r < kRanks; ++r)
+    extra.push_back({"--inject-drop", "0.05", "--inject-dup", "0.05", "--inject-reorder", "0.05",
+                     "--inject-seed", std::to_string(seed_base + r)});
+  return extra;
+}
 
 // Element i of rank r in iteration it: small integers, so f32 sums are exact.
 float input(int r, size_t i, int it) { return static_cast<float>((i * 7 + static_cast<size_t>(r) * 13 + it) % 1024) - 300; }
@@ -137,27 +148,10 @@ TEST(CollectivesProcess, AllReduceExact) {
 // control datagrams reach the devices. Exact under injected faults; wrong
 // name lists are refused at create with what is wrong.
 TEST(CollectivesProcess, AggregationThroughEveryDevicesMappingIsExact) {
-  std::vector<std::vector<std::string>> extra;
-  for (int r = 0; r < kRanks; ++r)
-    extra.push_back({"--inject-drop", "0.05", "--inject-dup", "0.05", "--inject-reorder", "0.05",
-                     "--inject-seed", std::to_string(2000 + r)});
-  Devices d(extra);
+  Devices d(injected_faults(2000));
   ASSERT_TRUE(d.error.empty()) << d.error;
-  std::vector<std::thread> threads;
-  std::vector<RankResult> res(kRanks);
-  for (int r = 0; r < kRanks; ++r) {
-    threads.emplace_back([&, r] {
-      GroupOptions o = d.options(r, 5000ms);
-      o.aggregator_shm = d.shm;
-      auto g = Group::create(o);
-      if (!g) {
-        res[r].error = "create: " + g.error().to_string();
-        return;
-      }
-      allreduce_loop(r, *g.value(), res[r], 4);
-    });
-  }
-  for (auto& t : threads) t.join();
+  d.map_all = true;
+  auto res = run_ranks(d, 5000ms, [](int r, Group& g, RankResult& res) { allreduce_loop(r, g, res, 4); });
   for (int r = 0; r < kRanks; ++r) {
     EXPECT_EQ(res[r].error, "") << "rank " << r;
     EXPECT_EQ(res[r].done, 4) << "rank " << r;
@@ -175,6 +169,7 @@ TEST(CollectivesProcess, AggregationThroughEveryDevicesMappingIsExact) {
   }
   EXPECT_LT(rx, 4 * kCount * sizeof(float) * kRanks / 10) << rx;
 
+  d.map_all = false;
   GroupOptions o = d.options(0, 1000ms);
   o.aggregator_shm = {d.shm[0]};
   auto g = Group::create(o);
@@ -187,11 +182,7 @@ TEST(CollectivesProcess, AggregationThroughEveryDevicesMappingIsExact) {
 }
 
 TEST(CollectivesProcess, AllReduceExactUnderInjectedFaults) {
-  std::vector<std::vector<std::string>> extra;
-  for (int r = 0; r < kRanks; ++r)
-    extra.push_back({"--inject-drop", "0.05", "--inject-dup", "0.05", "--inject-reorder", "0.05",
-                     "--inject-seed", std::to_string(1000 + r)});
-  Devices d(extra);
+  Devices d(injected_faults(1000));
   ASSERT_TRUE(d.error.empty()) << d.error;
   const auto t0 = Clock::now();
   auto res = run_ranks(d, 5000ms, [](int r, Group& g, RankResult& res) { allreduce_loop(r, g, res, 4); });

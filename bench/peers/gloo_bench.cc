@@ -360,14 +360,15 @@ int rank_main(const Options& o, const std::string& store_dir, int rank) {
                         label.c_str(), n);
           continue;
         }
-        // Sync modes run only the sizes up to --sync-max: with none left,
-        // make no context at all (every rank decides alike).
-        bool any = false;
+        // The sizes this mode runs: in sync mode nobody reads a socket while
+        // blocked in a send, so a ring of large sends deadlocks once the
+        // socket buffers are full: only those up to --sync-max.
+        std::vector<uint64_t> run;
         for (uint64_t nominal : peers::sizes(o)) {
           const uint64_t bytes = peers::op_bytes(op, nominal, n);
-          any |= bytes != 0 && (mode == "async" || bytes <= g_sync_max);
+          if (bytes != 0 && (mode == "async" || bytes <= g_sync_max)) run.push_back(bytes);
         }
-        if (!any) continue;
+        if (run.empty()) continue;  // no context at all (every rank decides alike)
         const Env env{data_context(mode), rank, n};
         if (root && !o.quiet)
           peers::print_header(
@@ -377,12 +378,7 @@ int rank_main(const Options& o, const std::string& store_dir, int rank) {
                                 : "  (sizes <= " + std::to_string(g_sync_max) + " B)") +
                (op == "allgather" ? "  out-of-place" : "  in-place"))
                   .c_str());
-        for (uint64_t nominal : peers::sizes(o)) {
-          const uint64_t bytes = peers::op_bytes(op, nominal, n);
-          if (bytes == 0) continue;
-          // In sync mode nobody reads a socket while blocked in a send: a ring
-          // of large sends deadlocks once the socket buffers are full.
-          if (mode != "async" && bytes > g_sync_max) continue;
+        for (uint64_t bytes : run) {
           const size_t count = bytes / sizeof(float);
           auto b = a.make(env, count);
           const peers::Measured m = peers::measure(
