@@ -78,6 +78,7 @@ class AggregateTest : public ::testing::Test {
     uint8_t seg_flags = 0;
     uint8_t header_flags = 0;
     uint64_t txn = 0;  // 0: fresh
+    uint64_t group = 0;  // the segment's addr: a result group
   };
 
   Bytes Datagram(const Contribution& c) {
@@ -96,7 +97,7 @@ class AggregateTest : public ::testing::Test {
     SrPreamble sr;
     sr.generation = c.generation;
     encode_preamble(sr, d.data() + kHeaderSize);
-    encode_segment({0x0A0000FE, 7000, Opcode::kAggregate, c.seg_flags, c.key, c.block, 0},
+    encode_segment({0x0A0000FE, 7000, Opcode::kAggregate, c.seg_flags, c.key, c.block, c.group},
                    d.data() + kHeaderSize + kSrPreambleSize);
     AggRecord r{static_cast<uint16_t>(c.rank), static_cast<uint16_t>(c.ranks), c.stride, c.flags, c.reserved};
     encode_agg_record(r, d.data() + payload_offset(1));
@@ -162,6 +163,12 @@ TEST(AggregateWire, GoldenBytes) {
   std::byte ans[kAggAnswerRecordSize];
   encode_agg_answer({0x01020304, kAggResultZero}, ans);
   EXPECT_EQ(Bytes(ans, ans + kAggAnswerRecordSize), Hex("01020304 00000001"));
+  encode_agg_answer({7, kAggResultGroup | kAggResultNone}, ans);
+  EXPECT_EQ(Bytes(ans, ans + kAggAnswerRecordSize), Hex("00000007 0000000a"));
+  // A result group in a segment's addr: 239.1.2.3:7600.
+  std::byte seg[kSegmentSize];
+  encode_segment({0x0A0000FE, 7000, Opcode::kAggregate, 0, 0x4E440140, 2, agg_group(0xEF010203, 7600)}, seg);
+  EXPECT_EQ(Bytes(seg, seg + kSegmentSize), Hex("0a0000fe 1b58 35 00 4e440140 00000002 0000ef0102031db0"));
   const AggGeometry g = AggGeometry::of(1 << 20, 3, 1024);
   EXPECT_EQ(g.blocks, 204u);  // 1 MiB / 5 areas / 1 KiB
   EXPECT_EQ(g.result(1, 2), g.area + 2048);
@@ -390,6 +397,80 @@ TEST_F(AggregateTest, Refusals) {
   // Nothing refused changed anything: the block still completes.
   EXPECT_TRUE(Held(Send({.rank = 1, .block = 1, .data = d})));
   EXPECT_EQ(Send({.rank = 2, .block = 1, .data = d}).size(), 3u);
+}
+
+// Result groups: contributors that name the same multicast group get the
+// result in one datagram to it, which names the block instead of a txn;
+// the others, and a retransmission after completion, by unicast.
+TEST_F(AggregateTest, ContributorsNamingAGroupShareOneResultDatagram) {
+  const uint64_t group = agg_group(0xEF010203, 7600);  // 239.1.2.3:7600
+  const Bytes in[4] = {Floats({1, 2}), Floats({10, 20}), Floats({100, 200}), Floats({1000, 2000})};
+  EXPECT_TRUE(Held(Send({.rank = 0, .ranks = 4, .generation = 3, .block = 5, .data = in[0], .group = group})));
+  EXPECT_TRUE(Held(Send({.rank = 2, .ranks = 4, .generation = 3, .block = 5, .flags = kAggNoResult, .data = in[2],
+                         .group = group})));
+  EXPECT_TRUE(Held(Send({.rank = 3, .ranks = 4, .generation = 3, .block = 5, .data = in[3]})));
+  auto done = Send({.rank = 1, .ranks = 4, .generation = 3, .block = 5, .data = in[1], .group = group});
+  ASSERT_EQ(done.size(), 2u);
+  const Answer* to_group = nullptr;
+  const Answer* to_3 = nullptr;
+  for (const Answer& a : done) (a.to == Address{0xEF010203, 7600} ? to_group : to_3) = &a;
+  ASSERT_NE(to_group, nullptr);
+  ASSERT_NE(to_3, nullptr);
+  EXPECT_EQ(to_group->h.txn, 0u);
+  EXPECT_EQ(to_group->h.rkey, kKey);  // the region's key and the block: what the receivers match
+  EXPECT_EQ(to_group->h.addr, 5u);
+  EXPECT_EQ(to_group->h.opcode, Opcode::kChain);
+  EXPECT_EQ(to_group->rec.generation, 3u);
+  EXPECT_EQ(to_group->rec.flags, kAggResultGroup);
+  EXPECT_EQ(to_group->data, Floats({1111, 2222}));
+  EXPECT_EQ(to_3->to, Host(3));
+  EXPECT_EQ(to_3->h.addr, 0x25u);  // its own echo
+  EXPECT_EQ(to_3->rec.flags, 0u);
+  EXPECT_EQ(to_3->data, Floats({1111, 2222}));
+  EXPECT_EQ(Stat("agg.group_results"), 1u);
+  // Rank 0's copy was lost: it sends again and gets the result by unicast.
+  auto again = Send({.rank = 0, .ranks = 4, .generation = 3, .block = 5, .data = in[0], .group = group});
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0].to, Host(0));
+  EXPECT_EQ(again[0].h.addr, 0x22u);
+  EXPECT_EQ(again[0].rec.flags, 0u);
+  EXPECT_EQ(again[0].data, Floats({1111, 2222}));
+  EXPECT_EQ(Stat("agg.group_results"), 1u);
+
+  // Nobody in the group asked for the data: the group's datagram has none.
+  EXPECT_TRUE(Held(Send({.rank = 0, .ranks = 4, .block = 6, .flags = kAggNoResult, .data = in[0], .group = group})));
+  EXPECT_TRUE(Held(Send({.rank = 1, .ranks = 4, .block = 6, .flags = kAggNoResult, .data = in[1], .group = group})));
+  EXPECT_TRUE(Held(Send({.rank = 2, .ranks = 4, .block = 6, .flags = kAggNoResult, .data = in[2], .group = group})));
+  done = Send({.rank = 3, .ranks = 4, .block = 6, .flags = kAggNoResult, .data = in[3], .group = group});
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].to, (Address{0xEF010203, 7600}));
+  EXPECT_EQ(done[0].rec.flags, kAggResultGroup | kAggResultNone);
+  EXPECT_TRUE(done[0].data.empty());
+
+  // Two groups: one datagram each.
+  const uint64_t other = agg_group(0xEF010204, 7600);
+  EXPECT_TRUE(Held(Send({.rank = 0, .ranks = 4, .block = 7, .data = in[0], .group = group})));
+  EXPECT_TRUE(Held(Send({.rank = 1, .ranks = 4, .block = 7, .data = in[1], .group = other})));
+  EXPECT_TRUE(Held(Send({.rank = 2, .ranks = 4, .block = 7, .data = in[2], .group = other})));
+  done = Send({.rank = 3, .ranks = 4, .block = 7, .data = in[3], .group = group});
+  ASSERT_EQ(done.size(), 2u);
+  EXPECT_NE(done[0].to, done[1].to);
+  for (const Answer& a : done) {
+    EXPECT_EQ(a.to.port, 7600);
+    EXPECT_EQ(a.rec.flags, kAggResultGroup);
+    EXPECT_EQ(a.data, Floats({1111, 2222}));
+  }
+}
+
+TEST_F(AggregateTest, AResultGroupMustBeAMulticastGroupAndPort) {
+  const Bytes d = Floats({1, 2});
+  EXPECT_EQ(StatusOf({.data = d, .group = agg_group(0x0A000001, 7600)}), Status::kBadSegment);  // unicast
+  EXPECT_EQ(StatusOf({.data = d, .group = agg_group(0xEF010203, 0)}), Status::kBadSegment);     // no port
+  EXPECT_EQ(StatusOf({.data = d, .group = agg_group(0xEF010203, 7600) | (uint64_t{1} << 48)}),
+            Status::kBadSegment);  // bits above the address
+  EXPECT_TRUE(is_agg_group(agg_group(0xE0000001, 1)));
+  EXPECT_FALSE(is_agg_group(agg_group(0xF0000001, 1)));
+  EXPECT_EQ(Stat("agg.contributions"), 0u);
 }
 
 TEST_F(AggregateTest, RegisteringTheRegionAgainForgetsItsBlocks) {

@@ -38,6 +38,7 @@
 #include <string>
 #include <string_view>
 #include <map>
+#include <unordered_map>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -112,6 +113,12 @@ struct AggregateRequest {
   bool relay = false;      // add nothing, only receive the result (AllGather, Broadcast)
   bool staged = false;     // the block is in the device's STAGE already (written through its mapping)
   std::span<std::byte> result;      // `length` bytes for the result, or empty: acknowledgement only
+  // A multicast group this client joined (Client::join_group): the device
+  // sends the result there once for every contributor that names it,
+  // instead of once to each (PROTOCOL.md 6.13). A lost copy is repaired by
+  // unicast when the contribution is sent again. ip 0: unicast.
+  uint32_t group_ip = 0;
+  uint16_t group_port = 0;
 };
 
 namespace detail {
@@ -219,16 +226,28 @@ class Client {
   // Chains (docs/COLLECTIVES.md): sent to hops[0]; the last hop answers,
   // with `length` bytes into `answer_to` if given. A NOT_READY answer is
   // retried after a short delay until the deadline; other NAKs fail the Op.
-  // `header_flags` may hold kFlagSparseOk.
+  // `header_flags` may hold kFlagSparseOk. reply_ip:reply_port (0: this
+  // client) is where the last hop answers: this client must hear it (a
+  // multicast group it joined).
   Op chain_async(std::span<const Hop> hops, uint32_t generation, DType t, RedOp op,
                  uint32_t length, std::span<const std::byte> payload,
-                 std::span<std::byte> answer_to = {}, uint8_t header_flags = 0);
+                 std::span<std::byte> answer_to = {}, uint8_t header_flags = 0, uint32_t reply_ip = 0,
+                 uint16_t reply_port = 0);
   // Contributes one block to an aggregation on any device (a one-segment
   // chain); done when the device has reduced the block from every
   // contributor and answered, with the result in r.result. Retransmitted
   // like any chain until the client's timeout; the device adds each
   // contributor's block once.
   Op aggregate_async(const AggregateRequest& r);
+  // Receives what is sent to the IPv4 multicast group ip:port too, joined
+  // on the interface toward `peer_ip` (a device that sends there), for
+  // AggregateRequest::group_ip. One group per client.
+  Error join_group(uint32_t ip, uint16_t port, uint32_t peer_ip);
+  // Whether this client hears the group ip:port (joined with join_group):
+  // a one-byte READ chain at `at` whose answer the device sends to the
+  // group (the chain's reply-to). Any answer, a refusal too, proves the
+  // path; none within `within` (sent three times) says it does not work.
+  bool hears_group(const Hop& at, uint32_t ip, uint16_t port, std::chrono::milliseconds within);
   // Sets the armed generation of a region of this client's device; returns
   // the previous one.
   Result<uint32_t> arm(uint32_t generation, uint32_t rkey = 0);
@@ -264,6 +283,10 @@ class Client {
     uint64_t integrity_drops = 0;
     // times the congestion controller shrank the window
     uint64_t window_decreases = 0;
+    // AGGREGATE results that came by a multicast group, and such datagrams
+    // that matched no contribution waiting here (other ranks' blocks on
+    // this host, copies, late ones)
+    uint64_t group_results = 0, group_unmatched = 0;
   };
   const Counters& counters() const { return counters_; }
   // The congestion controller's window now, in bytes (window_bytes with
@@ -296,6 +319,9 @@ class Client {
   // The steps of receive() once an answer is matched and OK: its payload
   // to where the operation wants it.
   void deliver_aggregate(Packet& p, std::span<const std::byte> payload);
+  // A datagram with txn 0: an AGGREGATE result sent to a group.
+  void receive_group_result(std::span<const std::byte> datagram, const transport::Endpoint& from);
+  void forget_group_wait(const Packet& p);
   Error deliver(Packet& p, std::span<const std::byte> payload);
   std::string describe(const Packet& p) const;  // "READ at 0x1000 on HOST:PORT"
   Error timed_out(const Packet& p) const;
@@ -313,6 +339,17 @@ class Client {
   bool defer_sends_ = false;
   std::map<uint64_t, std::unique_ptr<Packet>> inflight_;  // by txn: oldest first
   std::map<uint64_t, uint32_t> cookies_;  // other devices' cookies for us, by IPv4:port
+  // Contributions sent that name a result group, by what a group result
+  // carries instead of a txn: device, region key, block, generation.
+  struct GroupWait {
+    uint64_t device;
+    uint32_t rkey, block, generation;
+    friend bool operator==(const GroupWait&, const GroupWait&) = default;
+  };
+  struct GroupWaitHash {
+    size_t operator()(const GroupWait& w) const;
+  };
+  std::unordered_map<GroupWait, uint64_t, GroupWaitHash> group_waits_;  // -> txn
   size_t inflight_bytes_ = 0;
   struct Recovery;  // per route class: RTT, timers, loss detection
   std::unique_ptr<Recovery> recovery_;

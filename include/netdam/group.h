@@ -121,6 +121,13 @@ struct GroupOptions {
   // group and repair what got lost by unicast. The group checks at setup
   // that multicast through it reaches every device, and uses chains if not.
   std::string multicast;
+  // "GROUP:PORT" of an IPv4 multicast group for aggregation results: each
+  // rank joins it, and an aggregator then sends a finished block once to
+  // the group instead of once to every rank (PROTOCOL.md 6.13); a lost
+  // copy is repaired by unicast. At setup each rank checks with aggregated
+  // barriers that results reach it through the group, and otherwise keeps
+  // to unicast (result_multicast() says which). Ranks may differ in that.
+  std::string result_multicast;
   ClientOptions client;
 };
 
@@ -181,6 +188,11 @@ class Group {
   // AllGather and Broadcast go through GroupOptions::multicast (its probe
   // at setup reached every device).
   bool uses_multicast() const { return multicast_.ip != 0; }
+  // Aggregation results come to this rank through
+  // GroupOptions::result_multicast (its probe at setup got them).
+  bool uses_result_multicast() const { return result_group_.ip != 0; }
+  // Why not, when result_multicast was asked for (ok otherwise).
+  const Error& result_multicast_error() const { return result_group_error_; }
 
   // AllReduce: out[i] = in_0[i] OP ... OP in_{p-1}[i]. `out` may be `in`.
   Work allreduce_async(std::span<const std::byte> in, std::span<std::byte> out, DType t,
@@ -278,6 +290,7 @@ class Group {
   void start_verify(detail::WorkState& w);
   bool verify(detail::WorkState& w);
   void probe_multicast();
+  Error probe_result_group();
   Error setup_aggregation();
   bool start_aggregate(detail::WorkState& w);
   void begin_aggregating(detail::WorkState& w);
@@ -312,6 +325,8 @@ class Group {
   size_t next_slot_ = 0;
   std::deque<std::shared_ptr<detail::WorkState>> active_;
   Hop multicast_;  // the group, if it reaches every device (ip 0: chains only)
+  Hop result_group_;  // aggregation results' group, if it reaches this rank (ip 0: unicast)
+  Error result_group_error_;
   size_t opt_block_ = 0;  // block of optimizer chains (one segment more)
   std::unique_ptr<collectives::OffloadLayout> offload_;  // after offload_init
   std::array<std::byte, 8> probe_token_{};

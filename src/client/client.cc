@@ -60,6 +60,7 @@ struct Client::Packet {
   uint32_t key_high = 0;              // a pool proxy's key: its high half goes in boot
   bool aggregate = false;             // an AGGREGATE contribution: the answer starts with its record
   bool held = false;                  // AGGREGATE: the device has it and answers when all are in
+  bool group = false;                 // AGGREGATE: names a result group (indexed in group_waits_)
   client_detail::LossRecovery* recovery = nullptr;  // AGGREGATE: its device's estimator, once looked up
   TimePoint held_since{};
   int held_resends = 0;
@@ -421,7 +422,8 @@ Error Client::opt_step(uint64_t addr, std::span<const std::byte> grad_f32, uint3
 
 Op Client::chain_async(std::span<const Hop> hops, uint32_t generation, DType t, RedOp rop,
                        uint32_t length, std::span<const std::byte> payload,
-                       std::span<std::byte> answer_to, uint8_t header_flags) {
+                       std::span<std::byte> answer_to, uint8_t header_flags, uint32_t reply_ip,
+                       uint16_t reply_port) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kChain;
   if (hops.empty() || hops.size() > kMaxSegments) {
@@ -440,6 +442,10 @@ Op Client::chain_async(std::span<const Hop> hops, uint32_t generation, DType t, 
   p.chain_head.resize(core::payload_offset(hops.size()));
   core::SrPreamble sr;
   sr.generation = generation;
+  if (reply_port != 0) {
+    sr.reply_ip = reply_ip;
+    sr.reply_port = reply_port;
+  }
   core::encode_preamble(sr, p.chain_head.data() + kHeaderSize);
   for (size_t i = 0; i < hops.size(); ++i) {
     const Hop& hop = hops[i];
@@ -461,6 +467,12 @@ Op Client::aggregate_async(const AggregateRequest& r) {
                                            r.data.size(), r.result.size(), r.length));
     return start(std::move(op));
   }
+  const uint64_t group = r.group_ip != 0 ? core::agg_group(r.group_ip, r.group_port) : 0;
+  if (group != 0 && !core::is_agg_group(group)) {
+    op->error = Error::invalid(fmt::format("aggregate: result group {} is not a multicast group and port",
+                                           transport::Endpoint{r.group_ip, r.group_port}.to_string()));
+    return start(std::move(op));
+  }
   Packet& p = new_packet(op, Opcode::kChain, 0, 0, r.length);
   p.aggregate = true;
   p.h.dtype = r.dtype;
@@ -472,7 +484,8 @@ Op Client::aggregate_async(const AggregateRequest& r) {
   core::SrPreamble sr;
   sr.generation = r.generation;
   core::encode_preamble(sr, p.chain_head.data() + kHeaderSize);
-  core::encode_segment(core::Segment{r.device.ip, r.device.port, Opcode::kAggregate, 0, r.device.rkey, r.block, 0},
+  p.group = group != 0;
+  core::encode_segment(core::Segment{r.device.ip, r.device.port, Opcode::kAggregate, 0, r.device.rkey, r.block, group},
                        p.chain_head.data() + kHeaderSize + kSrPreambleSize);
   core::AggRecord rec;
   rec.contributor = r.contributor;
@@ -485,6 +498,34 @@ Op Client::aggregate_async(const AggregateRequest& r) {
   p.payload = r.data;
   p.answer_to = r.result.empty() ? nullptr : r.result.data();
   return start(std::move(op));
+}
+
+Error Client::join_group(uint32_t ip, uint16_t port, uint32_t peer_ip) {
+  return transport_->join_group(transport::Endpoint{ip, port}, peer_ip);
+}
+
+bool Client::hears_group(const Hop& at, uint32_t ip, uint16_t port, std::chrono::milliseconds within) {
+  Hop read = at;
+  read.op = Opcode::kRead;
+  read.flags = 0;
+  read.aux = 0;
+  std::byte sink[1];
+  const auto until = now() + within;
+  for (int attempt = 0; attempt < 3 && now() < until; ++attempt) {
+    Op op = chain_async({&read, 1}, 0, DType::kBytes, RedOp::kNone, 1, {}, sink, 0, ip, port);
+    const auto give_up = std::min(until, now() + within / 3);
+    while (!op.done() && now() < give_up) wait_any();
+    if (op.done() && op.error().code() != Error::Code::kTimeout && op.error().code() != Error::Code::kInvalidArgument)
+      return true;
+    fail_op(*op.s_, Error::timeout("not heard through the group"));  // forget it: a late copy is ignored
+  }
+  return false;
+}
+
+size_t Client::GroupWaitHash::operator()(const GroupWait& w) const {
+  uint64_t x = w.device * 0x9E3779B97F4A7C15ull ^ (uint64_t{w.rkey} << 32 | w.block) ^
+               uint64_t{w.generation} * 0xC2B2AE3D27D4EB4Full;
+  return static_cast<size_t>(x ^ (x >> 29));
 }
 
 Op Client::arm_async(uint32_t generation, uint32_t rkey) {
@@ -740,6 +781,7 @@ void Client::fail_op(detail::OpState& op, Error e) {
     if (it->second->op.get() == &op) {
       --op.outstanding;
       inflight_bytes_ -= it->second->window_cost();
+      forget_group_wait(*it->second);
       it = inflight_.erase(it);
     } else {
       ++it;
@@ -751,9 +793,18 @@ void Client::finish(Packet& p, Error e) {
   auto op = p.op;  // p dies below
   const uint64_t txn = p.h.txn;
   inflight_bytes_ -= p.window_cost();
+  forget_group_wait(p);
   inflight_.erase(txn);
   --op->outstanding;
   if (e) fail_op(*op, std::move(e));
+}
+
+void Client::forget_group_wait(const Packet& p) {
+  if (!p.group) return;
+  const core::Segment seg = core::decode_segment(p.chain_head.data() + kHeaderSize + kSrPreambleSize);
+  const uint32_t gen = core::decode_preamble(p.chain_head.data() + kHeaderSize).generation;
+  auto it = group_waits_.find({uint64_t{seg.ip} << 16 | seg.port, seg.rkey, seg.aux, gen});
+  if (it != group_waits_.end() && it->second == p.h.txn) group_waits_.erase(it);
 }
 
 void Client::send_queued() {
@@ -785,6 +836,11 @@ void Client::send_queued() {
     ++counters_.packets_sent;
     if (p->expect_answer) {
       inflight_bytes_ += p->window_cost();
+      if (p->group) {
+        const core::Segment seg = core::decode_segment(p->chain_head.data() + kHeaderSize + kSrPreambleSize);
+        const uint32_t gen = core::decode_preamble(p->chain_head.data() + kHeaderSize).generation;
+        group_waits_[{uint64_t{seg.ip} << 16 | seg.port, seg.rkey, seg.aux, gen}] = p->h.txn;
+      }
       inflight_.emplace(p->h.txn, std::move(p));
     } else {
       --p->op->outstanding;
@@ -891,6 +947,8 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
     return;
   }
   core::Header h = core::decode_header(buf);
+  if (h.txn == 0 && h.is_response() && h.opcode == Opcode::kChain)
+    return receive_group_result({buf, len}, from);
   auto it = inflight_.find(h.txn);
   // A chain's answer comes from its last hop, any other answer from the device.
   if (!h.is_response() || it == inflight_.end() || it->second->h.opcode != h.opcode ||
@@ -936,6 +994,40 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
 
 std::string Client::describe(const Packet& p) const {
   return fmt::format("{} at {:#x} on {}", to_string(p.h.opcode), p.h.addr, device_address());
+}
+
+// An AGGREGATE result sent to a result group (PROTOCOL.md 6.13): it names
+// its block by device, region key, block and generation instead of a txn.
+// Other ranks of this host get the same datagram for their own blocks, so
+// one that matches nothing here is normal.
+void Client::receive_group_result(std::span<const std::byte> d, const transport::Endpoint& from) {
+  const core::Header h = core::decode_header(d.data());
+  const auto payload = d.subspan(kHeaderSize);
+  if (h.status != Status::kOk || h.length != payload.size() || payload.size() < core::kAggAnswerRecordSize ||
+      !(core::decode_agg_answer(payload.data()).flags & core::kAggResultGroup) || h.addr > UINT32_MAX) {
+    ++counters_.ignored;
+    return;
+  }
+  const uint32_t gen = core::decode_agg_answer(payload.data()).generation;
+  auto w = group_waits_.find({from.key(), h.rkey, static_cast<uint32_t>(h.addr), gen});
+  auto it = w == group_waits_.end() ? inflight_.end() : inflight_.find(w->second);
+  if (it == inflight_.end()) {
+    ++counters_.group_unmatched;
+    return;
+  }
+  Packet& p = *it->second;
+  const uint32_t flags = core::decode_agg_answer(payload.data()).flags;
+  if (p.h.dtype != h.dtype || p.h.redop != h.redop || p.h.length + core::kAggAnswerRecordSize < payload.size() ||
+      (p.answer_to != nullptr && (flags & core::kAggResultNone)) || (flags & core::kAggHeld))
+    return finish(p, Error::protocol(describe(p) + ": a group result that does not fit its block"));
+  ++counters_.answers;
+  ++counters_.group_results;
+  if (!p.held) {  // its held answer was lost: this is the first word of the block (not a timing)
+    const TimePoint now = transport_->now();
+    recovery_->route(p).on_answer(p.first_sent, p.last_sent, p.sends, now);
+    recovery_->cc.on_answer(now, p.window_cost(), std::nullopt, h.depth);
+  }
+  deliver_aggregate(p, payload);
 }
 
 // An AGGREGATE answer: "held" (the device has the block and answers again

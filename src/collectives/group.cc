@@ -178,7 +178,8 @@ Error Group::setup() {
   if (!own) {
     if (opts_.aggregators.empty()) return Error::invalid("a group without devices needs aggregators");
     for (int s = 0; s < opts_.slots; ++s) slots_.push_back(std::make_unique<Slot>());
-    return setup_aggregation();
+    if (Error e = setup_aggregation()) return e;
+    return probe_result_group();
   }
   if (2 * p > kMaxSegments)
     return Error::invalid(fmt::format("ring chains take 2p segments: at most {} ranks", kMaxSegments / 2));
@@ -269,6 +270,30 @@ Error Group::setup() {
   if (!opts_.aggregators.empty() || own_aggregation_capacity(opts_) > 0)
     if (Error e = setup_aggregation()) return e;
   if (multicast_.ip != 0) probe_multicast();
+  return probe_result_group();
+}
+
+// GroupOptions::result_multicast: join the group, then have the first
+// aggregator answer a probe to the group. A rank names the group only if it
+// heard that answer: a rank whose host the group does not reach keeps to
+// unicast, without asking the other ranks (the aggregator serves both).
+Error Group::probe_result_group() {
+  if (opts_.result_multicast.empty()) return {};
+  auto group = transport::parse_endpoint(opts_.result_multicast);
+  if (!group || !transport::is_multicast(group->ip) || group->port == 0)
+    return Error::invalid("result_multicast '" + opts_.result_multicast + "': " +
+                          (group ? "not a multicast group and port (224.0.0.0/4)" : group.error().message()));
+  if (!aggregates()) return {};
+  Hop candidate;
+  candidate.ip = group->ip;
+  candidate.port = group->port;
+  const Error joined = client_->join_group(candidate.ip, candidate.port, aggregators_[0].ip);
+  const auto within = std::min<std::chrono::milliseconds>(opts_.timeout, std::chrono::milliseconds(300));
+  const bool reached = !joined && client_->hears_group(slots_[0]->aggregators[0], candidate.ip, candidate.port, within);
+  if (reached)
+    result_group_ = candidate;
+  else
+    result_group_error_ = joined ? joined : Error::transport("no result of the probe came through " + group->to_string());
   return {};
 }
 
@@ -945,6 +970,14 @@ bool Group::start_aggregate(detail::WorkState& w) {
 // Sends the WorkState's requests (the prelude's, or the collective's).
 void Group::begin_aggregating(detail::WorkState& w) {
   stage_locally(w);
+  // Results this rank reads from a mapping need no datagram; the others
+  // may come by the result group.
+  if (result_group_.ip != 0)
+    for (size_t i = 0; i < w.requests.size(); ++i)
+      if (w.mapped_results[i].second.empty()) {
+        w.requests[i].group_ip = result_group_.ip;
+        w.requests[i].group_port = result_group_.port;
+      }
   w.chains.assign(w.requests.size(), Op());
   w.aggregates_left = w.chains.size();
   w.aggregates_issued = 0;

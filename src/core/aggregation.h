@@ -42,6 +42,17 @@ inline constexpr uint32_t kAggNoPayload = kAggZero | kAggSkip | kAggStaged;
 inline constexpr uint32_t kAggResultZero = 0x1;  // the result is all zero bits: no data follows
 inline constexpr uint32_t kAggResultNone = 0x2;  // no data asked for (kAggNoResult)
 inline constexpr uint32_t kAggHeld = 0x4;        // not a result: the contribution is held until all are in
+// A result sent once to a multicast group for every contributor that named
+// it (the segment's addr): the header's txn is 0, its rkey the region's key
+// and its addr the block's index, which is how a receiver finds its block.
+inline constexpr uint32_t kAggResultGroup = 0x8;
+// The segment addr of a contribution that names a result group:
+// ip << 16 | port. 0 names none; anything but a multicast group (224/4)
+// and a non-zero port is refused.
+inline constexpr uint64_t agg_group(uint32_t ip, uint16_t port) { return uint64_t{ip} << 16 | port; }
+inline constexpr bool is_agg_group(uint64_t addr) {
+  return (addr >> 48) == 0 && (addr >> 44) == 0xE && (addr & 0xFFFF) != 0;
+}
 // Contributors are a 64-bit set.
 inline constexpr size_t kMaxContributors = 64;
 // Blocks are whole 64-byte units of at least this size, which bounds the
@@ -93,6 +104,9 @@ struct AggReply {
   uint64_t txn = 0;
   uint32_t rkey = 0;   // the request header's rkey and addr, echoed
   uint64_t addr = 0;
+  // A result group (agg_group) that gets the result instead, in one
+  // datagram for every contributor that names it; 0: none.
+  uint64_t group = 0;
 };
 
 // One contribution, checked by the engine against the region (key,
@@ -114,8 +128,10 @@ struct AggContribution {
 struct AggOutcome {
   Status status = Status::kOk;
   // Answers to send now (empty while the block waits for contributors):
-  // to this contributor alone (a retransmission after completion), or to
-  // every contributor that waits (the block just completed).
+  // to this contributor alone (a retransmission after completion: by
+  // unicast, whatever group it names, since its group's copy was lost), or
+  // to every contributor that waits (the block just completed: one
+  // datagram per named group, the others by unicast).
   std::vector<AggReply> answer;
   AggAnswerRecord record;
   std::span<const std::byte> result;  // the result's bytes in device memory (empty if zero)

@@ -312,7 +312,7 @@ Action Engine::run_chain(Address from, std::span<std::byte> d, Packet& p,
   }
 
   if (segment(h.seg_index).opcode == Opcode::kAggregate)
-    return aggregate(h, p, reply_to, segment(h.seg_index), out);
+    return aggregate(h, p, from, reply_to, segment(h.seg_index), out);
 
   std::span<std::byte> payload = p.payload;
   bool payload_moved = false;  // payload no longer the request's bytes

@@ -242,7 +242,7 @@ class Engine {
                         std::span<const std::byte>& dense);
   Action answer(const Header& req, Address to, Status status, std::span<const std::byte> data,
                 std::span<std::byte> out);
-  Action aggregate(const Header& h, const Packet& p, Address reply_to, const Segment& s,
+  Action aggregate(const Header& h, const Packet& p, Address from, Address reply_to, const Segment& s,
                    std::span<std::byte> out);
 
   Device& device_;

@@ -1,6 +1,7 @@
 // AGGREGATE (docs/PROTOCOL.md 6.13): the engine's side of in-network
 // aggregation. The checks come in the order the protocol lists them; the
 // block state lives in the Device's Aggregator.
+#include <array>
 #include <cstring>
 
 #include "core/aggregation.h"
@@ -8,11 +9,18 @@
 
 namespace netdam::core {
 
-Action Engine::aggregate(const Header& h, const Packet& p, Address reply_to, const Segment& s,
+Action Engine::aggregate(const Header& h, const Packet& p, Address from, Address reply_to, const Segment& s,
                          std::span<std::byte> out) {
   // One segment, nothing else in the chain: the contribution's answer is the
   // result, which comes when every contributor is in.
-  if (h.seg_count != 1 || s.flags != 0) return answer(h, reply_to, Status::kBadSegment, {}, out);
+  if (h.seg_count != 1 || s.flags != 0 || (s.addr != 0 && !is_agg_group(s.addr)))
+    return answer(h, reply_to, Status::kBadSegment, {}, out);
+  // A result group is a destination like a reply-to: the policy decides
+  // before anything is answered there.
+  if (s.addr != 0 && !device_.config().destinations.permits(from.ip, static_cast<uint32_t>(s.addr >> 16))) {
+    Stats::inc(stats_.policy_refused);
+    return answer(h, from, Status::kNotPermitted, {}, out);
+  }
   if (h.flags & (kFlagSparse | kFlagSparseOk)) return answer(h, reply_to, Status::kBadFlags, {}, out);
   const std::optional<Region> region = device_.regions().find(s.rkey);
   if (!region) return answer(h, reply_to, Status::kBadKey, {}, out);
@@ -45,7 +53,7 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address reply_to, con
   c.length = h.length;
   c.record = rec;
   c.data = p.payload.subspan(kAggRecordSize);
-  c.reply = {reply_to.ip, reply_to.port, !(rec.flags & kAggNoResult), h.txn, h.rkey, h.addr};
+  c.reply = {reply_to.ip, reply_to.port, !(rec.flags & kAggNoResult), h.txn, h.rkey, h.addr, s.addr};
   const AggOutcome o = device_.aggregator().contribute(c);
   if (o.status != Status::kOk) return answer(h, reply_to, o.status, {}, out);
   Stats::inc(o.duplicate ? stats_.agg_duplicates : stats_.agg_contributions);
@@ -86,13 +94,33 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address reply_to, con
     build(to, {p.sr.generation, kAggHeld}, {}, out.data());
     return Action{Action::Kind::kReply, reply_to, head, {}};
   }
-  for (size_t i = 1; i < o.answer.size(); ++i) {
-    Fanout& f = fanout_.emplace_back();
-    f.to = {o.answer[i].ip, o.answer[i].port};
-    f.data = build(o.answer[i], o.record, o.result, f.head.data());
+  // Who gets the result: each contributor by unicast, except that the
+  // contributors naming a group (when the block has just completed) share
+  // one datagram to it, which carries the data if any of them asked for it.
+  std::array<AggReply, kMaxContributors> sends;
+  std::array<uint32_t, kMaxContributors> flags{};
+  size_t n = 0;
+  for (const AggReply& a : o.answer) {
+    if (!o.completed || a.group == 0) {
+      sends[n++] = a;
+      continue;
+    }
+    size_t i = 0;
+    while (i < n && !(flags[i] == kAggResultGroup && sends[i].group == a.group)) ++i;
+    if (i == n) {
+      sends[n] = {static_cast<uint32_t>(a.group >> 16), static_cast<uint16_t>(a.group), false, 0, s.rkey, s.aux, a.group};
+      flags[n++] = kAggResultGroup;
+      Stats::inc(stats_.agg_group_results);
+    }
+    sends[i].with_data |= a.with_data;
   }
-  const auto data = build(o.answer[0], o.record, o.result, out.data());
-  return Action{Action::Kind::kReply, {o.answer[0].ip, o.answer[0].port}, head, data};
+  for (size_t i = 1; i < n; ++i) {
+    Fanout& f = fanout_.emplace_back();
+    f.to = {sends[i].ip, sends[i].port};
+    f.data = build(sends[i], {o.record.generation, o.record.flags | flags[i]}, o.result, f.head.data());
+  }
+  const auto data = build(sends[0], {o.record.generation, o.record.flags | flags[0]}, o.result, out.data());
+  return Action{Action::Kind::kReply, {sends[0].ip, sends[0].port}, head, data};
 }
 
 }  // namespace netdam::core

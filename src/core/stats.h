@@ -33,6 +33,7 @@ struct Stats {
   Counter agg_contributions{0};  // AGGREGATE contributions accepted (first copies)
   Counter agg_duplicates{0};     // AGGREGATE copies of a contribution already held
   Counter agg_completed{0};      // blocks reduced (every contributor in)
+  Counter agg_group_results{0};  // results sent once to a multicast group for its contributors
   Counter agg_abandoned{0};      // blocks whose generation was given up by a failed collective
   std::array<Counter, 256> requests{};        // by opcode value
   std::array<Counter, kStatusCount> naks{};   // NAKs sent, by status

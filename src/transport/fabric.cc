@@ -36,6 +36,12 @@ class Fabric::Port final : public Transport {
     return fabric_->receive(*this, msgs, timeout);
   }
   TimePoint now() const override { return fabric_->now(); }
+  Error join_group(Endpoint group, uint32_t) override {
+    if (!is_multicast(group.ip) || group.port == 0)
+      return Error::invalid(group.to_string() + " is not a multicast group and port (224.0.0.0/4)");
+    fabric_->join(group, addr_);
+    return {};
+  }
 
   Fabric* fabric_;  // nulled by ~Fabric so a late ~Port does not touch it
   const Endpoint addr_;

@@ -54,6 +54,7 @@ class FaultyTransport final : public Transport {
   // Releases held datagrams, then receives from the inner transport.
   size_t recv_raw(std::span<InMsg> msgs, Duration timeout) override;
   TimePoint now() const override { return inner_.now(); }
+  Error join_group(Endpoint group, uint32_t peer_ip) override { return inner_.join_group(group, peer_ip); }
 
   // Sends held datagrams now.
   void flush();

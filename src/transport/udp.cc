@@ -146,6 +146,26 @@ Result<std::unique_ptr<UdpTransport>> UdpTransport::open_multicast(Endpoint grou
 
 UdpTransport::~UdpTransport() { ::close(fd_); }
 
+Error UdpTransport::join_group(Endpoint group, uint32_t peer_ip) {
+  if (group_) return Error::invalid("already a member of multicast group " + group_->local().to_string());
+  // The interface: the one whose address the kernel would send to peer_ip
+  // from (a connected UDP socket sends nothing).
+  const int probe = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (probe < 0) return Error::transport("cannot create UDP socket: " + errno_text(errno));
+  const sockaddr_in peer = to_sockaddr(Endpoint{peer_ip, 9});
+  sockaddr_in mine{};
+  socklen_t len = sizeof mine;
+  const bool routed = connect(probe, reinterpret_cast<const sockaddr*>(&peer), sizeof peer) == 0 &&
+                      getsockname(probe, reinterpret_cast<sockaddr*>(&mine), &len) == 0;
+  const int err = errno;
+  ::close(probe);
+  if (!routed) return Error::transport("no route to " + Endpoint{peer_ip, 0}.to_string() + ": " + errno_text(err));
+  auto s = open_multicast(group, ntohl(mine.sin_addr.s_addr));
+  if (!s) return s.error();
+  group_ = std::move(s).value();
+  return {};
+}
+
 Transport::Backlog UdpTransport::rx_backlog() const {
   uint32_t m[SK_MEMINFO_VARS] = {};
   socklen_t len = sizeof m;
@@ -425,6 +445,9 @@ size_t UdpTransport::recv_now(std::span<InMsg> msgs) {
     train_estimate_.store(most, std::memory_order_relaxed);
     if (stashed || static_cast<size_t>(rc) < n) break;  // full, or the queue is drained
   }
+  // The group's datagrams go to the slots left (their buffers are unused:
+  // a train only views into slots before `got`).
+  if (group_ && got < msgs.size()) got += group_->recv_now(msgs.subspan(got));
   return got;
 }
 
@@ -463,11 +486,12 @@ size_t UdpTransport::recv_raw(std::span<InMsg> msgs, Duration timeout) {
       if (spin > Duration::zero()) note(false);
       return 0;
     }
-    pollfd p{fd_, POLLIN, 0};
+    pollfd p[2] = {{fd_, POLLIN, 0}, {group_ ? group_->fd_ : -1, POLLIN, 0}};
     const timespec ts{static_cast<time_t>(left.count() / 1'000'000'000),
                       static_cast<long>(left.count() % 1'000'000'000)};
-    if (ppoll(&p, 1, &ts, nullptr) < 0 && errno == EINTR) return 0;
-    if (p.revents & POLLERR) drain_errors();
+    if (ppoll(p, group_ ? 2 : 1, &ts, nullptr) < 0 && errno == EINTR) return 0;
+    if (p[0].revents & POLLERR) drain_errors();
+    if (p[1].revents & POLLERR) group_->drain_errors();
   }
 }
 

@@ -84,6 +84,10 @@ class UdpTransport final : public Transport {
   // come first in the next call.
   size_t recv_raw(std::span<InMsg> msgs, Duration timeout) override;
   TimePoint now() const override { return Clock::now(); }
+  // A second socket, open_multicast's, bound to the group and joined on the
+  // interface of the route to peer_ip; recv_batch takes from both. One
+  // group per transport.
+  Error join_group(Endpoint group, uint32_t peer_ip) override;
 
   int fd() const { return fd_; }
   // Datagrams skipped by send_batch because the kernel refused them.
@@ -131,6 +135,7 @@ class UdpTransport final : public Transport {
   std::mutex stash_mu_;
   std::deque<Stashed> stash_;
   std::atomic<bool> stash_nonempty_{false};
+  std::unique_ptr<UdpTransport> group_;  // join_group's socket
 };
 
 }  // namespace netdam::transport

@@ -193,6 +193,7 @@ field("agg_answer_flags", U32, "agg.answer_flags", "Answer flags", HEX)
 field("agg_result_zero", ProtoField.bool, "agg.answer_flags.result_zero", "RESULT_ZERO", 32, nil, 0x1)
 field("agg_none", ProtoField.bool, "agg.answer_flags.none", "NONE", 32, nil, 0x2)
 field("agg_held", ProtoField.bool, "agg.answer_flags.held", "HELD", 32, nil, 0x4)
+field("agg_group", ProtoField.bool, "agg.answer_flags.group", "GROUP", 32, nil, 0x8)
 -- regions (6.15)
 field("region", ProtoField.none, "region", "Region")
 field("region_count", U32, "region.count", "Records", DEC)
@@ -535,7 +536,7 @@ local function agg_answer(tvb, tree, off, len, dtype)
   end
   local t = tree:add(tvb(off, 8), "Aggregation answer record")
   t:add(f.agg_generation, tvb(off, 4))
-  add_bits(t, f.agg_answer_flags, tvb(off + 4, 4), {f.agg_result_zero, f.agg_none, f.agg_held})
+  add_bits(t, f.agg_answer_flags, tvb(off + 4, 4), {f.agg_result_zero, f.agg_none, f.agg_held, f.agg_group})
   if len > 8 then dense_elements(tvb, tree, off + 8, len - 8, dtype, "Result") end
 end
 
