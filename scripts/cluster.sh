@@ -13,7 +13,7 @@
 #   scripts/cluster.sh [OPTIONS] run -- CMD...  up, run CMD in the root namespace
 #                                               with CLUSTER_* set, tear down
 #
-#                 bridge <prefix>-br (no IP address, multicast snooping off)
+#                 bridge <prefix>-br (no IP address, IGMP snooping and querier on)
 #        .------------+-------------+--------------+-------------.
 #   veth <prefix>-h0 ... <prefix>-h(N-1)    <prefix>-d0 ... <prefix>-d(M-1)
 #    tbf: node's download            (bridge-side end)
@@ -384,12 +384,24 @@ cluster_up() {
   trap 'exit 143' TERM
   trap 'exit 129' HUP
 
-  step "bridge $bridge" "$IP" link add "$bridge" mtu "$mtu" type bridge mcast_snooping 0 stp_state 0 forward_delay 0
+  # IGMP snooping, as a data-center switch does: a group's datagrams go to
+  # the ports whose nodes joined it, not to every port (aggregation results
+  # by multicast would otherwise load every device's download link with
+  # the other devices' results: 56% of the bound instead of 97% at 64 MiB,
+  # p = 4); the bridge is the querier, so memberships stay fresh.
+  step "bridge $bridge" "$IP" link add "$bridge" mtu "$mtu" type bridge mcast_snooping 1 mcast_querier 1 stp_state 0 forward_delay 0
   sysctl -qw "net.ipv6.conf.$bridge.disable_ipv6=1" >/dev/null 2>&1
   step "bridge $bridge up" "$IP" link set "$bridge" multicast on up
   local i
   for ((i = 0; i < hosts; i++)); do add_node "$(host_ns $i)" "$(host_ip $i)"; done
-  for ((i = 0; i < devices; i++)); do add_node "$(dev_ns $i)" "$(dev_ip $i)"; done
+  for ((i = 0; i < devices; i++)); do
+    add_node "$(dev_ns $i)" "$(dev_ip $i)"
+    # Until the bridge's querier is up (some seconds; it then forwards by
+    # membership only), it floods multicast to every port that allows it:
+    # not to the devices, which get a group's datagrams only once they
+    # joined it and the querier knows.
+    step "$(dev_ns $i): no multicast flooding" "$IP" link set dev "$(dev_ns $i)" type bridge_slave mcast_flood off
+  done
   if ((netdamd)); then
     for ((i = 0; i < devices; i++)); do start_netdamd "d$i" "$(dev_ns $i)" "$(dev_ip $i)"; done
   fi

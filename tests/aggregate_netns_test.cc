@@ -103,27 +103,23 @@ std::vector<std::byte> random_floats(size_t n, uint64_t seed) {
   return v;
 }
 
-TEST(AggregateNetns, ThreeHostsTwoDevicesExact) {
-  Cluster c;
-  const std::string why = c.up();
-  if (!why.empty() && !c.failed()) GTEST_SKIP() << why;
-  ASSERT_TRUE(why.empty()) << why;
-  const auto host_ns = c.list("CLUSTER_HOST_NS", ' ');
-  const auto devices = c.list("CLUSTER_DEVICE_ADDRS", ',');
-  ASSERT_EQ(host_ns.size(), static_cast<size_t>(kHosts));
-  ASSERT_EQ(devices.size(), static_cast<size_t>(kDevices));
-
-  const size_t n = (3u << 20) / 4 + 123;  // 3 MiB and a bit: blocks of both devices, a short last one
-  std::vector<std::vector<std::byte>> in, sum_out(kHosts), rs_out(kHosts), ag_out(kHosts);
-  for (int r = 0; r < kHosts; ++r) in.push_back(random_floats(n, static_cast<uint64_t>(r + 11)));
+// Every rank in its host's namespace: AllReduce, ReduceScatter and
+// AllGather of `in`, checked bit for bit. `result_group`: results by that
+// multicast group (every rank must then have heard it at setup and got
+// results through it). Returns "" or what went wrong.
+std::string run_and_check(const std::vector<std::string>& host_ns, const std::vector<std::string>& devices,
+                          const std::vector<std::vector<std::byte>>& in, size_t n, const std::string& result_group,
+                          uint32_t key_base) {
+  std::vector<std::vector<std::byte>> sum_out(kHosts), rs_out(kHosts), ag_out(kHosts);
   std::vector<std::string> errors(kHosts);
   std::vector<std::thread> threads;
   for (int r = 0; r < kHosts; ++r) {
     threads.emplace_back([&, r] {
+      const size_t i = static_cast<size_t>(r);
       // This thread's sockets live in the host's namespace.
-      const int fd = open(("/var/run/netns/" + host_ns[static_cast<size_t>(r)]).c_str(), O_RDONLY | O_CLOEXEC);
+      const int fd = open(("/var/run/netns/" + host_ns[i]).c_str(), O_RDONLY | O_CLOEXEC);
       if (fd < 0 || setns(fd, CLONE_NEWNET) != 0) {
-        errors[static_cast<size_t>(r)] = "cannot enter " + host_ns[static_cast<size_t>(r)] + ": " + std::strerror(errno);
+        errors[i] = "cannot enter " + host_ns[i] + ": " + std::strerror(errno);
         if (fd >= 0) close(fd);
         return;
       }
@@ -136,25 +132,41 @@ TEST(AggregateNetns, ThreeHostsTwoDevicesExact) {
       o.capacity = 8u << 20;
       o.timeout = 10s;
       o.client.timeout = 10s;
+      o.key_base = key_base;
+      o.result_multicast = result_group;
       auto g = Group::create(o);
       if (!g) {
-        errors[static_cast<size_t>(r)] = g.error().to_string();
+        errors[i] = g.error().to_string();
         return;
       }
-      auto& mine = in[static_cast<size_t>(r)];
-      sum_out[static_cast<size_t>(r)].resize(mine.size());
+      if (!result_group.empty() && !g.value()->uses_result_multicast()) {
+        errors[i] = "the result group was not heard: " + g.value()->result_multicast_error().to_string();
+        return;
+      }
+      const auto& mine = in[i];
+      sum_out[i].resize(mine.size());
       const size_t shard = (n / kHosts) * 4;
-      rs_out[static_cast<size_t>(r)].resize(shard);
-      ag_out[static_cast<size_t>(r)].resize(shard * kHosts);
-      Error e = g.value()->allreduce(mine, sum_out[static_cast<size_t>(r)], DType::kF32, Reduction::kSum);
-      if (!e) e = g.value()->reduce_scatter(std::span(mine).first(shard * kHosts), rs_out[static_cast<size_t>(r)],
-                                            DType::kF32, Reduction::kSum);
-      if (!e) e = g.value()->allgather(std::span(mine).first(shard), ag_out[static_cast<size_t>(r)]);
-      if (e) errors[static_cast<size_t>(r)] = e.to_string();
+      rs_out[i].resize(shard);
+      ag_out[i].resize(shard * kHosts);
+      Error e = g.value()->allreduce(mine, sum_out[i], DType::kF32, Reduction::kSum);
+      if (!e) e = g.value()->reduce_scatter(std::span(mine).first(shard * kHosts), rs_out[i], DType::kF32, Reduction::kSum);
+      if (!e) e = g.value()->allgather(std::span(mine).first(shard), ag_out[i]);
+      if (!e) {
+        std::vector<float> small(100, static_cast<float>(r + 1)), small_out(100);  // one block, the latency path
+        e = g.value()->allreduce(std::as_bytes(std::span(small)), std::as_writable_bytes(std::span(small_out)),
+                                 DType::kF32, Reduction::kSum);
+        if (!e && small_out != std::vector<float>(100, kHosts * (kHosts + 1) / 2.0f)) errors[i] = "small allreduce: wrong sum";
+      }
+      if (e) errors[i] = e.to_string();
+      if (!e && !result_group.empty() && g.value()->client().counters().group_results == 0)
+        errors[i] = "no result came through the group";
     });
   }
   for (auto& t : threads) t.join();
-  for (int r = 0; r < kHosts; ++r) ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+  std::string all;
+  for (int r = 0; r < kHosts; ++r)
+    if (!errors[static_cast<size_t>(r)].empty()) all += "rank " + std::to_string(r) + ": " + errors[static_cast<size_t>(r)] + "\n";
+  if (!all.empty()) return all;
 
   std::vector<std::byte> want = in[0];
   for (int r = 1; r < kHosts; ++r) core::reduce_reference(DType::kF32, RedOp::kSum, want.data(), in[static_cast<size_t>(r)].data(), n);
@@ -163,14 +175,34 @@ TEST(AggregateNetns, ThreeHostsTwoDevicesExact) {
   for (int r = 1; r < kHosts; ++r)
     core::reduce_reference(DType::kF32, RedOp::kSum, want_rs.data(), in[static_cast<size_t>(r)].data(), shard * kHosts / 4);
   for (int r = 0; r < kHosts; ++r) {
-    EXPECT_EQ(sum_out[static_cast<size_t>(r)], want) << "allreduce, rank " << r;
-    EXPECT_EQ(0, std::memcmp(rs_out[static_cast<size_t>(r)].data(), want_rs.data() + shard * static_cast<size_t>(r), shard))
-        << "reduce_scatter, rank " << r;
-    for (int k = 0; k < kHosts; ++k)
-      EXPECT_EQ(0, std::memcmp(ag_out[static_cast<size_t>(r)].data() + shard * static_cast<size_t>(k),
-                               in[static_cast<size_t>(k)].data(), shard))
-          << "allgather, rank " << r << " block of " << k;
+    const size_t i = static_cast<size_t>(r);
+    if (sum_out[i] != want) all += "allreduce wrong at rank " + std::to_string(r) + "\n";
+    if (std::memcmp(rs_out[i].data(), want_rs.data() + shard * i, shard) != 0)
+      all += "reduce_scatter wrong at rank " + std::to_string(r) + "\n";
+    for (size_t k = 0; k < kHosts; ++k)
+      if (std::memcmp(ag_out[i].data() + shard * k, in[k].data(), shard) != 0)
+        all += "allgather wrong at rank " + std::to_string(r) + ", block of " + std::to_string(k) + "\n";
   }
+  return all;
+}
+
+TEST(AggregateNetns, ThreeHostsTwoDevicesExact) {
+  Cluster c;
+  const std::string why = c.up();
+  if (!why.empty() && !c.failed()) GTEST_SKIP() << why;
+  ASSERT_TRUE(why.empty()) << why;
+  const auto host_ns = c.list("CLUSTER_HOST_NS", ' ');
+  const auto devices = c.list("CLUSTER_DEVICE_ADDRS", ',');
+  ASSERT_EQ(host_ns.size(), static_cast<size_t>(kHosts));
+  ASSERT_EQ(devices.size(), static_cast<size_t>(kDevices));
+
+  const size_t n = (3u << 20) / 4 + 123;  // 3 MiB and a bit: blocks of both devices, a short last one
+  std::vector<std::vector<std::byte>> in;
+  for (int r = 0; r < kHosts; ++r) in.push_back(random_floats(n, static_cast<uint64_t>(r + 11)));
+  EXPECT_EQ(run_and_check(host_ns, devices, in, n, "", 0x4E440100), "") << "results by unicast";
+  // The same through a multicast group the hosts join: the devices send
+  // each finished block once, the bridge copies it to every host.
+  EXPECT_EQ(run_and_check(host_ns, devices, in, n, "239.88.0.1:7800", 0x4E440400), "") << "results by the group";
 }
 
 }  // namespace

@@ -141,6 +141,10 @@ int collectives_main(int argc, char** argv) {
                  "aggregation: the memory names of aggregators on this host, one per aggregator (devices' "
                  "order without --aggregators), empty for the others; --local maps all its devices")
       ->delimiter(',');
+  app.add_option("--result-multicast", c.result_multicast,
+                 "aggregation: GROUP:PORT of an IPv4 multicast group the ranks join; an aggregator sends each "
+                 "finished block there once instead of to every rank (a rank that does not hear it at setup "
+                 "keeps to unicast)");
   bool no_map_all = false;
   app.add_flag("--local-map-own-only", no_map_all,
                "--local: each rank maps only its own device's memory, as ranks on separate hosts would "

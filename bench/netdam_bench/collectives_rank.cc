@@ -334,6 +334,7 @@ int run_rank(const BenchConfig& c) {
   o.client.congestion = c.congestion;
   o.client.congestion_target = c.congestion_target;
   o.client.spin = c.spin;
+  o.result_multicast = c.result_multicast;
   auto created = Group::create(o);
   if (!created) return fail("cannot create the group: " + created.error().to_string());
   Group& g = *created.value();
@@ -371,6 +372,10 @@ int run_rank(const BenchConfig& c) {
                c.iters, c.warmup, c.time_per_size,
                c.check ? "every iteration verified (untimed, ranks synchronised by a barrier before each)"
                        : "no per-iteration check (back-to-back, last result verified)");
+    if (!c.result_multicast.empty())
+      fmt::print("#  aggregation results by multicast group {}: {}\n", c.result_multicast,
+                 g.uses_result_multicast() ? "heard by rank 0"
+                                           : "not heard by rank 0 (unicast): " + g.result_multicast_error().message());
     if (!c.faults_note.empty()) fmt::print("#  faults injected by the devices: {}\n", c.faults_note);
     if (c.zero_share > 0)
       fmt::print("#  input: {:.0f}% zero on every rank, in runs of 64 KiB chosen anew each iteration\n",

@@ -43,6 +43,7 @@ struct BenchConfig {
   int rank = 0;
   std::string shm;             // this rank's device memory, if co-located
   std::vector<std::string> aggregator_shm;  // GroupOptions::aggregator_shm
+  std::string result_multicast;             // GroupOptions::result_multicast
   uint32_t admin_key = 0xAD;
   int slots = 2;
   std::chrono::milliseconds timeout{5000};

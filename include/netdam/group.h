@@ -264,6 +264,14 @@ class Group {
                       std::span<const uint64_t> send, std::span<const uint64_t> recv);
   Error alltoall(std::span<const std::byte> in, std::span<std::byte> out, uint64_t stride,
                  std::span<const uint64_t> send, std::span<const uint64_t> recv);
+  // AllToAll where every rank's every piece is `piece` bytes (in and out
+  // hold p pieces back to back; every rank passes the same `piece`). When
+  // every aggregator's memory is mapped here (ranks of one host), by
+  // aggregation: each piece is a relayed block set that its sender stages
+  // and its receiver reads through the mappings, so only control datagrams
+  // cross the kernel; a group without devices of its own too. Otherwise
+  // alltoall_async with equal pieces.
+  Work alltoall_equal_async(std::span<const std::byte> in, std::span<std::byte> out, uint64_t piece);
   // wait() for at most `max` (of the transport's clock), or until `stop`
   // (if given, asked between steps) says so: true if `w` is done.
   bool wait_for(Work& w, std::chrono::microseconds max, const std::function<bool()>& stop = {});

@@ -134,6 +134,21 @@ std::vector<AggregateRequest> aggregate_reduce(const AggregateContext& c,
   return b.take();
 }
 
+std::vector<AggregateRequest> aggregate_alltoall(const AggregateContext& c, std::span<const std::byte> in,
+                                                 std::span<std::byte> out, uint64_t piece) {
+  Builder b(c, DType::kBytes, RedOp::kNone);
+  for (int k = 0; k < c.ranks; ++k)
+    for (int j = 0; j < c.ranks; ++j) {
+      if (k == j) continue;
+      if (k == c.rank)
+        b.shard(piece, {in.subspan(static_cast<size_t>(j) * piece, piece), {}});
+      else
+        b.shard(piece, {{}, j == c.rank ? out.subspan(static_cast<size_t>(k) * piece, piece) : std::span<std::byte>{},
+                        true});
+    }
+  return b.take();
+}
+
 std::vector<AggregateRequest> aggregate_barrier(const AggregateContext& c) {
   Builder b(c, DType::kBytes, RedOp::kNone);
   b.shard(0, {{}, {}, true});

@@ -24,6 +24,8 @@
 // only for the stamps of what comes.
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "collectives/plan.h"
 #include "collectives/work_state.h"
 #include "netdam/group.h"
@@ -117,6 +119,31 @@ Work Group::alltoall_async(std::span<const std::byte> in, std::span<std::byte> o
     return collectives::direct_alltoall(c, in, out, stride, s, r);
   };
   return submit(std::move(w));
+}
+
+Work Group::alltoall_equal_async(std::span<const std::byte> in, std::span<std::byte> out, uint64_t piece) {
+  const size_t p = static_cast<size_t>(size());
+  if (in.size() != p * piece || out.size() != p * piece)
+    return Work(detail::failed(Error::invalid(fmt::format(
+        "alltoall: input {} / output {} bytes for {} pieces of {}", in.size(), out.size(), p, piece))));
+  // Aggregation relays p(p-1) pieces, each in whole blocks, through the
+  // aggregation regions.
+  const uint64_t relayed = (piece + agg_stride_ - 1) / std::max<uint64_t>(agg_stride_, 1) * agg_stride_ * p * (p - 1);
+  const bool mapped = aggregates() && std::all_of(agg_maps_.begin(), agg_maps_.end(), [](auto m) { return !m.empty(); });
+  if ((mapped || devices_.empty()) && relayed <= agg_capacity_) {
+    auto w = std::make_shared<detail::WorkState>();
+    w->own = in.subspan(static_cast<size_t>(rank()) * piece, piece);
+    w->own_to = out.subspan(static_cast<size_t>(rank()) * piece, piece);
+    w->make_aggregate = [=](const collectives::AggregateContext& c) {
+      return collectives::aggregate_alltoall(c, in, out, piece);
+    };
+    return submit(std::move(w));
+  }
+  if (devices_.empty())
+    return Work(detail::failed(Error::invalid(fmt::format(
+        "alltoall: {} pieces of {} bytes relayed exceed the aggregation capacity {}", p * (p - 1), piece, agg_capacity_))));
+  const std::vector<uint64_t> lengths(p, piece);
+  return alltoall_async(in, out, piece, lengths, lengths);
 }
 
 Error Group::alltoall(std::span<const std::byte> in, std::span<std::byte> out, uint64_t stride,

@@ -289,6 +289,11 @@ std::vector<AggregateRequest> aggregate_reduce(const AggregateContext& c,
                                                std::span<std::byte> out, DType t, RedOp op,
                                                int root);
 // Every rank contributes an empty block; done when all are in.
+// AllToAll of equal pieces (`piece` bytes from every rank to every rank):
+// piece k->j is a relayed block set that k supplies and j receives; a
+// rank's own piece stays with it (the Group copies it).
+std::vector<AggregateRequest> aggregate_alltoall(const AggregateContext& c, std::span<const std::byte> in,
+                                                 std::span<std::byte> out, uint64_t piece);
 std::vector<AggregateRequest> aggregate_barrier(const AggregateContext& c);
 
 }  // namespace netdam::collectives

@@ -61,9 +61,22 @@ for ns in "$pre-h0" "$pre-h1" "$pre-d0"; do
   tc -n "$ns" qdisc show dev eth0 | grep -q "tbf .*rate 100Mbit" || fail "$ns: no upload tbf"
   tc qdisc show dev "$ns" | grep -q "tbf .*rate 100Mbit" || fail "$ns: no download tbf"
 done
-ip -d link show "$pre-br" | grep -q "mcast_snooping 0" || fail "bridge snooping is on"
+ip -d link show "$pre-br" | grep -q "mcast_snooping 1" || fail "bridge snooping is off"
+ip -d link show "$pre-br" | grep -q "mcast_querier 1" || fail "the bridge is no querier"
 [[ -z "$(ip -4 addr show dev "$pre-br" | grep inet)" ]] || fail "the bridge has an address"
-((failures == 0)) && ok "namespaces, veths on the bridge, MTU 9000, tbf both ends, snooping off"
+((failures == 0)) && ok "namespaces, veths on the bridge, MTU 9000, tbf both ends, IGMP snooping"
+# Multicast from a host reaches the other host but not the device (no
+# flooding to device ports: it would load their download links).
+sent() { tc -s qdisc show dev "$1" | grep -o "Sent [0-9]*" | head -1 | cut -d' ' -f2; }
+before_h0=$(sent "$pre-h0") before_d0=$(sent "$pre-d0")
+ip netns exec "$pre-h1" /usr/bin/python3 -c "
+import socket
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for i in range(200): s.sendto(b'x' * 1000, ('239.77.9.9', 7999))"
+sleep 0.3
+got_h0=$(($(sent "$pre-h0") - before_h0)) got_d0=$(($(sent "$pre-d0") - before_d0))
+((got_h0 >= 200000 && got_d0 < 20000)) && ok "multicast reaches the hosts ($got_h0 B), not the devices ($got_d0 B)" ||
+  fail "multicast: h0 got $got_h0 B, d0 got $got_d0 B (want >= 200000 and < 20000)"
 
 addr=$("$cluster" --prefix "$pre" exec h1 -- ip -4 -o addr show dev eth0 | awk '{print $4}')
 [[ "$addr" == "$h1/24" ]] && ok "exec h1 sees $addr" || fail "exec h1: address '$addr', want $h1/24"

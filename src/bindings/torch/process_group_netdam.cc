@@ -603,6 +603,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupNetdam::alltoall_base(at::Tensor& out
     // equal tensors then), so no agreement round is needed.
     r.max_piece = r.send.empty() ? 0 : r.send[0];
     r.max_known = true;
+    r.equal = true;
   }
   at::Tensor src = input.contiguous(), dst = output.contiguous();
   r.in = bytes(src);

@@ -342,7 +342,8 @@ std::vector<std::unique_ptr<Runner::Chunk>> Runner::alltoall_rounds(const Reques
     auto o = r.out.subspan(r.out.empty() ? 0 : out_off[fo]);
     auto c = std::make_unique<Chunk>();
     c->owner = owner;
-    c->issue = [in, o, stride, send = r.send, recv = r.recv](Group& g, Chunk&) {
+    c->issue = [in, o, stride, send = r.send, recv = r.recv, equal = r.equal](Group& g, Chunk&) {
+      if (equal) return g.alltoall_equal_async(in, o, stride);
       return g.alltoall_async(in, o, stride, send, recv);
     };
     out.push_back(std::move(c));

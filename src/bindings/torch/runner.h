@@ -81,6 +81,10 @@ struct Request {
   std::vector<uint64_t> send, recv;
   uint64_t max_piece = 0;
   bool max_known = false;
+  // Every piece between any two ranks is max_piece bytes (all_to_all_single
+  // without splits): Group::alltoall_equal_async may relay them through
+  // the aggregators.
+  bool equal = false;
   int64_t tag = 0;  // Send, Recv
   // Recv with root -1: from any rank; `source` learns which before `done`.
   std::function<void(int)> source;
