@@ -11,6 +11,7 @@
 #include "core/aggregation.h"
 #include "core/endian.h"
 #include "core/engine.h"
+#include "core/optimizer.h"
 #include "core/reduce.h"
 
 namespace netdam {
@@ -471,6 +472,75 @@ TEST_F(AggregateTest, AResultGroupMustBeAMulticastGroupAndPort) {
   EXPECT_TRUE(is_agg_group(agg_group(0xE0000001, 1)));
   EXPECT_FALSE(is_agg_group(agg_group(0xF0000001, 1)));
   EXPECT_EQ(Stat("agg.contributions"), 0u);
+}
+
+// OPTIMIZE: the reduced gradient block steps the weights of the block in
+// a weights region (its base + block * stride), once, and the answer is
+// the updated weights.
+TEST_F(AggregateTest, OptimizeAppliesTheStepOnceAndAnswersTheWeights) {
+  constexpr uint32_t kW = 0x4E440180, kNoOpt = 0x4E440181;
+  ASSERT_EQ(dev_->regions().add({512 << 10, 64 << 10, kW, kPermAll}), Status::kOk);
+  ASSERT_EQ(dev_->regions().add({576 << 10, 4096, kNoOpt, kPermAll}), Status::kOk);
+  OptimizerConfig cfg;
+  cfg.kind = OptimizerKind::kSgd;
+  cfg.lr = 0.5;
+  cfg.momentum = 0.9;
+  cfg.grad_scale = 0.5;  // the average of two ranks
+  cfg.state1_offset = 32 << 10;
+  ASSERT_EQ(dev_->regions().set_optimizer(kW, cfg), Status::kOk);
+  const uint32_t block = 3;
+  const uint64_t w_at = (512 << 10) + block * kStride;
+  const Bytes w0 = Floats({1, 2, 3, 4});
+  std::memcpy(mem_.data() + w_at, w0.data(), w0.size());
+  std::memset(mem_.data() + w_at + cfg.state1_offset, 0x7F, w0.size());  // t == 1 overwrites the buffer
+  const Bytes g[2] = {Floats({1, 2, 0.5f, -4}), Floats({3, 2, 0.5f, 4})};
+  auto opt = [&](int r, const Bytes& d) {
+    return Contribution{.rank = r, .ranks = 2, .block = block, .flags = kAggOptimize, .reserved = kW, .data = d};
+  };
+  EXPECT_TRUE(Held(Send(opt(0, g[0]))));
+  auto done = Send(opt(1, g[1]));
+  ASSERT_EQ(done.size(), 2u);
+  // SGD, t = 1: buf = g * scale, w = w - lr * buf.
+  Bytes want = w0, grad = g[0], buf(16);
+  reduce_reference(DType::kF32, RedOp::kSum, grad.data(), g[1].data(), 4);
+  optimizer_step(cfg, grad, want, buf, {});
+  EXPECT_EQ(want, Floats({0, 1, 2.75f, 4}));
+  for (const Answer& a : done) EXPECT_EQ(a.data, want);
+  EXPECT_EQ(Bytes(mem_.begin() + static_cast<ptrdiff_t>(w_at), mem_.begin() + static_cast<ptrdiff_t>(w_at + 16)), want);
+  // A retransmission after completion gets the weights again; no second step.
+  auto again = Send(opt(0, g[0]));
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0].data, want);
+  EXPECT_EQ(Bytes(mem_.begin() + static_cast<ptrdiff_t>(w_at), mem_.begin() + static_cast<ptrdiff_t>(w_at + 16)), want);
+
+  // Refusals.
+  auto bad = [&](Contribution c) { return StatusOf(c); };
+  Contribution c = opt(0, g[0]);
+  c.block = 4;
+  c.dtype = DType::kI32;
+  EXPECT_EQ(bad(c), Status::kBadType);
+  c.dtype = DType::kF32;
+  c.redop = RedOp::kMax;
+  EXPECT_EQ(bad(c), Status::kBadRedop);
+  c.redop = RedOp::kSum;
+  c.reserved = 0x999;
+  EXPECT_EQ(bad(c), Status::kBadKey);
+  c.reserved = kNoOpt;
+  EXPECT_EQ(bad(c), Status::kNoOptimizer);
+  c.reserved = kW;
+  c.block = (64 << 10) / kStride;  // the weights would lie past the region
+  EXPECT_EQ(bad(c), Status::kOutOfBounds);
+  c.block = 4;
+  c.reserved = 0;  // OPTIMIZE without a key
+  EXPECT_EQ(bad(c), Status::kBadPayload);
+  c.flags = 0;
+  c.reserved = kW;  // a key without OPTIMIZE
+  EXPECT_EQ(bad(c), Status::kBadPayload);
+  // Contributors of one block agree whether it is optimized.
+  c = opt(0, g[0]);
+  c.block = 5;
+  EXPECT_TRUE(Held(Send(c)));
+  EXPECT_EQ(bad({.rank = 1, .ranks = 2, .block = 5, .data = g[1]}), Status::kBadPayload);
 }
 
 TEST_F(AggregateTest, RegisteringTheRegionAgainForgetsItsBlocks) {

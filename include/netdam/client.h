@@ -113,6 +113,10 @@ struct AggregateRequest {
   bool relay = false;      // add nothing, only receive the result (AllGather, Broadcast)
   bool staged = false;     // the block is in the device's STAGE already (written through its mapping)
   std::span<std::byte> result;      // `length` bytes for the result, or empty: acknowledgement only
+  // Non-zero: the block is a float32 gradient (sum) whose completion steps
+  // the weights of this block in the device's region with this key
+  // (OPTIMIZE, PROTOCOL.md 6.13); the result is then the updated weights.
+  uint32_t weights_key = 0;
   // A multicast group this client joined (Client::join_group): the device
   // sends the result there once for every contributor that names it,
   // instead of once to each (PROTOCOL.md 6.13). A lost copy is repaired by
@@ -211,8 +215,10 @@ class Client {
   Result<std::vector<RegionInfo>> region_list(uint32_t admin_key);
 
   // --- asynchronous calls ------------------------------------------------
-  Op read_async(uint64_t addr, std::span<std::byte> out, uint64_t rkey = 0);
-  Op write_async(uint64_t addr, std::span<const std::byte> data, uint64_t rkey = 0);
+  // With `at`: on that device instead of this client's (a plain request
+  // aimed elsewhere, as region_add's; the device checks the range).
+  Op read_async(uint64_t addr, std::span<std::byte> out, uint64_t rkey = 0, const Hop* at = nullptr);
+  Op write_async(uint64_t addr, std::span<const std::byte> data, uint64_t rkey = 0, const Hop* at = nullptr);
   Op fetch_add_async(uint64_t addr, uint64_t add, uint64_t rkey = 0);
   Op compare_swap_async(uint64_t addr, uint64_t expected, uint64_t desired, uint64_t rkey = 0);
   Op swap_async(uint64_t addr, uint64_t value, uint64_t rkey = 0);
@@ -220,7 +226,7 @@ class Client {
                   Sparse sparse = Sparse::kAuto, uint32_t rkey = 0);
   Op reduce_fetch_async(uint64_t addr, DType t, RedOp op, std::span<std::byte> inout,
                         uint32_t rkey = 0);
-  Op opt_config_async(const OptimizerConfig& config, uint32_t rkey = 0);
+  Op opt_config_async(const OptimizerConfig& config, uint32_t rkey = 0, const Hop* at = nullptr);
   Op opt_step_async(uint64_t addr, std::span<const std::byte> grad_f32, uint32_t rkey = 0);
 
   // Chains (docs/COLLECTIVES.md): sent to hops[0]; the last hop answers,

@@ -40,6 +40,7 @@ class Transport;
 }
 namespace collectives {
 struct OffloadLayout;
+struct AggOffloadLayout;
 }
 
 enum class Reduction : uint8_t { kSum, kMin, kMax, kAvg };
@@ -225,6 +226,15 @@ class Group {
   // optimizer state. Every rank calls it, before the first step. Chunks of
   // the group capacity are sharded over the ranks as ReduceScatter shards a
   // buffer. Calling it again starts over (step 1).
+  // A group whose collectives of the full capacity aggregate (kAggregate,
+  // aggregators given, or no devices of its own) keeps the weights on the
+  // aggregators instead: the aggregator of a gradient block holds that
+  // block's weights and applies the step when the block's sum is complete,
+  // answering the updated weights (AGGREGATE's OPTIMIZE, COLLECTIVES.md
+  // 11): each rank sends its gradient once and receives the weights once.
+  // Chunks are then the aggregation capacity, at most 64 of them (o.key:
+  // the first of 64 consecutive region keys). With the async form, wait
+  // for a step's Works before the next step starts.
   Error offload_init(const OffloadOptions& o, std::span<const float> initial);
   // One optimizer step on the devices: the element-wise sum of every rank's
   // `grad`, times cfg.grad_scale (1/p averages), is applied by the device
@@ -299,6 +309,15 @@ class Group {
   bool verify(detail::WorkState& w);
   void probe_multicast();
   Error probe_result_group();
+  Error offload_init_aggregated(const OffloadOptions& o, std::span<const float> initial);
+  // Where the blocks of an aggregated AllReduce of `bytes` go: (aggregator
+  // index, block index, byte offset, length) per block, as every rank cuts it.
+  struct Placed {
+    size_t aggregator;
+    uint64_t block, offset;
+    uint32_t length;
+  };
+  std::vector<Placed> aggregate_placement(uint64_t bytes) const;
   Error setup_aggregation();
   bool start_aggregate(detail::WorkState& w);
   void begin_aggregating(detail::WorkState& w);
@@ -337,6 +356,7 @@ class Group {
   Error result_group_error_;
   size_t opt_block_ = 0;  // block of optimizer chains (one segment more)
   std::unique_ptr<collectives::OffloadLayout> offload_;  // after offload_init
+  std::unique_ptr<collectives::AggOffloadLayout> agg_offload_;  // after offload_init, on the aggregators
   std::array<std::byte, 8> probe_token_{};
   Op probe_;
 

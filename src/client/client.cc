@@ -208,7 +208,7 @@ uint32_t Client::boot_for(const Packet& p) const {
   if (p.routed() && !(p.to == *device_)) {
     auto it = cookies_.find((uint64_t{p.to.ip} << 16) | p.to.port);
     if (it != cookies_.end() && it->second != 0) return it->second;
-    return opts_.detect_restart && !p.is_chain() ? info_.boot_id : 0;
+    return 0;  // another device: this client's own boot id would not match it
   }
   if (info_.cookie != 0) return info_.cookie;
   return opts_.detect_restart && !p.is_chain() ? info_.boot_id : 0;
@@ -285,27 +285,31 @@ Op Client::start(std::shared_ptr<detail::OpState> op) {
   return Op(std::move(op));
 }
 
-Op Client::read_async(uint64_t addr, std::span<std::byte> out, uint64_t rkey) {
+Op Client::read_async(uint64_t addr, std::span<std::byte> out, uint64_t rkey, const Hop* at) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kRead;
-  if ((op->error = check_range(addr, out.size())) || (op->error = check_key(key(rkey)))) return start(std::move(op));
+  if ((at == nullptr && (op->error = check_range(addr, out.size()))) || (op->error = check_key(key(rkey))))
+    return start(std::move(op));
   const size_t chunk = opts_.max_payload;
   for (size_t off = 0; off < out.size(); off += chunk) {
     const size_t n = std::min(chunk, out.size() - off);
     Packet& p = new_packet(op, Opcode::kRead, key(rkey), addr + off, static_cast<uint32_t>(n));
+    aim(p, at);
     p.answer_to = out.data() + off;
   }
   return start(std::move(op));
 }
 
-Op Client::write_async(uint64_t addr, std::span<const std::byte> data, uint64_t rkey) {
+Op Client::write_async(uint64_t addr, std::span<const std::byte> data, uint64_t rkey, const Hop* at) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kWrite;
-  if ((op->error = check_range(addr, data.size())) || (op->error = check_key(key(rkey)))) return start(std::move(op));
+  if ((at == nullptr && (op->error = check_range(addr, data.size()))) || (op->error = check_key(key(rkey))))
+    return start(std::move(op));
   const size_t chunk = opts_.max_payload;
   for (size_t off = 0; off < data.size(); off += chunk) {
     const size_t n = std::min(chunk, data.size() - off);
     Packet& p = new_packet(op, Opcode::kWrite, key(rkey), addr + off, static_cast<uint32_t>(n));
+    aim(p, at);
     p.h.flags = kFlagAckReq;
     p.payload = data.subspan(off, n);
   }
@@ -380,10 +384,11 @@ Op Client::reduce_fetch_async(uint64_t addr, DType t, RedOp rop, std::span<std::
   return start(std::move(op));
 }
 
-Op Client::opt_config_async(const OptimizerConfig& config, uint32_t rkey) {
+Op Client::opt_config_async(const OptimizerConfig& config, uint32_t rkey, const Hop* at) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kOptConfig;
   Packet& p = new_packet(op, Opcode::kOptConfig, key(rkey), 0, kOptConfigRecordSize);
+  aim(p, at);
   p.owned.resize(kOptConfigRecordSize);
   core::encode_opt_config(config, p.owned.data());
   p.payload = p.owned;
@@ -492,7 +497,8 @@ Op Client::aggregate_async(const AggregateRequest& r) {
   rec.contributors = r.contributors;
   rec.stride = r.stride;
   rec.flags = (r.zero ? core::kAggZero : 0) | (r.relay ? core::kAggSkip : 0) | (r.staged ? core::kAggStaged : 0) |
-              (r.result.empty() ? core::kAggNoResult : 0);
+              (r.result.empty() ? core::kAggNoResult : 0) | (r.weights_key != 0 ? core::kAggOptimize : 0);
+  rec.reserved = r.weights_key;
   core::encode_agg_record(rec, p.chain_head.data() + core::payload_offset(1));
   p.to = transport::Endpoint{r.device.ip, r.device.port};
   p.payload = r.data;

@@ -949,6 +949,21 @@ bool Group::start_aggregate(detail::WorkState& w) {
   if (w.slot->owner != nullptr) return false;
   w.slot->owner = &w;
   w.generation = ++w.slot->generation;
+  if (w.config) {
+    // An optimizer step on the aggregators: every rank sets step t's config
+    // on every aggregator before it contributes, so the config is there
+    // before any block of step t arrives. No block of step t-1 is still
+    // open then: this rank had every answer of t-1, and each came when its
+    // block completed. (The replay window keeps a late copy of an older
+    // config from running again: PROTOCOL.md 6.11.)
+    std::vector<Op> configs;
+    for (const Hop& a : aggregators_) configs.push_back(client_->opt_config_async(*w.config, w.config_key, &a));
+    for (Op& op : configs)
+      if (Error e = client_->wait(op)) {
+        finish(w, e.prefixed("optimizer config on an aggregator: "));
+        return true;
+      }
+  }
   const collectives::AggregateContext ctx{w.slot->aggregators, opts_.rank, ranks_, w.generation, agg_stride_,
                                           opts_.skip_zero_blocks};
   w.requests = w.make_aggregate(ctx);

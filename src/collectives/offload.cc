@@ -11,14 +11,80 @@
 #include "collectives/plan.h"
 #include "collectives/work_state.h"
 #include "netdam/group.h"
+#include "transport/transport.h"
 
 namespace netdam {
 
-uint64_t Group::offload_count() const { return offload_ ? offload_->count : 0; }
-uint64_t Group::offload_chunk() const { return offload_ ? offload_->chunk : 0; }
+uint64_t Group::offload_count() const {
+  return offload_ ? offload_->count : agg_offload_ ? agg_offload_->count : 0;
+}
+uint64_t Group::offload_chunk() const {
+  return offload_ ? offload_->chunk : agg_offload_ ? agg_offload_->chunk : 0;
+}
+
+std::vector<Group::Placed> Group::aggregate_placement(uint64_t bytes) const {
+  // The cut of an AllReduce: the requests' buffers tell where each block
+  // is (no zero markers here: they would hide the data's place).
+  const collectives::AggregateContext ctx{aggregators_, opts_.rank, ranks_, 0, agg_stride_, false};
+  std::vector<std::byte> buf(bytes);
+  std::vector<Placed> out;
+  for (const AggregateRequest& r : collectives::aggregate_allreduce(ctx, buf, buf, DType::kF32, RedOp::kSum)) {
+    size_t a = 0;
+    while (aggregators_[a].ip != r.device.ip || aggregators_[a].port != r.device.port) ++a;
+    out.push_back({a, r.block, static_cast<uint64_t>(r.result.data() - buf.data()), r.length});
+  }
+  return out;
+}
+
+Error Group::offload_init_aggregated(const OffloadOptions& o, std::span<const float> initial) {
+  collectives::AggOffloadLayout l;
+  l.count = o.count;
+  l.chunk = agg_capacity_ / 64 * 16;  // whole 64-byte units of float32
+  if (l.chunk == 0) return Error::invalid("offload_init: the aggregation capacity holds less than 16 weights");
+  if (l.chunks() > 64)
+    return Error::invalid(fmt::format("offload_init: {} weights take {} chunks of the aggregation capacity; at most "
+                                      "64 (raise GroupOptions::capacity)", o.count, l.chunks()));
+  l.key0 = o.key ? o.key : opts_.key_base + 0x80;
+  // Each aggregator holds its blocks of a chunk at block * stride: as many
+  // blocks as the highest index any chunk uses there (the last chunk may be
+  // cut differently).
+  uint64_t blocks = 1;
+  for (uint64_t j : {uint64_t{0}, l.chunks() - 1})
+    for (const Placed& b : aggregate_placement(4 * l.chunk_elements(j))) blocks = std::max(blocks, b.block + 1);
+  l.state_offset = blocks * agg_stride_;
+  l.base = o.base ? o.base
+                  : opts_.aggregators.empty() ? slots_end()
+                                              : agg_base_ + static_cast<uint64_t>(opts_.slots) * agg_region_bytes_;
+  agg_offload_.reset();
+  offload_.reset();
+  const size_t p = static_cast<size_t>(ranks_);
+  for (size_t a = static_cast<size_t>(opts_.rank); a < aggregators_.size(); a += p) {
+    const Hop& at = aggregators_[a];
+    for (uint64_t j = 0; j < l.chunks(); ++j) {
+      const uint32_t key = l.key0 + static_cast<uint32_t>(j);
+      client_->region_del(opts_.admin_key, key, at);
+      if (Error e = client_->region_add(opts_.admin_key, RegionInfo{l.region(j), l.region_bytes(), key, 3}, at))
+        return detail::lacks_memory(e, l.region(j) + l.region_bytes())
+            .prefixed(fmt::format("aggregator {}: ", transport::Endpoint{at.ip, at.port}.to_string()));
+      // Its blocks' weights, the rest of the region (the state) zero.
+      std::vector<std::byte> image(l.region_bytes());
+      const auto* from = reinterpret_cast<const std::byte*>(initial.data() + j * l.chunk);
+      for (const Placed& b : aggregate_placement(4 * l.chunk_elements(j)))
+        if (b.aggregator == a) std::memcpy(image.data() + b.block * agg_stride_, from + b.offset, b.length);
+      Op op = client_->write_async(l.region(j), image, key, &at);
+      if (Error e = client_->wait(op)) return e;
+    }
+  }
+  agg_offload_ = std::make_unique<collectives::AggOffloadLayout>(l);
+  return {};
+}
 
 Error Group::offload_init(const OffloadOptions& o, std::span<const float> initial) {
   if (opts_.admin_key == 0) return Error::invalid("offload_init needs the group's admin key");
+  if (o.count == 0 || initial.size() != o.count)
+    return Error::invalid(fmt::format("offload_init: {} initial weights for a vector of {}",
+                                      initial.size(), o.count));
+  if (use_aggregation(opts_.capacity)) return offload_init_aggregated(o, initial);
   if (devices_.empty()) return Error::invalid("offload_init needs the ranks' own devices (GroupOptions::devices)");
   if (opt_block_ == 0)
     return Error::invalid(fmt::format("optimizer chains take 2p+1 segments: at most {} ranks",
@@ -40,6 +106,7 @@ Error Group::offload_init(const OffloadOptions& o, std::span<const float> initia
   l.chunk = chunk;
   l.ranks = size();
   offload_.reset();
+  agg_offload_.reset();
 
   client_->region_del(opts_.admin_key, key);
   if (Error e = client_->region_add(opts_.admin_key, RegionInfo{base, l.bytes(), key, 3}))
@@ -62,6 +129,31 @@ Error Group::offload_init(const OffloadOptions& o, std::span<const float> initia
 std::vector<Work> Group::optimizer_step_async(std::span<const float> grad, std::span<float> weights,
                                               OptimizerConfig cfg) {
   auto refused = [](Error e) { return std::vector<Work>{Work(detail::failed(std::move(e)))}; };
+  if (agg_offload_) {
+    const collectives::AggOffloadLayout& l = *agg_offload_;
+    if (grad.size() != l.count || weights.size() != l.count)
+      return refused(Error::invalid(fmt::format("optimizer_step: {} gradients and {} weights for {} offloaded weights",
+                                                grad.size(), weights.size(), l.count)));
+    if (cfg.step == 0) return refused(Error::invalid("optimizer_step: steps count from 1"));
+    cfg.state1_offset = l.state_offset;
+    cfg.state2_offset = 2 * l.state_offset;
+    std::vector<Work> chunks;
+    for (uint64_t j = 0; j < l.chunks(); ++j) {
+      const uint64_t first = j * l.chunk, n = l.chunk_elements(j);
+      auto in = std::as_bytes(grad.subspan(first, n));
+      auto out = std::as_writable_bytes(weights.subspan(first, n));
+      auto w = std::make_shared<detail::WorkState>();
+      w->config = cfg;
+      w->config_key = l.key0 + static_cast<uint32_t>(j);
+      w->make_aggregate = [in, out, key = w->config_key](const collectives::AggregateContext& c) {
+        auto requests = collectives::aggregate_allreduce(c, in, out, DType::kF32, RedOp::kSum);
+        for (AggregateRequest& r : requests) r.weights_key = key;
+        return requests;
+      };
+      chunks.push_back(submit(std::move(w)));
+    }
+    return chunks;
+  }
   if (!offload_) return refused(Error::invalid("optimizer_step before offload_init"));
   const collectives::OffloadLayout& l = *offload_;
   if (grad.size() != l.count || weights.size() != l.count)
@@ -95,6 +187,23 @@ Error Group::optimizer_step(std::span<const float> grad, std::span<float> weight
 }
 
 Error Group::offload_read(std::span<float> out, int which) {
+  if (agg_offload_) {
+    const collectives::AggOffloadLayout& l = *agg_offload_;
+    if (out.size() != l.count || which < 0 || which > 2)
+      return Error::invalid(fmt::format("offload_read: {} elements of state {} from a vector of {}",
+                                        out.size(), which, l.count));
+    std::vector<Op> reads;
+    auto bytes = std::as_writable_bytes(out);
+    for (uint64_t j = 0; j < l.chunks(); ++j)
+      for (const Placed& b : aggregate_placement(4 * l.chunk_elements(j)))
+        reads.push_back(client_->read_async(l.region(j) + b.block * agg_stride_ + static_cast<uint64_t>(which) * l.state_offset,
+                                            bytes.subspan(4 * j * l.chunk + b.offset, b.length),
+                                            l.key0 + static_cast<uint32_t>(j), &aggregators_[b.aggregator]));
+    Error first_error;
+    for (Op& op : reads)
+      if (Error e = client_->wait(op); e && first_error.is_ok()) first_error = e;
+    return first_error;
+  }
   if (!offload_) return Error::invalid("offload_read before offload_init");
   const collectives::OffloadLayout& l = *offload_;
   if (out.size() != l.count || which < 0 || which > 2)

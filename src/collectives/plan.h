@@ -203,6 +203,24 @@ Plan ring_broadcast(const Context& c, std::span<std::byte> buf, int root);
 
 // ---------------------------------------------------------------- aggregation
 
+// Optimizer offload on the aggregators (docs/COLLECTIVES.md section 11):
+// chunk j of the weight vector is one aggregated AllReduce of its gradient
+// whose blocks OPTIMIZE; aggregator a holds, in region key0 + j at
+// base + j * region_bytes, the weights of the blocks it aggregates, block b
+// at b * stride (where AGGREGATE looks for them), then the optimizer state
+// 1 and 2 at state_offset and 2 * state_offset from the weights.
+struct AggOffloadLayout {
+  uint64_t count = 0;         // float32 weights
+  uint64_t chunk = 0;         // weights per chunk (one collective each)
+  uint32_t key0 = 0;          // chunk j's region: key0 + j on every aggregator
+  uint64_t base = 0;          // chunk 0's region on every aggregator
+  uint64_t state_offset = 0;  // bytes from a weight to its state 1 (blocks x stride)
+  uint64_t chunks() const { return (count + chunk - 1) / chunk; }
+  uint64_t chunk_elements(uint64_t j) const { return std::min(chunk, count - j * chunk); }
+  uint64_t region_bytes() const { return 3 * state_offset; }
+  uint64_t region(uint64_t j) const { return base + j * region_bytes(); }
+};
+
 // In-network aggregation (docs/COLLECTIVES.md section 11): every rank sends
 // each block of the buffer to the device that aggregates it; that device
 // reduces the block once all ranks' contributions are in and answers each

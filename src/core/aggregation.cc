@@ -105,7 +105,8 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
   const AggRecord& r = c.record;
   // The record's own rules (the engine has checked key, types and sizes).
   if (r.contributors == 0 || r.contributors > kMaxContributors || r.contributor >= r.contributors ||
-      r.reserved != 0 || (r.flags & ~kAggFlagsKnown) || std::popcount(r.flags & kAggNoPayload) > 1 ||
+      (r.reserved != 0) != ((r.flags & kAggOptimize) != 0) || (r.flags & ~kAggFlagsKnown) ||
+      std::popcount(r.flags & kAggNoPayload) > 1 ||
       r.stride < kAggMinStride ||
       r.stride % 64 != 0) {
     out.status = Status::kBadPayload;
@@ -153,6 +154,7 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
     b.length[s] = c.length;
     b.dtype[s] = c.dtype;
     b.redop[s] = c.redop;
+    b.weights[s] = r.reserved;
   }
   if (b.length[s] != c.length) {
     out.status = Status::kBadLength;  // contributors disagree about the block
@@ -160,6 +162,10 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
   }
   if (b.dtype[s] != c.dtype || b.redop[s] != c.redop) {
     out.status = b.dtype[s] != c.dtype ? Status::kBadType : Status::kBadRedop;
+    return out;
+  }
+  if (b.weights[s] != r.reserved) {
+    out.status = Status::kBadPayload;  // contributors disagree whether (and where) the block is optimized
     return out;
   }
   out.record.generation = c.generation;
@@ -214,6 +220,7 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
       first = false;
     }
   }
+  if (c.finish) c.finish(std::span<std::byte>(result, c.length));  // OPTIMIZE: RESULT becomes the weights
   b.done[s] = true;
   b.zero[s] = all_zero(std::span<const std::byte>(result, c.length));
   out.completed = true;

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <array>
+#include <functional>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -25,7 +26,7 @@ namespace netdam::core {
 
 // The record that starts an AGGREGATE segment's payload (16 bytes,
 // big-endian): contributor u16, contributors u16, stride u32, flags u32,
-// reserved u32 (0).
+// reserved u32 (0; the weights region's key with OPTIMIZE).
 inline constexpr size_t kAggRecordSize = 16;
 // The record that starts an AGGREGATE answer's payload (8 bytes,
 // big-endian): generation u32, flags u32.
@@ -35,7 +36,12 @@ inline constexpr uint32_t kAggZero = 0x1;      // the block is all zero bits: no
 inline constexpr uint32_t kAggNoResult = 0x2;  // answer without the result's data
 inline constexpr uint32_t kAggSkip = 0x4;      // adds nothing, only waits for the result (a relay)
 inline constexpr uint32_t kAggStaged = 0x8;    // the data is in STAGE_r already (a host sharing the memory)
-inline constexpr uint32_t kAggFlagsKnown = kAggZero | kAggNoResult | kAggSkip | kAggStaged;
+// The block is a float32 gradient (sum): once reduced, the device applies
+// its weights region's optimizer to the weights of the block (the region
+// whose key the record's `reserved` field holds, at base + block * stride)
+// and answers the updated weights instead of the sum.
+inline constexpr uint32_t kAggOptimize = 0x10;
+inline constexpr uint32_t kAggFlagsKnown = kAggZero | kAggNoResult | kAggSkip | kAggStaged | kAggOptimize;
 // The flags that say where the data is instead of the payload: at most one.
 inline constexpr uint32_t kAggNoPayload = kAggZero | kAggSkip | kAggStaged;
 // Answer flags.
@@ -123,6 +129,10 @@ struct AggContribution {
   AggRecord record;
   std::span<const std::byte> data;  // length bytes, or empty with kAggZero / kAggSkip
   AggReply reply;
+  // OPTIMIZE: run on the reduced block, in place, when it completes (under
+  // the block's lock, before anyone is answered): the engine's optimizer
+  // step, which leaves the updated weights there.
+  std::function<void(std::span<std::byte> result)> finish;
 };
 
 struct AggOutcome {
@@ -162,6 +172,7 @@ class Aggregator {
     std::array<uint32_t, 2> length{};
     std::array<DType, 2> dtype{};
     std::array<RedOp, 2> redop{};
+    std::array<uint32_t, 2> weights{};     // OPTIMIZE: the weights region's key (0: a plain reduction)
   };
   struct Table {
     AggGeometry geometry;

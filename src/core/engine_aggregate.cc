@@ -6,6 +6,7 @@
 
 #include "core/aggregation.h"
 #include "core/engine.h"
+#include "core/optimizer.h"
 
 namespace netdam::core {
 
@@ -42,6 +43,31 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address from, Address
       p.payload.size() != kAggRecordSize + (carries ? h.length : 0))
     return answer(h, reply_to, Status::kBadLength, {}, out);
 
+  // OPTIMIZE: the weights of block b are at the weights region's base +
+  // b * stride, their optimizer state at the region's OPT_CONFIG offsets
+  // from there; all of it must be in the region now. (The record's own
+  // rules, a key with the flag and none without, come with the others.)
+  uint64_t weights_at = 0;
+  if ((rec.flags & kAggOptimize) && rec.reserved != 0) {
+    if (h.dtype != DType::kF32) return answer(h, reply_to, Status::kBadType, {}, out);
+    if (h.redop != RedOp::kSum) return answer(h, reply_to, Status::kBadRedop, {}, out);
+    const std::optional<Region> w = device_.regions().find(rec.reserved);
+    if (!w) return answer(h, reply_to, Status::kBadKey, {}, out);
+    if ((w->perms & kPermAll) != kPermAll || (w->perms & kPermPlainOnly))
+      return answer(h, reply_to, Status::kNotPermitted, {}, out);
+    if (!w->optimizer) return answer(h, reply_to, Status::kNoOptimizer, {}, out);
+    if (rec.stride == 0 || s.aux > (w->size / rec.stride)) return answer(h, reply_to, Status::kOutOfBounds, {}, out);
+    weights_at = w->base + uint64_t{s.aux} * rec.stride;
+    auto inside = [&](uint64_t offset) {
+      return offset <= UINT64_MAX - weights_at &&
+             device_.regions().check(rec.reserved, weights_at + offset, h.length, kPermRead | kPermWrite) == Status::kOk;
+    };
+    const OptimizerConfig& oc = *w->optimizer;
+    if (!inside(0) || (oc.uses_state1() && !inside(oc.state1_offset)) || (oc.uses_state2() && !inside(oc.state2_offset)))
+      return answer(h, reply_to, Status::kOutOfBounds, {}, out);
+    if (weights_at % 4) return answer(h, reply_to, Status::kMisaligned, {}, out);
+  }
+
   AggContribution c;
   c.key = s.rkey;
   c.region_base = region->base;
@@ -54,6 +80,25 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address from, Address
   c.record = rec;
   c.data = p.payload.subspan(kAggRecordSize);
   c.reply = {reply_to.ip, reply_to.port, !(rec.flags & kAggNoResult), h.txn, h.rkey, h.addr, s.addr};
+  if (rec.flags & kAggOptimize) {
+    // Runs once, when the block completes: the reduced gradient steps the
+    // weights, which become the block's result. The config is the one the
+    // region holds then (the hosts set step t before they contribute to it).
+    c.finish = [this, key = rec.reserved, weights_at](std::span<std::byte> grad) {
+      const std::optional<Region> w = device_.regions().find(key);
+      if (!w || !w->optimizer) return;  // removed meanwhile (PROTOCOL.md 6.13): the sum stays
+      const OptimizerConfig cfg = *w->optimizer;
+      auto mem = device_.memory();
+      const uint64_t len = grad.size();
+      auto at = [&](bool used, uint64_t offset) {
+        return used ? mem.subspan(weights_at + offset, len) : std::span<std::byte>{};
+      };
+      Device::StripeLock lock(device_, weights_at, len);
+      optimizer_step(cfg, grad, mem.subspan(weights_at, len), at(cfg.uses_state1(), cfg.state1_offset),
+                     at(cfg.uses_state2(), cfg.state2_offset));
+      std::memcpy(grad.data(), mem.data() + weights_at, len);
+    };
+  }
   const AggOutcome o = device_.aggregator().contribute(c);
   if (o.status != Status::kOk) return answer(h, reply_to, o.status, {}, out);
   Stats::inc(o.duplicate ? stats_.agg_duplicates : stats_.agg_contributions);
