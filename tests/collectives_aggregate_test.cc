@@ -482,6 +482,52 @@ TEST(AggregateGroup, OptimizerOffloadOnTheAggregatorsIsExact) {
   EXPECT_EQ(back, v);
 }
 
+// GroupOptions::aggregate_stride: blocks larger than a datagram carries
+// where every aggregator is mapped (only control datagrams travel), exact;
+// refused where a block would have to travel.
+TEST(AggregateGroup, BlocksLargerThanADatagramThroughTheMapping) {
+  FaultModel f;
+  f.drop = f.duplicate = f.reorder = 0.05;
+  const int p = 3;
+  AggCluster c(p, 1, f, 4u << 20, 10s, 2, true, /*mapped=*/true,
+               [](GroupOptions& o) { o.aggregate_stride = 256u << 10; });
+  ASSERT_EQ(c.groups.size(), static_cast<size_t>(p));
+  EXPECT_EQ(c.groups[0]->aggregate_block_bytes(), 256u << 10);
+  for (size_t n : {size_t{1}, size_t{100000}, size_t{1000000}}) {
+    std::vector<std::vector<std::byte>> in, out(p, std::vector<std::byte>(4 * n, std::byte{0xEE}));
+    for (int r = 0; r < p; ++r) in.push_back(random_elements(DType::kF32, n, 50 + static_cast<uint64_t>(r) + n));
+    std::vector<Work> works;
+    for (int r = 0; r < p; ++r)
+      works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
+                                                                         DType::kF32, Reduction::kSum));
+    c.run(works);
+    const auto want = reference(in, DType::kF32, RedOp::kSum);
+    for (int r = 0; r < p; ++r) {
+      ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
+      EXPECT_EQ(out[static_cast<size_t>(r)], want) << "rank " << r << ", " << n << " floats";
+    }
+  }
+  check_alltoall(c, p, 100000, 9);
+}
+
+TEST(AggregateGroup, BlocksLargerThanADatagramNeedTheMapping) {
+  transport::Fabric fabric;
+  testing::FabricDevice dev(fabric, {0x0A100000, 7000}, 200, 64u << 20, kAdmin);
+  GroupOptions o;
+  o.ranks = 2;
+  o.capacity = 1u << 20;
+  o.admin_key = kAdmin;
+  o.aggregators = {"10.16.0.0:7000"};
+  o.aggregate_stride = 256u << 10;
+  auto g = Group::create(o, fabric.attach({0x0B000000, 5000}), {});
+  ASSERT_FALSE(g.ok());
+  EXPECT_NE(g.error().message().find("is not mapped here"), std::string::npos) << g.error().to_string();
+  o.aggregate_stride = 1000;  // not whole 64-byte units
+  g = Group::create(o, fabric.attach({0x0B000001, 5000}), dev.memory);
+  ASSERT_FALSE(g.ok());
+  EXPECT_NE(g.error().message().find("multiple of 64"), std::string::npos) << g.error().to_string();
+}
+
 // Results by a multicast group (GroupOptions::result_multicast): one
 // datagram per finished block for all ranks, each copy lost, duplicated
 // and reordered on its own; a lost copy is repaired by unicast. Exact, and

@@ -145,6 +145,11 @@ int collectives_main(int argc, char** argv) {
                  "aggregation: GROUP:PORT of an IPv4 multicast group the ranks join; an aggregator sends each "
                  "finished block there once instead of to every rank (a rank that does not hear it at setup "
                  "keeps to unicast)");
+  bool agg_stride_given = false;
+  app.add_option("--agg-stride", c.aggregate_stride,
+                 "aggregation: bytes per block (GroupOptions::aggregate_stride; default: what a datagram carries, "
+                 "1 MiB with --local when every rank maps every device)")
+      ->each([&](const std::string&) { agg_stride_given = true; });
   bool no_map_all = false;
   app.add_flag("--local-map-own-only", no_map_all,
                "--local: each rank maps only its own device's memory, as ranks on separate hosts would "
@@ -276,7 +281,10 @@ int collectives_main(int argc, char** argv) {
   // every size, which needs larger regions).
   std::vector<std::string> shm_names;
   for (int r = 0; r < local_devices; ++r) shm_names.push_back(fmt::format("netdam-bench-{}-{}", getpid(), r));
-  if (!no_map_all) c.aggregator_shm = shm_names;
+  if (!no_map_all) {
+    c.aggregator_shm = shm_names;
+    if (!agg_stride_given) c.aggregate_stride = mapped_aggregate_stride(group_capacity(c), local);  // every block staged
+  }
   const uint64_t memory = device_memory_needed(c, static_cast<size_t>(local), static_cast<size_t>(local_devices));
   c.aggregators.clear();
   std::vector<Daemon> daemons(static_cast<size_t>(local_devices));

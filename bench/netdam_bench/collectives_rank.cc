@@ -294,11 +294,13 @@ uint64_t device_memory_needed(const BenchConfig& c, size_t p, size_t devices) {
   o.algorithm = c.algorithm;
   o.torus_dims = c.torus_dims;
   o.aggregator_shm = c.aggregator_shm;
+  o.aggregate_stride = c.aggregate_stride;
   uint64_t bytes = Group::device_bytes(o, kMaxPayloadLimit) + (1u << 20);
   if (c.algorithm == Algorithm::kAggregate) {
     // Each device aggregates 1/devices of the blocks: RESULT0, RESULT1 and
     // p stages of them (Group::setup_aggregation), blocks up to 64 KiB.
-    const uint64_t share = group_capacity(c) / devices + (p / devices + 2) * 65536;
+    const uint64_t block = std::max<uint64_t>(c.aggregate_stride, 65536);
+    const uint64_t share = group_capacity(c) / devices + (p / devices + 2) * block * 4;  // and whole runs of blocks
     const uint64_t agg = static_cast<uint64_t>(c.slots) * (p + 2) * share;
     if (!c.aggregators.empty()) bytes = agg + (1u << 20);  // shared devices hold no chain slots
   }
@@ -330,6 +332,7 @@ int run_rank(const BenchConfig& c) {
   o.torus_dims = c.torus_dims;
   o.sparse = c.sparse;
   if (c.aggregate_window) o.aggregate_window = c.aggregate_window;
+  o.aggregate_stride = c.aggregate_stride;
   if (c.window) o.client.window_packets = c.window;
   o.client.congestion = c.congestion;
   o.client.congestion_target = c.congestion_target;

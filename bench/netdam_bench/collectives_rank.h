@@ -35,6 +35,7 @@ struct BenchConfig {
   // every rank, chosen anew each iteration.
   double zero_share = 0;
   size_t aggregate_window = 0;  // GroupOptions::aggregate_window (0: the group's)
+  uint32_t aggregate_stride = 0;  // GroupOptions::aggregate_stride (0: the group's)
 
   // The group.
   std::vector<std::string> devices;

@@ -18,6 +18,7 @@
 // Threading: like Client, one thread drives a Group.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdint>
@@ -56,6 +57,14 @@ enum class Algorithm : uint8_t {
   // with the result: each rank sends S and receives S (COLLECTIVES.md 11).
   kAggregate,
 };
+// GroupOptions::aggregate_stride where every aggregator is mapped: blocks
+// of capacity / 16p (16 per rank's share, so the regions, which hold whole
+// runs of blocks, stay near the capacity), at most 1 MiB; 0 (the datagram's
+// block) where that is not larger.
+inline uint32_t mapped_aggregate_stride(uint64_t capacity, int ranks) {
+  const uint64_t stride = capacity / (16 * static_cast<uint64_t>(ranks > 0 ? ranks : 1)) / 64 * 64;
+  return stride > 65536 ? static_cast<uint32_t>(std::min<uint64_t>(stride, 1u << 20)) : 0;
+}
 // kAuto picks kDirect for AllReduce (and Reduce) buffers up to this size.
 inline constexpr size_t kDirectMaxBytes = 16 * 1024;
 std::string_view to_string(Algorithm a);
@@ -103,6 +112,15 @@ struct GroupOptions {
   // as for the rank's own device (`shm`). Empty: only `shm` is mapped.
   // The names must be the devices' at those addresses.
   std::vector<std::string> aggregator_shm;
+  // Aggregation: bytes per block (a multiple of 64, at least 512); 0: the
+  // largest whose contribution fits one datagram of the devices' payload
+  // limit. Larger blocks need every aggregator mapped here (their data
+  // never travels, only the control datagrams do) and cost fewer of those:
+  // 64 MiB in blocks of 1 MiB is 64 per rank instead of over a thousand.
+  // Every rank passes the same value (the devices refuse another).
+  // mapped_aggregate_stride() is what the torch backend and netdam-bench
+  // --local use when every device is mapped.
+  uint32_t aggregate_stride = 0;
   uint32_t admin_key = 0;      // registers the slots on this rank's device (0: already there)
   uint64_t capacity = 64ull << 20;  // largest collective buffer, bytes
   uint64_t base = 0;           // device address of the first slot, the same on every device

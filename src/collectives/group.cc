@@ -160,7 +160,7 @@ uint64_t Group::device_bytes(const GroupOptions& o, size_t max_payload) {
   const size_t block = chain_block(max_payload, p);
   if (block > 0) bytes += static_cast<uint64_t>(o.slots) * collectives::SlotLayout::bytes(o.capacity, block, p, partials);
   const uint64_t agg = own_aggregation_capacity(o);
-  const uint32_t stride = aggregate_stride(max_payload);
+  const uint32_t stride = o.aggregate_stride ? o.aggregate_stride : aggregate_stride(max_payload);
   if (agg > 0 && stride > 0) bytes += static_cast<uint64_t>(o.slots) * aggregate_region_bytes(agg, p, p, stride);
   return bytes;
 }
@@ -317,6 +317,13 @@ Error Group::setup_aggregation() {
   agg_stride_ = aggregate_stride(max_payload);
   if (agg_stride_ == 0)
     return Error::invalid(fmt::format("device max payload {} too small for aggregation", max_payload));
+  const uint32_t travels = agg_stride_;  // the largest block a datagram carries
+  if (opts_.aggregate_stride != 0) {
+    if (opts_.aggregate_stride % 64 != 0 || opts_.aggregate_stride < core::kAggMinStride)
+      return Error::invalid(fmt::format("aggregate_stride {}: a multiple of 64, at least {}", opts_.aggregate_stride,
+                                        core::kAggMinStride));
+    agg_stride_ = opts_.aggregate_stride;
+  }
   agg_capacity_ = own_aggregation_capacity(opts_);
   if (agg_capacity_ == 0) agg_capacity_ = opts_.capacity;  // aggregators given, or no devices of their own
   agg_region_bytes_ = aggregate_region_bytes(agg_capacity_, p, aggs.size(), agg_stride_);
@@ -371,6 +378,13 @@ Error Group::setup_aggregation() {
     agg_maps_[a] = m.value()->bytes();
     agg_mappings_.push_back(std::move(m.value()));
   }
+  if (agg_stride_ > travels)
+    for (size_t a = 0; a < aggs.size(); ++a)
+      if (agg_maps_[a].empty())
+        return Error::invalid(fmt::format("aggregate_stride {} B exceeds the {} B a datagram carries, and aggregator {} "
+                                          "is not mapped here (its blocks would have to travel)",
+                                          agg_stride_, travels,
+                                          transport::Endpoint{aggs[a].ip, aggs[a].port}.to_string()));
   aggregators_ = std::move(aggs);
   return {};
 }

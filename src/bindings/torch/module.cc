@@ -6,6 +6,7 @@
 // It includes pybind11 itself, not torch/csrc/utils/pybind.h (whose tensor
 // casters this module does not need; it would double the compile time), and
 // declares c10::intrusive_ptr a holder exactly as that header does.
+#include <algorithm>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -67,6 +68,11 @@ PYBIND11_MODULE(_torch_backend, m) {
              g.devices = devices;
              g.shm = shm;
              g.aggregator_shm = aggregator_shm;
+             // Every device mapped (the ranks of one host, as the layout
+             // budgets with aggregate_all): blocks need not fit a datagram.
+             if (!devices.empty() && aggregator_shm.size() == devices.size() &&
+                 std::none_of(aggregator_shm.begin(), aggregator_shm.end(), [](const std::string& n) { return n.empty(); }))
+               g.aggregate_stride = netdam::mapped_aggregate_stride(capacity, static_cast<int>(devices.size()));
              if (spin_us < 0) throw std::invalid_argument("netdam: spin_us must be >= 0");
              g.client.spin = std::chrono::microseconds(spin_us);
              g.admin_key = admin_key;

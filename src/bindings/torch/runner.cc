@@ -498,7 +498,10 @@ uint64_t device_memory_bytes(uint64_t capacity, int slots, int ranks, size_t max
   o.devices.assign(static_cast<size_t>(ranks), "");
   // Every device mapped (the ranks of one host): kAuto aggregates every
   // size, in regions for the whole capacity.
-  if (aggregate_all) o.aggregator_shm.assign(static_cast<size_t>(ranks), "mapped");
+  if (aggregate_all) {
+    o.aggregator_shm.assign(static_cast<size_t>(ranks), "mapped");
+    o.aggregate_stride = mapped_aggregate_stride(capacity, ranks);
+  }
   o.capacity = capacity;
   o.slots = slots;
   o.admin_key = 0xAD;
