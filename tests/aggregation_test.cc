@@ -70,7 +70,7 @@ class AggregateTest : public ::testing::Test {
 
   struct Contribution {
     int rank = 0, ranks = 3;
-    uint32_t generation = 1, block = 0, stride = kStride, flags = 0, reserved = 0;
+    uint32_t generation = 1, block = 0, stride = kStride, flags = 0, weights = 0;
     DType dtype = DType::kF32;
     RedOp redop = RedOp::kSum;
     Bytes data = {};
@@ -100,7 +100,7 @@ class AggregateTest : public ::testing::Test {
     encode_preamble(sr, d.data() + kHeaderSize);
     encode_segment({0x0A0000FE, 7000, Opcode::kAggregate, c.seg_flags, c.key, c.block, c.group},
                    d.data() + kHeaderSize + kSrPreambleSize);
-    AggRecord r{static_cast<uint16_t>(c.rank), static_cast<uint16_t>(c.ranks), c.stride, c.flags, c.reserved};
+    AggRecord r{static_cast<uint16_t>(c.rank), static_cast<uint16_t>(c.ranks), c.stride, c.flags, c.weights};
     encode_agg_record(r, d.data() + payload_offset(1));
     if (!c.data.empty()) std::memcpy(d.data() + payload_offset(1) + kAggRecordSize, c.data.data(), c.data.size());
     return d;
@@ -381,7 +381,7 @@ TEST_F(AggregateTest, Refusals) {
   EXPECT_EQ(StatusOf({.stride = 256, .data = d}), Status::kBadPayload);
   EXPECT_EQ(StatusOf({.stride = 600, .data = d}), Status::kBadPayload);
   EXPECT_EQ(StatusOf({.flags = 0x80, .data = d}), Status::kBadPayload);
-  EXPECT_EQ(StatusOf({.reserved = 1, .data = d}), Status::kBadPayload);
+  EXPECT_EQ(StatusOf({.weights = 1, .data = d}), Status::kBadPayload);
   const uint32_t blocks = static_cast<uint32_t>(AggGeometry::of(256 << 10, 3, kStride).blocks);
   EXPECT_EQ(StatusOf({.block = blocks, .data = d}), Status::kOutOfBounds);
   // The first contribution set the region's geometry (3 ranks, 512 B).
@@ -495,7 +495,7 @@ TEST_F(AggregateTest, OptimizeAppliesTheStepOnceAndAnswersTheWeights) {
   std::memset(mem_.data() + w_at + cfg.state1_offset, 0x7F, w0.size());  // t == 1 overwrites the buffer
   const Bytes g[2] = {Floats({1, 2, 0.5f, -4}), Floats({3, 2, 0.5f, 4})};
   auto opt = [&](int r, const Bytes& d) {
-    return Contribution{.rank = r, .ranks = 2, .block = block, .flags = kAggOptimize, .reserved = kW, .data = d};
+    return Contribution{.rank = r, .ranks = 2, .block = block, .flags = kAggOptimize, .weights = kW, .data = d};
   };
   EXPECT_TRUE(Held(Send(opt(0, g[0]))));
   auto done = Send(opt(1, g[1]));
@@ -523,18 +523,18 @@ TEST_F(AggregateTest, OptimizeAppliesTheStepOnceAndAnswersTheWeights) {
   c.redop = RedOp::kMax;
   EXPECT_EQ(bad(c), Status::kBadRedop);
   c.redop = RedOp::kSum;
-  c.reserved = 0x999;
+  c.weights = 0x999;
   EXPECT_EQ(bad(c), Status::kBadKey);
-  c.reserved = kNoOpt;
+  c.weights = kNoOpt;
   EXPECT_EQ(bad(c), Status::kNoOptimizer);
-  c.reserved = kW;
+  c.weights = kW;
   c.block = (64 << 10) / kStride;  // the weights would lie past the region
   EXPECT_EQ(bad(c), Status::kOutOfBounds);
   c.block = 4;
-  c.reserved = 0;  // OPTIMIZE without a key
+  c.weights = 0;  // OPTIMIZE without a key
   EXPECT_EQ(bad(c), Status::kBadPayload);
   c.flags = 0;
-  c.reserved = kW;  // a key without OPTIMIZE
+  c.weights = kW;  // a key without OPTIMIZE
   EXPECT_EQ(bad(c), Status::kBadPayload);
   // Contributors of one block agree whether it is optimized.
   c = opt(0, g[0]);

@@ -382,6 +382,23 @@ TEST(AggregateGroup, OtherCollectives) {
   check_other_collectives(c, 4);
 }
 
+// A float32 sum of n elements per rank (rank r's input from seed + r) on
+// every rank, checked bit for bit against the rank-order reference.
+void check_allreduce(AggCluster& c, int p, size_t n, uint64_t seed) {
+  std::vector<std::vector<std::byte>> in, out(p, std::vector<std::byte>(4 * n, std::byte{0xEE}));
+  for (int r = 0; r < p; ++r) in.push_back(random_elements(DType::kF32, n, seed + static_cast<uint64_t>(r)));
+  std::vector<Work> works;
+  for (int r = 0; r < p; ++r)
+    works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
+                                                                       DType::kF32, Reduction::kSum));
+  c.run(works);
+  const auto want = reference(in, DType::kF32, RedOp::kSum);
+  for (int r = 0; r < p; ++r) {
+    ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
+    EXPECT_EQ(out[static_cast<size_t>(r)], want) << "rank " << r << ", " << n << " floats";
+  }
+}
+
 // AllToAll of equal pieces by aggregation (Group::alltoall_equal_async):
 // each piece a relayed block set, under loss, duplication and reordering;
 // and through the mapping where every rank maps the one aggregator.
@@ -493,20 +510,7 @@ TEST(AggregateGroup, BlocksLargerThanADatagramThroughTheMapping) {
                [](GroupOptions& o) { o.aggregate_stride = 256u << 10; });
   ASSERT_EQ(c.groups.size(), static_cast<size_t>(p));
   EXPECT_EQ(c.groups[0]->aggregate_block_bytes(), 256u << 10);
-  for (size_t n : {size_t{1}, size_t{100000}, size_t{1000000}}) {
-    std::vector<std::vector<std::byte>> in, out(p, std::vector<std::byte>(4 * n, std::byte{0xEE}));
-    for (int r = 0; r < p; ++r) in.push_back(random_elements(DType::kF32, n, 50 + static_cast<uint64_t>(r) + n));
-    std::vector<Work> works;
-    for (int r = 0; r < p; ++r)
-      works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
-                                                                         DType::kF32, Reduction::kSum));
-    c.run(works);
-    const auto want = reference(in, DType::kF32, RedOp::kSum);
-    for (int r = 0; r < p; ++r) {
-      ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
-      EXPECT_EQ(out[static_cast<size_t>(r)], want) << "rank " << r << ", " << n << " floats";
-    }
-  }
+  for (size_t n : {size_t{1}, size_t{100000}, size_t{1000000}}) check_allreduce(c, p, n, 50 + n);
   check_alltoall(c, p, 100000, 9);
 }
 
@@ -542,21 +546,7 @@ TEST(AggregateGroup, ResultsByMulticastGroupAreExact) {
   AggCluster c(p, 3, f, 256u << 10, 10s, 2, true, false,
                [&](GroupOptions& o) { o.result_multicast = group.to_string(); });
   for (int r = 0; r < p; ++r) EXPECT_TRUE(c.groups[static_cast<size_t>(r)]->uses_result_multicast()) << r;
-  auto allreduce = [&](size_t n, uint64_t seed) {
-    std::vector<std::vector<std::byte>> in, out(p, std::vector<std::byte>(4 * n, std::byte{0xEE}));
-    for (int r = 0; r < p; ++r) in.push_back(random_elements(DType::kF32, n, seed + static_cast<uint64_t>(r)));
-    std::vector<Work> works;
-    for (int r = 0; r < p; ++r)
-      works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
-                                                                         DType::kF32, Reduction::kSum));
-    c.run(works);
-    const auto want = reference(in, DType::kF32, RedOp::kSum);
-    for (int r = 0; r < p; ++r) {
-      ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
-      EXPECT_EQ(out[static_cast<size_t>(r)], want) << "rank " << r << ", " << n << " floats";
-    }
-  };
-  for (size_t n : {size_t{1}, size_t{1000}, size_t{20000}}) allreduce(n, 7 * n);
+  for (size_t n : {size_t{1}, size_t{1000}, size_t{20000}}) check_allreduce(c, p, n, 7 * n);
   check_other_collectives(c, p);
   uint64_t heard = 0;
   for (auto& g : c.groups) heard += g->client().counters().group_results;
@@ -574,7 +564,7 @@ TEST(AggregateGroup, ResultsByMulticastGroupAreExact) {
   // Rank 1 no longer hears the group.
   c.fabric.leave(group, {0x0B000001, 5000});
   const uint64_t before = c.groups[1]->client().counters().group_results;
-  allreduce(3000, 99);
+  check_allreduce(c, p, 3000, 99);
   EXPECT_EQ(c.groups[1]->client().counters().group_results, before);
 }
 

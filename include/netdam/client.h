@@ -328,6 +328,7 @@ class Client {
   // A datagram with txn 0: an AGGREGATE result sent to a group.
   void receive_group_result(std::span<const std::byte> datagram, const transport::Endpoint& from);
   void forget_group_wait(const Packet& p);
+  void first_answer(Packet& p, bool timed, uint8_t depth);
   Error deliver(Packet& p, std::span<const std::byte> payload);
   std::string describe(const Packet& p) const;  // "READ at 0x1000 on HOST:PORT"
   Error timed_out(const Packet& p) const;

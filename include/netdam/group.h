@@ -42,6 +42,7 @@ class Transport;
 namespace collectives {
 struct OffloadLayout;
 struct AggOffloadLayout;
+struct AggregatePlace;
 }
 
 enum class Reduction : uint8_t { kSum, kMin, kMax, kAvg };
@@ -328,14 +329,9 @@ class Group {
   void probe_multicast();
   Error probe_result_group();
   Error offload_init_aggregated(const OffloadOptions& o, std::span<const float> initial);
-  // Where the blocks of an aggregated AllReduce of `bytes` go: (aggregator
-  // index, block index, byte offset, length) per block, as every rank cuts it.
-  struct Placed {
-    size_t aggregator;
-    uint64_t block, offset;
-    uint32_t length;
-  };
-  std::vector<Placed> aggregate_placement(uint64_t bytes) const;
+  // Where the blocks of an aggregated AllReduce of `bytes` go, as every
+  // rank cuts them.
+  std::vector<collectives::AggregatePlace> aggregate_placement(uint64_t bytes) const;
   Error setup_aggregation();
   bool start_aggregate(detail::WorkState& w);
   void begin_aggregating(detail::WorkState& w);

@@ -60,7 +60,9 @@ struct Client::Packet {
   uint32_t key_high = 0;              // a pool proxy's key: its high half goes in boot
   bool aggregate = false;             // an AGGREGATE contribution: the answer starts with its record
   bool held = false;                  // AGGREGATE: the device has it and answers when all are in
-  bool group = false;                 // AGGREGATE: names a result group (indexed in group_waits_)
+  // AGGREGATE naming a result group: how a group result names this block
+  // (its key in group_waits_ while in flight).
+  std::optional<GroupWait> group;
   client_detail::LossRecovery* recovery = nullptr;  // AGGREGATE: its device's estimator, once looked up
   TimePoint held_since{};
   int held_resends = 0;
@@ -489,7 +491,7 @@ Op Client::aggregate_async(const AggregateRequest& r) {
   core::SrPreamble sr;
   sr.generation = r.generation;
   core::encode_preamble(sr, p.chain_head.data() + kHeaderSize);
-  p.group = group != 0;
+  if (group != 0) p.group = GroupWait{uint64_t{r.device.ip} << 16 | r.device.port, r.device.rkey, r.block, r.generation};
   core::encode_segment(core::Segment{r.device.ip, r.device.port, Opcode::kAggregate, 0, r.device.rkey, r.block, group},
                        p.chain_head.data() + kHeaderSize + kSrPreambleSize);
   core::AggRecord rec;
@@ -498,7 +500,7 @@ Op Client::aggregate_async(const AggregateRequest& r) {
   rec.stride = r.stride;
   rec.flags = (r.zero ? core::kAggZero : 0) | (r.relay ? core::kAggSkip : 0) | (r.staged ? core::kAggStaged : 0) |
               (r.result.empty() ? core::kAggNoResult : 0) | (r.weights_key != 0 ? core::kAggOptimize : 0);
-  rec.reserved = r.weights_key;
+  rec.weights = r.weights_key;
   core::encode_agg_record(rec, p.chain_head.data() + core::payload_offset(1));
   p.to = transport::Endpoint{r.device.ip, r.device.port};
   p.payload = r.data;
@@ -805,11 +807,17 @@ void Client::finish(Packet& p, Error e) {
   if (e) fail_op(*op, std::move(e));
 }
 
+// The first answer to a packet: loss recovery and the congestion
+// controller learn of it; `timed`: its round trip is a sample.
+void Client::first_answer(Packet& p, bool timed, uint8_t depth) {
+  const TimePoint now = transport_->now();
+  recovery_->route(p).on_answer(p.first_sent, p.last_sent, p.sends, now);
+  recovery_->cc.on_answer(now, p.window_cost(), timed ? std::optional(now - p.first_sent) : std::nullopt, depth);
+}
+
 void Client::forget_group_wait(const Packet& p) {
   if (!p.group) return;
-  const core::Segment seg = core::decode_segment(p.chain_head.data() + kHeaderSize + kSrPreambleSize);
-  const uint32_t gen = core::decode_preamble(p.chain_head.data() + kHeaderSize).generation;
-  auto it = group_waits_.find({uint64_t{seg.ip} << 16 | seg.port, seg.rkey, seg.aux, gen});
+  auto it = group_waits_.find(*p.group);
   if (it != group_waits_.end() && it->second == p.h.txn) group_waits_.erase(it);
 }
 
@@ -842,11 +850,7 @@ void Client::send_queued() {
     ++counters_.packets_sent;
     if (p->expect_answer) {
       inflight_bytes_ += p->window_cost();
-      if (p->group) {
-        const core::Segment seg = core::decode_segment(p->chain_head.data() + kHeaderSize + kSrPreambleSize);
-        const uint32_t gen = core::decode_preamble(p->chain_head.data() + kHeaderSize).generation;
-        group_waits_[{uint64_t{seg.ip} << 16 | seg.port, seg.rkey, seg.aux, gen}] = p->h.txn;
-      }
+      if (p->group) group_waits_[*p->group] = p->h.txn;
       inflight_.emplace(p->h.txn, std::move(p));
     } else {
       --p->op->outstanding;
@@ -964,18 +968,12 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
   }
   ++counters_.answers;
   Packet& p = *it->second;
-  const TimePoint now = transport_->now();
-  if (h.status != Status::kNotReady && !p.held) {
-    recovery_->route(p).on_answer(p.first_sent, p.last_sent, p.sends, now);
-    // Karn: only a request sent once times the path. An aggregate's first
-    // answer comes at once too (held, or the result if it completed the
-    // block; PROTOCOL.md 6.13), so it times the queues on the way to the
-    // aggregating device: under incast, the very queue to control. Its
-    // later answer (the result after waiting for the others) is not timed.
-    const bool timed = p.sends == 1;
-    recovery_->cc.on_answer(now, p.window_cost(), timed ? std::optional(now - p.first_sent) : std::nullopt,
-                            h.depth);
-  }
+  // Karn: only a request sent once times the path. An aggregate's first
+  // answer comes at once too (held, or the result if it completed the
+  // block; PROTOCOL.md 6.13), so it times the queues on the way to the
+  // aggregating device: under incast, the very queue to control. Its
+  // later answer (the result after waiting for the others) is not timed.
+  if (h.status != Status::kNotReady && !p.held) first_answer(p, p.sends == 1, h.depth);
   if (p.is_chain() && h.status == Status::kNotReady) {
     // Back off from 100 us to 3.2 ms; the deadline still runs from first_sent.
     p.due = transport_->now() + kNotReadyDelay * (1 << std::min(p.not_ready++, 5));
@@ -1009,30 +1007,28 @@ std::string Client::describe(const Packet& p) const {
 void Client::receive_group_result(std::span<const std::byte> d, const transport::Endpoint& from) {
   const core::Header h = core::decode_header(d.data());
   const auto payload = d.subspan(kHeaderSize);
-  if (h.status != Status::kOk || h.length != payload.size() || payload.size() < core::kAggAnswerRecordSize ||
-      !(core::decode_agg_answer(payload.data()).flags & core::kAggResultGroup) || h.addr > UINT32_MAX) {
+  const bool whole = h.status == Status::kOk && h.length == payload.size() &&
+                     payload.size() >= core::kAggAnswerRecordSize && h.addr <= UINT32_MAX;
+  const core::AggAnswerRecord rec = whole ? core::decode_agg_answer(payload.data()) : core::AggAnswerRecord{};
+  if (!(rec.flags & core::kAggResultGroup)) {
     ++counters_.ignored;
     return;
   }
-  const uint32_t gen = core::decode_agg_answer(payload.data()).generation;
-  auto w = group_waits_.find({from.key(), h.rkey, static_cast<uint32_t>(h.addr), gen});
+  auto w = group_waits_.find({from.key(), h.rkey, static_cast<uint32_t>(h.addr), rec.generation});
   auto it = w == group_waits_.end() ? inflight_.end() : inflight_.find(w->second);
   if (it == inflight_.end()) {
     ++counters_.group_unmatched;
     return;
   }
   Packet& p = *it->second;
-  const uint32_t flags = core::decode_agg_answer(payload.data()).flags;
   if (p.h.dtype != h.dtype || p.h.redop != h.redop || p.h.length + core::kAggAnswerRecordSize < payload.size() ||
-      (p.answer_to != nullptr && (flags & core::kAggResultNone)) || (flags & core::kAggHeld))
+      (p.answer_to != nullptr && (rec.flags & core::kAggResultNone)) || (rec.flags & core::kAggHeld))
     return finish(p, Error::protocol(describe(p) + ": a group result that does not fit its block"));
   ++counters_.answers;
   ++counters_.group_results;
-  if (!p.held) {  // its held answer was lost: this is the first word of the block (not a timing)
-    const TimePoint now = transport_->now();
-    recovery_->route(p).on_answer(p.first_sent, p.last_sent, p.sends, now);
-    recovery_->cc.on_answer(now, p.window_cost(), std::nullopt, h.depth);
-  }
+  // Its held answer was lost: this is the first word of the block, but
+  // after the others' wait, so not a round trip.
+  if (!p.held) first_answer(p, false, h.depth);
   deliver_aggregate(p, payload);
 }
 

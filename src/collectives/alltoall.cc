@@ -127,9 +127,9 @@ Work Group::alltoall_equal_async(std::span<const std::byte> in, std::span<std::b
     return Work(detail::failed(Error::invalid(fmt::format(
         "alltoall: input {} / output {} bytes for {} pieces of {}", in.size(), out.size(), p, piece))));
   // Aggregation relays p(p-1) pieces, each in whole blocks, through the
-  // aggregation regions.
-  const uint64_t relayed = (piece + agg_stride_ - 1) / std::max<uint64_t>(agg_stride_, 1) * agg_stride_ * p * (p - 1);
+  // aggregation regions (a group without devices always aggregates).
   const bool mapped = aggregates() && std::all_of(agg_maps_.begin(), agg_maps_.end(), [](auto m) { return !m.empty(); });
+  const uint64_t relayed = aggregates() ? (piece + agg_stride_ - 1) / agg_stride_ * agg_stride_ * p * (p - 1) : 0;
   if ((mapped || devices_.empty()) && relayed <= agg_capacity_) {
     auto w = std::make_shared<detail::WorkState>();
     w->own = in.subspan(static_cast<size_t>(rank()) * piece, piece);

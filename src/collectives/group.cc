@@ -138,6 +138,19 @@ uint64_t own_aggregation_capacity(const GroupOptions& o) {
   return 0;
 }
 
+// "GROUP:PORT" of an IPv4 multicast group (option `what`) as a hop (ip and
+// port only).
+Result<Hop> parse_group(const std::string& text, std::string_view what) {
+  auto group = transport::parse_endpoint(text);
+  if (!group || !transport::is_multicast(group->ip) || group->port == 0)
+    return Error::invalid(fmt::format("{} '{}': {}", what, text,
+                                      group ? "not a multicast group and port (224.0.0.0/4)" : group.error().message()));
+  Hop h;
+  h.ip = group->ip;
+  h.port = group->port;
+  return h;
+}
+
 // "IPv4:PORT" strings as hops (ip and port only).
 Error parse_hops(const std::vector<std::string>& addresses, std::string_view what, std::vector<Hop>& out) {
   for (const auto& a : addresses) {
@@ -196,12 +209,9 @@ Error Group::setup() {
     partials = static_cast<int>(opts_.torus_dims.size()) - 1;
   }
   if (!opts_.multicast.empty()) {
-    auto group = transport::parse_endpoint(opts_.multicast);
-    if (!group || !transport::is_multicast(group->ip))
-      return Error::invalid("multicast '" + opts_.multicast + "': " +
-                            (group ? "not a multicast address (224.0.0.0/4)" : group.error().message()));
-    multicast_.ip = group->ip;  // until probe_multicast() says otherwise
-    multicast_.port = group->port;
+    auto group = parse_group(opts_.multicast, "multicast");
+    if (!group) return group.error();
+    multicast_ = *group;  // until probe_multicast() says otherwise
   }
   if (Error e = parse_hops(opts_.devices, "device", devices_)) return e;
   // Chains start at every device of the group: learn the address cookie
@@ -279,21 +289,18 @@ Error Group::setup() {
 // unicast, without asking the other ranks (the aggregator serves both).
 Error Group::probe_result_group() {
   if (opts_.result_multicast.empty()) return {};
-  auto group = transport::parse_endpoint(opts_.result_multicast);
-  if (!group || !transport::is_multicast(group->ip) || group->port == 0)
-    return Error::invalid("result_multicast '" + opts_.result_multicast + "': " +
-                          (group ? "not a multicast group and port (224.0.0.0/4)" : group.error().message()));
+  auto group = parse_group(opts_.result_multicast, "result_multicast");
+  if (!group) return group.error();
   if (!aggregates()) return {};
-  Hop candidate;
-  candidate.ip = group->ip;
-  candidate.port = group->port;
+  const Hop candidate = *group;
   const Error joined = client_->join_group(candidate.ip, candidate.port, aggregators_[0].ip);
   const auto within = std::min<std::chrono::milliseconds>(opts_.timeout, std::chrono::milliseconds(300));
   const bool reached = !joined && client_->hears_group(slots_[0]->aggregators[0], candidate.ip, candidate.port, within);
   if (reached)
     result_group_ = candidate;
   else
-    result_group_error_ = joined ? joined : Error::transport("no result of the probe came through " + group->to_string());
+    result_group_error_ = joined ? joined
+                                 : Error::transport("no result of the probe came through " + opts_.result_multicast);
   return {};
 }
 

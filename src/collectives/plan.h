@@ -209,12 +209,20 @@ Plan ring_broadcast(const Context& c, std::span<std::byte> buf, int root);
 // base + j * region_bytes, the weights of the blocks it aggregates, block b
 // at b * stride (where AGGREGATE looks for them), then the optimizer state
 // 1 and 2 at state_offset and 2 * state_offset from the weights.
+// Where one block of an aggregated AllReduce goes: aggregator index, block
+// index in its region, and the block's bytes in the buffer.
+struct AggregatePlace {
+  size_t aggregator;
+  uint64_t block, offset;
+  uint32_t length;
+};
 struct AggOffloadLayout {
   uint64_t count = 0;         // float32 weights
   uint64_t chunk = 0;         // weights per chunk (one collective each)
   uint32_t key0 = 0;          // chunk j's region: key0 + j on every aggregator
   uint64_t base = 0;          // chunk 0's region on every aggregator
   uint64_t state_offset = 0;  // bytes from a weight to its state 1 (blocks x stride)
+  std::vector<std::vector<AggregatePlace>> places;  // per chunk, its blocks as every rank cuts them
   uint64_t chunks() const { return (count + chunk - 1) / chunk; }
   uint64_t chunk_elements(uint64_t j) const { return std::min(chunk, count - j * chunk); }
   uint64_t region_bytes() const { return 3 * state_offset; }

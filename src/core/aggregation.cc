@@ -14,7 +14,7 @@ void encode_agg_record(const AggRecord& r, std::byte* out) {
   store_be<uint16_t>(out + 2, r.contributors);
   store_be<uint32_t>(out + 4, r.stride);
   store_be<uint32_t>(out + 8, r.flags);
-  store_be<uint32_t>(out + 12, r.reserved);
+  store_be<uint32_t>(out + 12, r.weights);
 }
 
 AggRecord decode_agg_record(const std::byte* in) {
@@ -105,7 +105,7 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
   const AggRecord& r = c.record;
   // The record's own rules (the engine has checked key, types and sizes).
   if (r.contributors == 0 || r.contributors > kMaxContributors || r.contributor >= r.contributors ||
-      (r.reserved != 0) != ((r.flags & kAggOptimize) != 0) || (r.flags & ~kAggFlagsKnown) ||
+      (r.weights != 0) != ((r.flags & kAggOptimize) != 0) || (r.flags & ~kAggFlagsKnown) ||
       std::popcount(r.flags & kAggNoPayload) > 1 ||
       r.stride < kAggMinStride ||
       r.stride % 64 != 0) {
@@ -154,7 +154,7 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
     b.length[s] = c.length;
     b.dtype[s] = c.dtype;
     b.redop[s] = c.redop;
-    b.weights[s] = r.reserved;
+    b.weights[s] = r.weights;
   }
   if (b.length[s] != c.length) {
     out.status = Status::kBadLength;  // contributors disagree about the block
@@ -164,7 +164,7 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
     out.status = b.dtype[s] != c.dtype ? Status::kBadType : Status::kBadRedop;
     return out;
   }
-  if (b.weights[s] != r.reserved) {
+  if (b.weights[s] != r.weights) {
     out.status = Status::kBadPayload;  // contributors disagree whether (and where) the block is optimized
     return out;
   }

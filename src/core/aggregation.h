@@ -26,7 +26,7 @@ namespace netdam::core {
 
 // The record that starts an AGGREGATE segment's payload (16 bytes,
 // big-endian): contributor u16, contributors u16, stride u32, flags u32,
-// reserved u32 (0; the weights region's key with OPTIMIZE).
+// weights u32 (the weights region's key with OPTIMIZE, else 0).
 inline constexpr size_t kAggRecordSize = 16;
 // The record that starts an AGGREGATE answer's payload (8 bytes,
 // big-endian): generation u32, flags u32.
@@ -38,7 +38,7 @@ inline constexpr uint32_t kAggSkip = 0x4;      // adds nothing, only waits for t
 inline constexpr uint32_t kAggStaged = 0x8;    // the data is in STAGE_r already (a host sharing the memory)
 // The block is a float32 gradient (sum): once reduced, the device applies
 // its weights region's optimizer to the weights of the block (the region
-// whose key the record's `reserved` field holds, at base + block * stride)
+// whose key the record's `weights` field holds, at base + block * stride)
 // and answers the updated weights instead of the sum.
 inline constexpr uint32_t kAggOptimize = 0x10;
 inline constexpr uint32_t kAggFlagsKnown = kAggZero | kAggNoResult | kAggSkip | kAggStaged | kAggOptimize;
@@ -70,7 +70,7 @@ struct AggRecord {
   uint16_t contributors = 0;
   uint32_t stride = 0;
   uint32_t flags = 0;
-  uint32_t reserved = 0;
+  uint32_t weights = 0;  // OPTIMIZE: the weights region's key; else 0
 };
 void encode_agg_record(const AggRecord& r, std::byte* out);  // kAggRecordSize bytes
 // Every bit zero (a block that travels as a ZERO marker). Stops at the

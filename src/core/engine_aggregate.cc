@@ -48,10 +48,10 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address from, Address
   // from there; all of it must be in the region now. (The record's own
   // rules, a key with the flag and none without, come with the others.)
   uint64_t weights_at = 0;
-  if ((rec.flags & kAggOptimize) && rec.reserved != 0) {
+  if ((rec.flags & kAggOptimize) && rec.weights != 0) {
     if (h.dtype != DType::kF32) return answer(h, reply_to, Status::kBadType, {}, out);
     if (h.redop != RedOp::kSum) return answer(h, reply_to, Status::kBadRedop, {}, out);
-    const std::optional<Region> w = device_.regions().find(rec.reserved);
+    const std::optional<Region> w = device_.regions().find(rec.weights);
     if (!w) return answer(h, reply_to, Status::kBadKey, {}, out);
     if ((w->perms & kPermAll) != kPermAll || (w->perms & kPermPlainOnly))
       return answer(h, reply_to, Status::kNotPermitted, {}, out);
@@ -60,7 +60,7 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address from, Address
     weights_at = w->base + uint64_t{s.aux} * rec.stride;
     auto inside = [&](uint64_t offset) {
       return offset <= UINT64_MAX - weights_at &&
-             device_.regions().check(rec.reserved, weights_at + offset, h.length, kPermRead | kPermWrite) == Status::kOk;
+             device_.regions().check(rec.weights, weights_at + offset, h.length, kPermRead | kPermWrite) == Status::kOk;
     };
     const OptimizerConfig& oc = *w->optimizer;
     if (!inside(0) || (oc.uses_state1() && !inside(oc.state1_offset)) || (oc.uses_state2() && !inside(oc.state2_offset)))
@@ -84,7 +84,7 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address from, Address
     // Runs once, when the block completes: the reduced gradient steps the
     // weights, which become the block's result. The config is the one the
     // region holds then (the hosts set step t before they contribute to it).
-    c.finish = [this, key = rec.reserved, weights_at](std::span<std::byte> grad) {
+    c.finish = [this, key = rec.weights, weights_at](std::span<std::byte> grad) {
       const std::optional<Region> w = device_.regions().find(key);
       if (!w || !w->optimizer) return;  // removed meanwhile (PROTOCOL.md 6.13): the sum stays
       const OptimizerConfig cfg = *w->optimizer;

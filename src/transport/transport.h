@@ -131,8 +131,8 @@ class Transport {
   // joined on the interface through which this host reaches `peer_ip` (a
   // device that will send to the group). Datagrams from the group come out
   // of recv_batch like any other. An Error (kInvalidArgument for an address
-  // that is not a group, kTransport for the system's refusals, kUnsupported
-  // where the transport cannot) leaves the transport as it was.
+  // that is not a group, kTransport for the system's refusals and where the
+  // transport cannot) leaves the transport as it was.
   virtual Error join_group(Endpoint group, uint32_t peer_ip) {
     (void)group, (void)peer_ip;
     return Error::transport("this transport cannot receive multicast");
