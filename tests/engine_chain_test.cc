@@ -183,8 +183,7 @@ TEST_F(EngineTest, ChainHopErrorGoesToRequester) {
 
 TEST_F(EngineTest, ChainRefusesOpcodesNotAllowed) {
   Bytes snap = mem();
-  for (Opcode op : {Opcode::kFetchAdd, Opcode::kSwap, Opcode::kCompareSwap, Opcode::kFill,
-                    Opcode::kCopy, Opcode::kChain, Opcode::kPing, Opcode::kStats,
+  for (Opcode op : {Opcode::kFill, Opcode::kCopy, Opcode::kChain, Opcode::kPing, Opcode::kStats,
                     Opcode::kRegionAdd, Opcode::kRegionDel, Opcode::kRegionList,
                     static_cast<Opcode>(0xEE)}) {
     Bytes d = ChainDatagram(ChainHeader(900, DType::kBytes, RedOp::kNone, 8), {},
@@ -193,6 +192,59 @@ TEST_F(EngineTest, ChainRefusesOpcodesNotAllowed) {
     EXPECT_EQ(r.status(), Status::kBadSegment) << to_string(op);
   }
   EXPECT_TRUE(mem() == snap);
+}
+
+// An atomic segment (what a pool proxy forwards, PROTOCOL.md 17.5): the
+// answer goes to the reply-to with the old value and the header's rkey and
+// addr echoed; a copy of the same chain (the client retransmitting through
+// a proxy, maybe a restarted one) is answered from the replay window of the
+// reply-to, not run again, whoever sends it; another reply-to is another
+// requester.
+TEST_F(EngineTest, AtomicSegmentsRunOncePerReplyTo) {
+  const Address proxy{0x0A0000FE, 7100}, restarted_proxy{0x0A0000FE, 7101};
+  store_le<uint64_t>(mem().data() + 0x2000, 40);
+  auto chain = [&](uint64_t txn, Opcode op, const Bytes& operands, Address reply_to) {
+    Header h = ChainHeader(txn, DType::kBytes, RedOp::kNone, 8);
+    h.rkey = 8;           // echoed: the proxy's part length
+    h.addr = 0x5000;      // echoed: the part's global address
+    return ChainDatagram(h, SrPreamble{reply_to.ip, reply_to.port, 0}, {Seg(kDev0, op, 0x2000)}, operands);
+  };
+  Reply r = n().Send(proxy, chain(950, Opcode::kFetchAdd, Le64(2), kClient));
+  ASSERT_EQ(r.kind, Action::Kind::kReply);
+  EXPECT_EQ(r.to, kClient);
+  EXPECT_EQ(r.status(), Status::kOk);
+  EXPECT_EQ(r.h.opcode, Opcode::kChain);
+  EXPECT_EQ(r.h.rkey, 8u);
+  EXPECT_EQ(r.h.addr, 0x5000u);
+  EXPECT_EQ(r.payload, Le64(40));
+  EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x2000), 42u);
+  // The same chain again, from another source: remembered, not run.
+  r = n().Send(restarted_proxy, chain(950, Opcode::kFetchAdd, Le64(2), kClient));
+  EXPECT_EQ(r.status(), Status::kOk);
+  EXPECT_EQ(r.payload, Le64(40));
+  EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x2000), 42u);
+  // Another reply-to with the same txn is another requester.
+  r = n().Send(proxy, chain(950, Opcode::kFetchAdd, Le64(2), kClientOtherPort));
+  EXPECT_EQ(r.payload, Le64(42));
+  EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x2000), 44u);
+  // SWAP and COMPARE_SWAP (16 bytes of operands), a failing compare.
+  r = n().Send(proxy, chain(951, Opcode::kSwap, Le64(7), kClient));
+  EXPECT_EQ(r.payload, Le64(44));
+  r = n().Send(proxy, chain(952, Opcode::kCompareSwap, Le64x2(6, 9), kClient));
+  EXPECT_EQ(r.payload, Le64(7));
+  EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x2000), 7u);
+  r = n().Send(proxy, chain(953, Opcode::kCompareSwap, Le64x2(7, 9), kClient));
+  EXPECT_EQ(r.payload, Le64(7));
+  EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x2000), 9u);
+  // The atomic's own checks: alignment, operand size, a read-only region.
+  Bytes bad = chain(954, Opcode::kFetchAdd, Le64(1), kClient);
+  encode_segment(Seg(kDev0, Opcode::kFetchAdd, 0x2004), bad.data() + kHeaderSize + kSrPreambleSize);
+  EXPECT_EQ(n().Send(proxy, bad).status(), Status::kMisaligned);
+  EXPECT_EQ(n().Send(proxy, chain(955, Opcode::kCompareSwap, Le64(1), kClient)).status(), Status::kBadLength);
+  bad = chain(956, Opcode::kSwap, Le64(1), kClient);
+  encode_segment(Seg(kDev0, Opcode::kSwap, kHalf, kKeyRO), bad.data() + kHeaderSize + kSrPreambleSize);
+  EXPECT_EQ(n().Send(proxy, bad).status(), Status::kNotPermitted);
+  EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x2000), 9u);
 }
 
 TEST_F(EngineTest, ChainNextHopAddressZero) {

@@ -95,6 +95,22 @@ TEST(LossRecovery, AnAnsweredResendBoundsEveryOtherRequestByItsDelay) {
   EXPECT_EQ(lr.lost_at(t0 + 60ms), TP::max());
 }
 
+// Routes answered by several independent servers (a pool's devices under
+// DIRECT) use the tail rule alone: a later request's answer is no evidence
+// against an earlier one, an answered resend still bounds everything.
+TEST(LossRecovery, TheTailRuleAloneIgnoresLaterAnswers) {
+  LossRecovery lr(kLimits);
+  const TP a = t0, b = t0 + 10us;
+  lr.on_answer(b, b, 1, b + 300us);
+  EXPECT_EQ(lr.lost_at(a), a + 300us + 1ms);  // the order-based rule
+  EXPECT_EQ(lr.tail_lost_at(a), TP::max());   // not this one
+  const TP first = t0 + 10ms, resent = t0 + 40ms;
+  lr.on_probe(resent);
+  lr.on_answer(first, resent, 2, resent + 5ms);
+  EXPECT_EQ(lr.tail_lost_at(t0 + 12ms), t0 + 12ms + 35ms + 1ms);
+  EXPECT_LE(lr.lost_at(t0 + 12ms), lr.tail_lost_at(t0 + 12ms));  // the full rule is the earlier of both
+}
+
 // An answer sooner after a resend than any round trip took answers the
 // first send: the resend was spurious, so the route reorders more than the
 // window allowed. The window doubles, up to one smoothed round trip.

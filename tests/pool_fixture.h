@@ -7,7 +7,15 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+#include <random>
+#include <thread>
+
 #include "daemon_fixture.h"
+#include "netdam/pool.h"
 
 namespace netdam::testing {
 
@@ -78,10 +86,13 @@ class TestMmu {
 // `n` devices with the admin key the proxy uses, and the --device flags
 // that name them.
 inline bool start_devices(std::vector<std::unique_ptr<TestDaemon>>& devs, size_t n, std::vector<std::string>& flags,
-                          std::string* error, const std::string& memory = "8MiB") {
+                          std::string* error, const std::string& memory = "8MiB",
+                          const std::vector<std::string>& extra = {}) {
   for (size_t i = 0; i < n; ++i) {
     devs.push_back(std::make_unique<TestDaemon>());
-    if (!devs.back()->start({"--memory", memory, "--admin-key", kDeviceAdminKey, "--log-level", "warn"})) {
+    std::vector<std::string> args = {"--memory", memory, "--admin-key", kDeviceAdminKey, "--log-level", "warn"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    if (!devs.back()->start(args)) {
       *error = devs.back()->error();
       return false;
     }
@@ -90,5 +101,55 @@ inline bool start_devices(std::vector<std::unique_ptr<TestDaemon>>& devs, size_t
   }
   return true;
 }
+
+// netdamd devices behind a netdam-mmu, and a Pool connected to it.
+class PoolTest : public ::testing::Test {
+ protected:
+  // `extra`: netdam-mmu's arguments; `device_extra`: every netdamd's.
+  void Start(size_t devices, std::vector<std::string> extra = {}, const std::string& memory = "8MiB",
+             const std::vector<std::string>& device_extra = {}) {
+    std::string why;
+    ASSERT_TRUE(start_devices(devs_, devices, flags_, &why, memory, device_extra)) << why;
+    std::vector<std::string> args = flags_;
+    args.insert(args.end(), {"--ping-interval", "50", "--device-timeout", "300", "--log-level", "warn"});
+    args.insert(args.end(), extra.begin(), extra.end());
+    ASSERT_TRUE(mmu_.start(args)) << mmu_.error();
+    Connect();
+  }
+  void Connect(Congestion congestion = Congestion::kFixed, bool direct_answers = true) {
+    PoolOptions o;
+    o.timeout = std::chrono::milliseconds(2000);
+    o.congestion = congestion;
+    o.direct_answers = direct_answers;
+    auto p = Pool::connect(mmu_.endpoint(), o);
+    ASSERT_TRUE(p) << p.error().to_string();
+    pool_ = std::move(*p);
+  }
+  PoolAllocation Alloc(const std::string& name, uint64_t size, AllocOptions o = {}) {
+    auto a = pool_->alloc(name, size, o);
+    EXPECT_TRUE(a) << a.error().to_string() << "\n" << mmu_.log();
+    return a ? *a : PoolAllocation{};
+  }
+  static std::vector<std::byte> Random(size_t n, std::mt19937_64& rng) {
+    std::vector<std::byte> v(n);
+    for (auto& b : v) b = static_cast<std::byte>(rng());
+    return v;
+  }
+  // Waits until the proxy's view of the allocation is `state`.
+  bool WaitState(const std::string& name, const std::string& state, std::chrono::milliseconds limit = std::chrono::milliseconds(3000)) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (std::chrono::steady_clock::now() < deadline) {
+      auto a = pool_->lookup(name);
+      if (a && a->state == state) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+
+  std::vector<std::unique_ptr<TestDaemon>> devs_;
+  std::vector<std::string> flags_;
+  TestMmu mmu_;
+  std::unique_ptr<Pool> pool_;
+};
 
 }  // namespace netdam::testing

@@ -19,51 +19,7 @@ using Path = Pool::Path;
 
 namespace {
 
-class PoolProxyTest : public ::testing::Test {
- protected:
-  void Start(size_t devices, std::vector<std::string> extra = {}, const std::string& memory = "8MiB") {
-    std::string why;
-    ASSERT_TRUE(start_devices(devs_, devices, flags_, &why, memory)) << why;
-    std::vector<std::string> args = flags_;
-    args.insert(args.end(), {"--ping-interval", "50", "--device-timeout", "300", "--log-level", "warn"});
-    args.insert(args.end(), extra.begin(), extra.end());
-    ASSERT_TRUE(mmu_.start(args)) << mmu_.error();
-    Connect();
-  }
-  void Connect(Congestion congestion = Congestion::kFixed) {
-    PoolOptions o;
-    o.timeout = 2000ms;
-    o.congestion = congestion;
-    auto p = Pool::connect(mmu_.endpoint(), o);
-    ASSERT_TRUE(p) << p.error().to_string();
-    pool_ = std::move(*p);
-  }
-  PoolAllocation Alloc(const std::string& name, uint64_t size, AllocOptions o = {}) {
-    auto a = pool_->alloc(name, size, o);
-    EXPECT_TRUE(a) << a.error().to_string() << "\n" << mmu_.log();
-    return a ? *a : PoolAllocation{};
-  }
-  static std::vector<std::byte> Random(size_t n, std::mt19937_64& rng) {
-    std::vector<std::byte> v(n);
-    for (auto& b : v) b = static_cast<std::byte>(rng());
-    return v;
-  }
-  // Waits until the proxy's view of the allocation is `state`.
-  bool WaitState(const std::string& name, const std::string& state, std::chrono::milliseconds limit = 3000ms) {
-    const auto deadline = std::chrono::steady_clock::now() + limit;
-    while (std::chrono::steady_clock::now() < deadline) {
-      auto a = pool_->lookup(name);
-      if (a && a->state == state) return true;
-      std::this_thread::sleep_for(20ms);
-    }
-    return false;
-  }
-
-  std::vector<std::unique_ptr<TestDaemon>> devs_;
-  std::vector<std::string> flags_;
-  TestMmu mmu_;
-  std::unique_ptr<Pool> pool_;
-};
+class PoolProxyTest : public PoolTest {};
 
 Status nak_status(const Error& e) { return e.code() == Error::Code::kNak ? e.status() : Status::kOk; }
 

@@ -77,6 +77,7 @@ struct Options {
   double duration = 0.5;
   size_t clients = 8, depth = 128;
   bool skip_redis = false, skip_proxy = false, skip_ceiling = false;
+  bool proxy_answers = false;  // the proxy answers everything itself (no DIRECT)
 };
 
 // One measurement.
@@ -341,13 +342,15 @@ int pool_main(int argc, char** argv) {
   app.add_option("--netdamd", o.netdamd, "netdamd to start (default: next to netdam-bench, else build/src/daemon/netdamd)");
   app.add_option("--mmu", o.mmu, "netdam-mmu to start (default: next to netdam-bench, else build/src/mmu/netdam-mmu)");
   app.add_option("--max-payload", o.max_payload,
-                 "--max-payload of the started devices and proxy (default: theirs, 8KiB; loopback takes 63KiB)");
+                 "--max-payload of the started devices and proxy (default: theirs, from the MTU: 32KiB on loopback)");
   app.add_option("--stripe", o.stripe, "stripe of the benchmark's allocations (default: the pool's, 4KiB)");
   app.add_option("--redis", o.redis, "HOST:PORT of a running Redis (IPv4; default: start redis-server)");
   app.add_option("--redis-server", o.redis_server, "redis-server to start (default: from PATH)");
   app.add_flag("--skip-redis", o.skip_redis, "netdam only");
   app.add_flag("--skip-proxy", o.skip_proxy, "direct path (and Redis) only, e.g. for profiling");
   app.add_flag("--skip-ceiling", o.skip_ceiling, "do not measure the raw UDP request/response ceiling");
+  app.add_flag("--proxy-answers", o.proxy_answers,
+               "the proxy path without DIRECT: the proxy answers every request itself instead of its devices");
   app.add_option("--sizes", o.sizes, "comma-separated value sizes (default 64,4KiB,64KiB)");
   app.add_option("--iters", o.iters, "latency operations per system, size and op (default 2000)")
       ->check(CLI::PositiveNumber);
@@ -411,7 +414,9 @@ int pool_main(int argc, char** argv) {
     server_pids.push_back(m.pid);
     proxy = m.address;
   }
-  auto pool = Pool::connect(proxy);
+  PoolOptions po;
+  po.direct_answers = !o.proxy_answers;
+  auto pool = Pool::connect(proxy, po);
   if (!pool) {
     fmt::print(stderr, "netdam-bench pool: proxy {}: {}\n", proxy, pool.error().to_string());
     return 2;
@@ -657,6 +662,10 @@ int pool_main(int argc, char** argv) {
   }
   fmt::print("# packets the netdam clients retransmitted: proxy path {}, direct path {}\n", proxy_rexmit,
              direct_rexmit);
+  const Client::Counters& pc = (*pool)->proxy_client().counters();
+  fmt::print("# proxy path: {} answers from the devices (DIRECT{}), {} sent to the proxy again after a device "
+             "refused, {} probes\n",
+             pc.direct_pieces, o.proxy_answers ? " off" : "", pc.direct_fallbacks, pc.probes);
   if (failed) {
     fmt::print(stderr, "netdam-bench pool: some operations failed or returned wrong data\n");
     return 1;

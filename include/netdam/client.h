@@ -51,6 +51,9 @@ namespace netdam::transport {
 class Transport;
 struct Endpoint;
 }  // namespace netdam::transport
+namespace netdam::core {
+struct Header;
+}  // namespace netdam::core
 
 namespace netdam {
 
@@ -79,6 +82,12 @@ struct ClientOptions {
   // costs a core while it looks, and only while answers have recently come
   // that soon (transport::UdpOptions::spin); 0 never spins.
   std::chrono::microseconds spin{100};
+  // With a pool proxy (netdam-mmu): ask for READ, acknowledged WRITE and
+  // atomic answers straight from the devices that hold the bytes, in
+  // pieces (DIRECT, PROTOCOL.md 17.5): the proxy only translates and
+  // forwards. A device's refusal sends the request again without it, and
+  // the proxy says why.
+  bool direct_answers = true;
 };
 
 // When reduce() sends a block as (index, value) pairs.
@@ -293,6 +302,9 @@ class Client {
     // that matched no contribution waiting here (other ranks' blocks on
     // this host, copies, late ones)
     uint64_t group_results = 0, group_unmatched = 0;
+    // Answers that came from a pool's devices (DIRECT), and requests sent
+    // to the proxy again without DIRECT after a device refused a piece
+    uint64_t direct_pieces = 0, direct_fallbacks = 0;
   };
   const Counters& counters() const { return counters_; }
   // The congestion controller's window now, in bytes (window_bytes with
@@ -330,6 +342,11 @@ class Client {
   void forget_group_wait(const Packet& p);
   void first_answer(Packet& p, bool timed, uint8_t depth);
   Error deliver(Packet& p, std::span<const std::byte> payload);
+  // Whether a request to a pool proxy asks for its answer from the devices.
+  bool wants_direct(const Packet& p) const;
+  // An answer to a DIRECT request from one of the devices: a part of it.
+  void receive_piece(Packet& p, const core::Header& h, std::span<const std::byte> payload,
+                     const transport::Endpoint& from);
   std::string describe(const Packet& p) const;  // "READ at 0x1000 on HOST:PORT"
   Error timed_out(const Packet& p) const;
   void check_timers();

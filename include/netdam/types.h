@@ -72,6 +72,9 @@ inline constexpr uint8_t kFlagAckReq = 0x02;    // WRITE: answer with an ACK
 inline constexpr uint8_t kFlagSparse = 0x04;    // payload is (index, value) pairs
 inline constexpr uint8_t kFlagSparseOk = 0x08;  // CHAIN: hops may forward the payload sparse
 inline constexpr uint8_t kFlagsKnown = kFlagResponse | kFlagAckReq | kFlagSparse | kFlagSparseOk;
+// To a pool proxy only (devices refuse it as an unknown flag): the sender
+// takes its answer in pieces, straight from the devices (PROTOCOL.md 17.5).
+inline constexpr uint8_t kFlagDirect = 0x10;
 
 // Flags byte of a segment (see docs/COLLECTIVES.md).
 inline constexpr uint8_t kSegGen = 0x01;        // run only if the region is armed at the chain's generation

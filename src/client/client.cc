@@ -75,6 +75,13 @@ struct Client::Packet {
   TimePoint due{};  // NOT_READY: send again at this time
   int sends = 0;
   int not_ready = 0;  // NOT_READY answers so far (they are not losses)
+  // DIRECT (a pool proxy's devices answer in pieces): the parts of
+  // [0, length) answered so far, as disjoint sorted intervals. A union,
+  // not a count: a retransmission may be served by another copy, cut
+  // into other pieces.
+  bool direct = false;
+  bool proxied = false;  // a device refused a piece: the proxy answers this one
+  std::vector<std::pair<uint64_t, uint64_t>> covered;
 
   bool is_chain() const { return !chain_head.empty(); }
   bool routed() const { return is_chain() || elsewhere; }
@@ -108,10 +115,12 @@ constexpr auto kNotReadyDelay = 100us;
 
 struct Client::Recovery {
   // Index: the route's segment count (0: a plain request to the device);
-  // the last one is AGGREGATE, whose answers wait for the slowest
-  // contributor and so must not teach the other routes their RTT.
-  static constexpr size_t kCount = kMaxSegments + 2;
+  // then AGGREGATE, whose answers wait for the slowest contributor and so
+  // must not teach the other routes their RTT; last, requests a pool's
+  // devices answer (DIRECT), whose round trip crosses the proxy one way.
+  static constexpr size_t kCount = kMaxSegments + 3;
   static constexpr size_t kAggregate = kMaxSegments + 1;
+  static constexpr size_t kDirect = kMaxSegments + 2;
   std::array<client_detail::LossRecovery, kCount> routes;
   // AGGREGATE: one estimator per aggregating device. Each device answers
   // (held) in the order it receives, but devices sit behind queues of
@@ -131,7 +140,7 @@ struct Client::Recovery {
     return c;
   }
   static size_t index(const Packet& p) {
-    return p.aggregate ? kAggregate : std::min<size_t>(p.h.seg_count, kMaxSegments);
+    return p.aggregate ? kAggregate : p.direct ? kDirect : std::min<size_t>(p.h.seg_count, kMaxSegments);
   }
   client_detail::LossRecovery& route(Packet& p) {
     if (!p.aggregate) return routes[index(p)];
@@ -842,6 +851,10 @@ void Client::send_queued() {
     queue_.pop_front();
     p->h.txn = next_txn_++;
     p->h.boot = boot_for(*p);
+    if (wants_direct(*p)) {
+      p->direct = true;
+      p->h.flags |= kFlagDirect;
+    }
     core::encode_header(p->h, p->is_chain() ? p->chain_head.data() : p->wire.data());
     cc.on_send(now, std::max<size_t>(p->window_cost(), kHeaderSize));
     p->first_sent = p->last_sent = now;
@@ -897,7 +910,12 @@ void Client::check_timers() {
       due = now >= p->due;
       resend = due;
       if (!due) next = std::min(next, p->due);
-    } else if (const TimePoint lost = lr.lost_at(p->last_sent); now >= lost) {
+    } else if (const TimePoint lost = p->direct ? lr.tail_lost_at(p->last_sent) : lr.lost_at(p->last_sent);
+               now >= lost) {
+      // DIRECT: the answers come from different devices, each behind its
+      // own queue and scheduler, so one device's answer is no evidence
+      // that a request another device holds was lost (as for AGGREGATE's
+      // aggregators). Only the timer and the tail rule resend them.
       resend = true;
     } else if (!probed[route] && lr.probe_due(p->last_sent, now)) {
       resend = true;
@@ -960,14 +978,19 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
   if (h.txn == 0 && h.is_response() && h.opcode == Opcode::kChain)
     return receive_group_result({buf, len}, from);
   auto it = inflight_.find(h.txn);
-  // A chain's answer comes from its last hop, any other answer from the device.
-  if (!h.is_response() || it == inflight_.end() || it->second->h.opcode != h.opcode ||
-      (!it->second->is_chain() && !(from == (it->second->elsewhere ? it->second->to : *device_)))) {
+  // A chain's answer comes from its last hop, a DIRECT request's from the
+  // pool's devices (as chain answers) or the proxy, any other answer from
+  // the device.
+  const bool piece = it != inflight_.end() && it->second->direct && h.opcode == Opcode::kChain;
+  if (!h.is_response() || it == inflight_.end() ||
+      (!piece && (it->second->h.opcode != h.opcode ||
+                  (!it->second->is_chain() && !(from == (it->second->elsewhere ? it->second->to : *device_)))))) {
     ++counters_.ignored;  // a late duplicate, or not for us
     return;
   }
   ++counters_.answers;
   Packet& p = *it->second;
+  if (piece) return receive_piece(p, h, {buf + kHeaderSize, len - kHeaderSize}, from);
   // Karn: only a request sent once times the path. An aggregate's first
   // answer comes at once too (held, or the result if it completed the
   // block; PROTOCOL.md 6.13), so it times the queues on the way to the
@@ -994,6 +1017,63 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
     return finish(p, Error::protocol(describe(p) + ": answer length disagrees with its datagram"));
   if (p.aggregate) return deliver_aggregate(p, payload);
   finish(p, deliver(p, payload));
+}
+
+bool Client::wants_direct(const Packet& p) const {
+  if (!info_.pool_proxy || !opts_.direct_answers || p.routed() || !p.expect_answer || p.proxied) return false;
+  switch (p.h.opcode) {
+    case Opcode::kRead:
+    case Opcode::kFetchAdd:
+    case Opcode::kCompareSwap:
+    case Opcode::kSwap: return true;
+    case Opcode::kWrite: return (p.h.flags & kFlagAckReq) != 0;
+    default: return false;
+  }
+}
+
+// A device's answer to a forwarded part of a DIRECT request (PROTOCOL.md
+// 17.5): a chain answer whose echoed `addr` is where the part starts (a
+// global address) and `rkey` its length. Done when the parts cover the
+// request. A refusal is not final: the proxy knows why (a device that
+// restarted, a freed allocation), so the request goes to it again, to be
+// served and answered there.
+void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std::byte> payload,
+                           const transport::Endpoint& from) {
+  if (h.status != Status::kOk) {
+    p.direct = false;
+    p.proxied = true;
+    p.covered.clear();
+    p.h.flags &= static_cast<uint8_t>(~kFlagDirect);
+    core::encode_header(p.h, p.wire.data());
+    transport::OutMsg m{*device_, {p.head(), p.payload}};
+    transport_->send_batch({&m, 1});
+    p.last_sent = transport_->now();
+    ++counters_.direct_fallbacks;
+    return;
+  }
+  const bool data = p.h.opcode != Opcode::kWrite;
+  const uint64_t off = h.addr - p.h.addr, n = h.rkey;
+  if (h.addr < p.h.addr || off >= p.h.length || n == 0 || n > p.h.length - off || h.length != payload.size() ||
+      payload.size() != (data ? n : 0))
+    return finish(p, Error::protocol(fmt::format("{}: a device's part ({} bytes at {:#x}, {} answered, from {}) "
+                                                 "does not fit the request",
+                                                 describe(p), n, h.addr, payload.size(), from.to_string())));
+  ++counters_.direct_pieces;
+  if (p.covered.empty()) first_answer(p, p.sends == 1, h.depth);
+  if (p.h.opcode == Opcode::kRead) std::memcpy(p.answer_to + off, payload.data(), n);
+  if (data && p.h.opcode != Opcode::kRead) p.op->value = load_le<uint64_t>(payload.data());  // an atomic's old value
+  // Merge [off, off + n) into the covered intervals.
+  uint64_t lo = off, hi = off + n;
+  auto& c = p.covered;
+  auto first = std::lower_bound(c.begin(), c.end(), lo, [](const auto& iv, uint64_t x) { return iv.second < x; });
+  auto last = first;
+  for (; last != c.end() && last->first <= hi; ++last) {
+    lo = std::min(lo, last->first);
+    hi = std::max(hi, last->second);
+  }
+  first = c.erase(first, last);
+  c.insert(first, {lo, hi});
+  if (c.size() == 1 && c[0].first == 0 && c[0].second == p.h.length) finish(p, {});
 }
 
 std::string Client::describe(const Packet& p) const {

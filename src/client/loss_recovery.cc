@@ -62,10 +62,13 @@ LossRecovery::Ns LossRecovery::reordering_window() const {
 }
 
 LossRecovery::TimePoint LossRecovery::lost_at(TimePoint last_sent) const {
-  TimePoint at = TimePoint::max();
-  if (rack_xmit_ != TimePoint{} && last_sent < rack_xmit_) at = last_sent + rack_rtt_ + reordering_window();
-  if (tail_delay_.count()) at = std::min(at, last_sent + tail_delay_ + reordering_window());
+  TimePoint at = tail_lost_at(last_sent);
+  if (rack_xmit_ != TimePoint{} && last_sent < rack_xmit_) at = std::min(at, last_sent + rack_rtt_ + reordering_window());
   return at;
+}
+
+LossRecovery::TimePoint LossRecovery::tail_lost_at(TimePoint last_sent) const {
+  return tail_delay_.count() ? last_sent + tail_delay_ + reordering_window() : TimePoint::max();
 }
 
 LossRecovery::Ns LossRecovery::rto() const {

@@ -54,6 +54,10 @@ class LossRecovery {
   // request's answer, if still unanswered at the returned time; max() if
   // there is no such evidence (yet).
   TimePoint lost_at(TimePoint last_sent) const;
+  // The same by the tail rule alone (a resent request answered): for routes
+  // whose answers come from several independent servers, where a later
+  // request's answer says nothing about an earlier one's.
+  TimePoint tail_lost_at(TimePoint last_sent) const;
 
   // A probe may go now for a request last sent at `last_sent`.
   bool probe_due(TimePoint last_sent, TimePoint now) const;

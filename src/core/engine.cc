@@ -39,9 +39,14 @@ bool is_mutation(Opcode op) {
   }
 }
 
+// Atomics are segments so that a pool proxy can forward one with the
+// client as reply-to: the device's replay window then keys it by the
+// client, and a retransmission through a restarted proxy is answered from
+// it instead of running again (PROTOCOL.md 17.5).
 bool allowed_in_chain(Opcode op) {
   return op == Opcode::kRead || op == Opcode::kWrite || op == Opcode::kReduceMem ||
-         op == Opcode::kReducePayload || op == Opcode::kOptStep;
+         op == Opcode::kReducePayload || op == Opcode::kOptStep || op == Opcode::kFetchAdd ||
+         op == Opcode::kCompareSwap || op == Opcode::kSwap;
 }
 
 bool takes_stamp(Opcode op) { return op == Opcode::kWrite || op == Opcode::kOptStep; }

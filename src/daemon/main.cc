@@ -20,6 +20,7 @@
 #include "daemon/config.h"
 #include "daemon/device_loop.h"
 #include "metrics/server.h"
+#include "daemon/inject_options.h"
 #include "transport/faulty.h"
 #include "transport/interface_mtu.h"
 #include "transport/udp.h"
@@ -97,20 +98,11 @@ int main(int argc, char** argv) {
   // Fault injection on the device's own sends (the kernel may have no netem):
   // for tests and benchmarks only, never for a device in real use.
   transport::FaultModel inject;
-  const char* kInjectGroup = "Fault injection (test/benchmark aids; never in production)";
   std::string multicast;
   app.add_option("--multicast", multicast,
                  "GROUP:PORT: also serve what is sent to this IPv4 multicast group, joined on the "
                  "--listen address's interface (collectives' AllGather and Broadcast use it)");
-  app.add_option("--inject-drop", inject.drop, "drop each datagram the device sends with probability P")
-      ->check(CLI::Range(0.0, 1.0))->group(kInjectGroup);
-  app.add_option("--inject-dup", inject.duplicate, "send each datagram twice with probability P")
-      ->check(CLI::Range(0.0, 1.0))->group(kInjectGroup);
-  app.add_option("--inject-reorder", inject.reorder,
-                 "hold each datagram back behind the next one with probability P")
-      ->check(CLI::Range(0.0, 1.0))->group(kInjectGroup);
-  app.add_option("--inject-seed", inject.seed, "seed of the fault draws (thread i uses N + i; default 1)")
-      ->group(kInjectGroup);
+  device::add_inject_options(app, inject, "device");
   CLI11_PARSE(app, argc, argv);
 
   device::DaemonConfig cfg;
@@ -267,7 +259,7 @@ int main(int argc, char** argv) {
 
   // Each socket, wrapped in a FaultyTransport if faults are injected (the
   // UdpTransports above stay alive underneath).
-  const bool injecting = inject.drop > 0 || inject.duplicate > 0 || inject.reorder > 0;
+  const bool injecting = device::injecting(inject);
   std::vector<std::unique_ptr<transport::FaultyTransport>> faulty;
   std::vector<transport::Transport*> loops;
   for (size_t i = 0; i < sockets.size(); ++i) {

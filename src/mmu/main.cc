@@ -13,6 +13,8 @@
 
 #include "common/units.h"
 #include "daemon/config.h"
+#include "daemon/inject_options.h"
+#include "transport/interface_mtu.h"
 #include "metrics/server.h"
 #include "mmu/proxy.h"
 
@@ -84,7 +86,9 @@ int main(int argc, char** argv) {
   app.add_option("--device-timeout", timeout_ms,
                  "milliseconds after which an unanswered device operation fails (default 500)")
       ->check(CLI::Range(20, 600000));
-  app.add_option("--max-payload", max_payload, "largest payload clients may send (default 8192)");
+  app.add_option("--max-payload", max_payload,
+                 "largest payload clients may send (default: as netdamd, the largest power of two whose datagram "
+                 "fits the listen interface's MTU: 1024 for 1500, 8192 for 9000, 32768 on loopback)");
   std::string congestion = "fixed";
   app.add_option("--congestion", congestion,
                  "the window's controller toward the devices: fixed, depth or swift (docs/CONGESTION.md; "
@@ -93,9 +97,10 @@ int main(int argc, char** argv) {
   app.add_option("--metrics", metrics,
                  "HOST:PORT to serve Prometheus metrics on (GET /metrics: counters and per-opcode latency "
                  "histograms; port 0 = any; bind a management address: docs/METRICS.md)");
+  mmu::ProxyOptions o;
+  device::add_inject_options(app, o.inject, "proxy");
   CLI11_PARSE(app, argc, argv);
 
-  mmu::ProxyOptions o;
   auto ep = transport::parse_endpoint(listen);
   if (!ep) return fail("--listen: " + ep.error().message());
   o.listen = *ep;
@@ -114,11 +119,24 @@ int main(int argc, char** argv) {
     if (!k || *k == 0) return fail("--admin-key: must be a nonzero number of up to 64 bits (decimal or 0x-hex)");
     o.admin_key = *k;
   }
+  auto level = spdlog::level::from_str(log_level);
+  if (level == spdlog::level::off && log_level != "off") return fail("--log-level: unknown level '" + log_level + "'");
+  spdlog::set_level(level);
   if (!max_payload.empty()) {
     auto v = parse_size(max_payload);
     if (!v) return fail("--max-payload: '" + max_payload + "' is not a size");
     o.max_payload = *v;
+  } else if (auto mtu = transport::interface_mtu(o.listen.ip)) {
+    o.max_payload = device::payload_for_mtu(*mtu);
+    spdlog::info("max payload {} B from MTU {}", o.max_payload, *mtu);
+  } else {
+    spdlog::warn("cannot learn the MTU of {} ({}): max payload {} B; set --max-payload to fit the path",
+                 o.listen.to_string(), mtu.error().message(), o.max_payload);
   }
+  if (device::injecting(o.inject))
+    spdlog::warn("!!! FAULT INJECTION ENABLED: every datagram the proxy sends is dropped with p={}, duplicated "
+                 "with p={}, reordered with p={} (seed {}). Test/benchmark aid !!!",
+                 o.inject.drop, o.inject.duplicate, o.inject.reorder, o.inject.seed);
   o.state_file = state;
   o.ping_interval = std::chrono::milliseconds(ping_ms);
   o.device_timeout = std::chrono::milliseconds(timeout_ms);
@@ -126,9 +144,6 @@ int main(int argc, char** argv) {
     o.congestion = *c;
   else
     return fail("--congestion: '" + congestion + "' (fixed, depth, swift)");
-  auto level = spdlog::level::from_str(log_level);
-  if (level == spdlog::level::off && log_level != "off") return fail("--log-level: unknown level '" + log_level + "'");
-  spdlog::set_level(level);
   if (insecure && admin_key.empty())
     spdlog::warn("--insecure: no admin key, any client may allocate and free (keys are not listed)");
 

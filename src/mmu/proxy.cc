@@ -120,6 +120,11 @@ Result<std::unique_ptr<Proxy>> Proxy::create(const ProxyOptions& o) {
   auto listen = transport::UdpTransport::open(u);
   if (!listen) return listen.error();
   p->listen_ = std::move(*listen);
+  p->out_ = p->listen_.get();
+  if (o.inject.drop > 0 || o.inject.duplicate > 0 || o.inject.reorder > 0) {
+    p->faulty_ = std::make_unique<transport::FaultyTransport>(*p->listen_, o.inject);
+    p->out_ = p->faulty_.get();
+  }
   u.bind = Endpoint{0, 0};
   auto health = transport::UdpTransport::open(u);
   if (!health) return health.error();
@@ -223,9 +228,10 @@ void Proxy::send_answers() {
   if (answers_.empty() && unanswered_.empty()) return;
   std::vector<transport::OutMsg> msgs;
   msgs.reserve(answers_.size());
-  for (const Answer& a : answers_) msgs.push_back({a.to, {std::span<const std::byte>(a.head), a.payload}});
+  for (const Answer& a : answers_)
+    msgs.push_back({a.to, {std::span<const std::byte>(a.head).first(a.head_size), a.payload}});
   for (size_t sent = 0; sent < msgs.size();) {
-    const size_t n = listen_->send_batch(std::span(msgs).subspan(sent));
+    const size_t n = out_->send_batch(std::span(msgs).subspan(sent));
     if (n == 0) break;  // the socket refused everything for ~100 ms: the clients retransmit
     sent += n;
   }
@@ -280,7 +286,7 @@ void Proxy::handle(std::span<std::byte> datagram, const Endpoint& from) {
   arrival_.opcode = static_cast<uint8_t>(h.opcode);
   // The proxy does not route chains: a chain names devices, not global addresses.
   if (h.seg_count != 0 || h.opcode == Opcode::kChain) return reply(from, h, Status::kBadSegment);
-  if (h.flags & ~kFlagAckReq) return reply(from, h, Status::kBadFlags);
+  if (h.flags & ~(kFlagAckReq | kFlagDirect)) return reply(from, h, Status::kBadFlags);
   switch (h.opcode) {
     case Opcode::kPing: return answer_ping(from, h);
     case Opcode::kStats: return answer_stats(from, h);
@@ -469,7 +475,13 @@ Client* Proxy::client(uint32_t device_id) { return conns_[device_id]->client.get
 
 void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload) {
   const bool atomic = is_atomic(h.opcode);
-  if (atomic) {
+  // A DIRECT atomic on an allocation with one copy is the device's to keep
+  // exactly once (its window, keyed by the client: PROTOCOL.md 17.5), so
+  // it never enters the proxy's window; one that the proxy must serve
+  // after all (no usable device) fails without running anywhere.
+  const Allocation* target = catalog_.find(pool::allocation_of(h.addr));
+  const bool direct_atomic = atomic && (h.flags & kFlagDirect) && target && target->layout.copies == 1;
+  if (atomic && !direct_atomic) {
     const ProxyReplay::Answer* remembered = nullptr;
     switch (replay_.check(from.key(), h.txn, h.opcode, &remembered)) {
       case ProxyReplay::Verdict::kExecute: break;
@@ -484,7 +496,7 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   job->from = from;
   job->req = h;
   job->arrival = arrival_;
-  job->mutation = atomic;
+  job->mutation = atomic && !direct_atomic;
   job->alloc_id = pool::allocation_of(h.addr);
   auto fail = [&](Status s) {
     job->status = s;
@@ -516,6 +528,13 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   const uint64_t off = pool::offset_of(h.addr);
   if (off > a->row.size || len > a->row.size - off) return fail(Status::kOutOfBounds);
   if (catalog_.state(*a) == AllocState::kLost) return fail(Status::kDeviceLost);
+  if ((h.flags & kFlagDirect) && forward(from, h, payload, *a)) return;
+  if (direct_atomic) {
+    // Not forwardable: its device is down or its data lost. Refused
+    // without running it anywhere.
+    const bool lost = a->slots[pool::locate(a->layout, off, 0).slot].state == ExtentState::kLost;
+    return fail(lost ? Status::kDeviceLost : Status::kUnavailable);
+  }
 
   if (atomic) {
     job->buf.assign(payload.begin(), payload.end());
@@ -545,6 +564,70 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
     }
   }
   jobs_.push_back(std::move(job));
+}
+
+// DIRECT (PROTOCOL.md 17.5): the proxy translates and the devices answer
+// the client, as the seed's switch-as-MMU does: one crossing of the proxy
+// per request instead of two per piece, and no state kept here. Planned
+// whole before anything is queued, so a request is forwarded entirely or
+// served entirely by the proxy.
+bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
+                    const Allocation& a) {
+  const bool atomic = is_atomic(h.opcode);
+  const bool write = h.opcode == Opcode::kWrite;
+  // A WRITE answered only on error stays here: the devices acknowledge
+  // every WRITE segment. A second copy is the proxy's to keep equal.
+  if (!(h.opcode == Opcode::kRead || (write && (h.flags & kFlagAckReq)) || atomic)) return false;
+  if ((write || atomic) && a.layout.copies != 1) return false;
+  const uint64_t off = pool::offset_of(h.addr);
+  struct Target {
+    uint32_t device;
+    uint32_t key;
+    uint64_t device_addr, off;
+    uint32_t len;
+  };
+  std::vector<Target> targets;
+  for (const pool::Piece& pc : pool::split_merged(a.layout, off, atomic ? 8 : h.length)) {
+    std::optional<pool::Place> at;
+    for (uint32_t c = 0; c < a.layout.copies && !at; ++c)
+      if (const pool::Place pl = pool::locate(a.layout, pc.offset, c); usable(a, pl.slot)) at = pl;
+    if (!at) return false;
+    const ExtentRow& e = a.slots[at->slot];
+    // A device answers at most its own payload: larger pieces go in parts.
+    const uint32_t limit = atomic ? 8 : std::max<uint32_t>(client(e.device_id)->device_info().max_payload, 1);
+    for (uint32_t done = 0; done < pc.length; done += limit)
+      targets.push_back({e.device_id, e.key, e.base + at->extent_offset + done, pc.offset + done,
+                         std::min(limit, pc.length - done)});
+  }
+  for (const Target& t : targets) {
+    Answer& f = answers_.emplace_back();
+    f.to = catalog_.devices()[t.device].endpoint;
+    f.arrival = arrival_;
+    if (&t != &targets.front()) f.arrival.opcode = -1;  // the request is timed once
+    f.head_size = core::payload_offset(1);
+    core::Header fh;
+    fh.opcode = Opcode::kChain;
+    fh.seg_count = 1;
+    fh.txn = h.txn;
+    // Unused by a chain's hops and echoed in its answer: they tell the
+    // client which part of its request this answer is.
+    fh.rkey = t.len;
+    fh.addr = h.addr + (t.off - off);
+    fh.length = t.len;
+    core::encode_header(fh, f.head.data());
+    core::SrPreamble sr;
+    sr.reply_ip = from.ip;
+    sr.reply_port = from.port;
+    core::encode_preamble(sr, f.head.data() + kHeaderSize);
+    core::encode_segment(core::Segment{f.to.ip, f.to.port, h.opcode, 0, t.key, 0, t.device_addr},
+                         f.head.data() + kHeaderSize + kSrPreambleSize);
+    if (atomic) f.payload.assign(payload.begin(), payload.end());
+    if (write) f.payload.assign(payload.begin() + (t.off - off), payload.begin() + (t.off - off) + t.len);
+    core::Stats::inc(stats_.forwarded);
+    core::Stats::inc(stats_.tx_packets);
+    core::Stats::inc(stats_.tx_bytes, f.head_size + f.payload.size());
+  }
+  return true;
 }
 
 Status Proxy::start_piece(Job& j, const Allocation& a, uint64_t off, uint32_t len, size_t buf_off, bool write) {

@@ -28,6 +28,7 @@
 #include "mmu/health.h"
 #include "mmu/replay.h"
 #include "netdam/client.h"
+#include "transport/faulty.h"
 #include "transport/udp.h"
 
 namespace netdam::mmu {
@@ -45,6 +46,9 @@ struct ProxyOptions {
   size_t replay_requesters = 4096;
   size_t max_fill = 16u << 20;          // FILL through the proxy is expanded into WRITEs
   Congestion congestion = Congestion::kFixed;  // the window's controller toward each device
+  // Test and benchmark aid (--inject-*): faults on every datagram the
+  // client-facing socket sends (answers and forwarded requests).
+  transport::FaultModel inject;
 };
 
 class Proxy {
@@ -99,6 +103,11 @@ class Proxy {
   std::vector<std::byte> pool_alloc(std::span<const std::byte> payload, Status* s);
   Status pool_free(std::span<const std::byte> payload);
   void data(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload);
+  // A request with DIRECT that the devices can answer themselves: sent on
+  // as one-segment chains whose reply-to is the client (PROTOCOL.md 17.5).
+  // False if some piece has no usable device: the proxy then serves it.
+  bool forward(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
+               const Allocation& a);
 
   // Jobs.
   bool usable(const Allocation& a, uint32_t slot) const;
@@ -126,6 +135,8 @@ class Proxy {
   Catalog catalog_;
   ProxyReplay replay_;
   std::unique_ptr<transport::UdpTransport> listen_, health_;
+  std::unique_ptr<transport::Transport> faulty_;  // listen_ with --inject-* faults
+  transport::Transport* out_ = nullptr;           // what answers and forwards leave by
   Health liveness_;  // evidence that each device is alive (indexed like the catalog's devices)
   std::vector<std::unique_ptr<Conn>> conns_;  // by device id
   std::list<std::unique_ptr<Job>> jobs_;
@@ -140,13 +151,16 @@ class Proxy {
     int opcode = -1;  // -1: not a request (a malformed datagram's NAK)
   };
   Arrival arrival_;
+  // An answer to a client, or a request forwarded to a device (a chain:
+  // header, preamble, one segment).
   struct Answer {
     transport::Endpoint to;
-    std::array<std::byte, kHeaderSize> head;
+    std::array<std::byte, core::payload_offset(1)> head;
+    size_t head_size = kHeaderSize;
     std::vector<std::byte> payload;
     Arrival arrival;
   };
-  std::vector<Answer> answers_;  // queued by reply(), sent by send_answers()
+  std::vector<Answer> answers_;  // queued by reply() and forward(), sent by send_answers()
   std::vector<Arrival> unanswered_;  // finished this turn without an answer (WRITE without ACK_REQ)
   core::Stats stats_;  // written by the loop only
   uint64_t integrity_drops_seen_ = 0;

@@ -48,6 +48,7 @@ Result<std::unique_ptr<Pool>> Pool::connect(std::string_view proxy, PoolOptions 
   ClientOptions co;
   co.timeout = opts.timeout;
   co.congestion = opts.congestion;
+  co.direct_answers = opts.direct_answers;
   auto c = Client::connect(proxy, co);
   if (!c) return c.error();
   if (!(*c)->device_info().pool_proxy)

@@ -82,7 +82,8 @@ field("fl_response", ProtoField.bool, "flags.response", "RESPONSE", 8, nil, 0x01
 field("fl_ack_req", ProtoField.bool, "flags.ack_req", "ACK_REQ", 8, nil, 0x02)
 field("fl_sparse", ProtoField.bool, "flags.sparse", "SPARSE", 8, nil, 0x04)
 field("fl_sparse_ok", ProtoField.bool, "flags.sparse_ok", "SPARSE_OK", 8, nil, 0x08)
-field("fl_reserved", U8, "flags.reserved", "Reserved bits", HEX, nil, 0xF0)
+field("fl_direct", ProtoField.bool, "flags.direct", "DIRECT (pool proxy: devices answer)", 8, nil, 0x10)
+field("fl_reserved", U8, "flags.reserved", "Reserved bits", HEX, nil, 0xE0)
 field("status", U8, "status", "Status", DEC, status_names)
 field("dtype", U8, "dtype", "Element type", DEC, dtype_names)
 field("redop", U8, "redop", "Reduction", DEC, redop_names)
@@ -694,13 +695,13 @@ local function dissect(tvb, pinfo, root)
 
   local ht = tree:add(tvb(0, HEADER), "Header")
   add_layout(ht, tvb, 0, {{f.magic, 0, 4}, {f.version, 4, 1}, {f.opcode, 5, 1}})
-  local fl = add_bits(ht, f.flags, tvb(6, 1), {f.fl_response, f.fl_ack_req, f.fl_sparse, f.fl_sparse_ok, f.fl_reserved})
+  local fl = add_bits(ht, f.flags, tvb(6, 1), {f.fl_response, f.fl_ack_req, f.fl_sparse, f.fl_sparse_ok, f.fl_direct, f.fl_reserved})
   local st = ht:add(f.status, tvb(7, 1))
   add_layout(ht, tvb, 0, {{f.dtype, 8, 1}, {f.redop, 9, 1}, {h.response and f.depth or f.seg_count, 10, 1}, {f.seg_index, 11, 1},
                           {f.rkey, 12, 4}, {f.txn, 16, 8}, {f.addr, 24, 8}, {f.length, 32, 4}, {f.boot, 36, 4}})
   tree:add(f.is_response, h.response):set_generated()
   if tvb(0, 4):uint() ~= MAGIC then ht:add_proto_expert_info(ef.malformed, "wrong magic") end
-  if band(h.flags, 0xF0) ~= 0 then fl:add_proto_expert_info(ef.unexpected, "reserved flag bits set: BAD_FLAGS") end
+  if band(h.flags, 0xE0) ~= 0 then fl:add_proto_expert_info(ef.unexpected, "reserved flag bits set: BAD_FLAGS") end
   if h.seg_count > 32 then ht:add_proto_expert_info(ef.malformed, "more than 32 segments: BAD_SEGMENT") end
 
   local opname = opcode_names[h.opcode] or string.format("opcode 0x%02x", h.opcode)
@@ -731,8 +732,16 @@ local function dissect(tvb, pinfo, root)
   end
 
   -- Matching (first pass records; every pass shows).
+  -- A chain that names its reply-to (a pool proxy's DIRECT forward, a
+  -- result group's probe) is answered there: match it by that address.
   local key
-  if h.response then key = txn_key(pinfo.dst, pinfo.dst_port, h) else key = txn_key(pinfo.src, pinfo.src_port, h) end
+  if h.response then
+    key = txn_key(pinfo.dst, pinfo.dst_port, h)
+  elseif h.seg_count > 0 and off > HEADER and tvb(HEADER, 4):uint() ~= 0 then
+    key = txn_key(tvb(HEADER, 4):ipv4(), tvb(HEADER + 4, 2):uint(), h)
+  else
+    key = txn_key(pinfo.src, pinfo.src_port, h)
+  end
   if not pinfo.visited then
     if h.response then
       if not answers[key] then answers[key] = pinfo.number end

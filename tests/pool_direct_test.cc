@@ -1,0 +1,306 @@
+// DIRECT through the pool proxy (PROTOCOL.md 17.5): the proxy translates
+// and forwards, the devices answer the client. The pieces on the wire, exact
+// data under faults injected at the proxy and at the devices, atomics that
+// a retransmission through a restarted proxy does not run again, and the
+// fallback to the proxy when a device refuses.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+
+#include "core/endian.h"
+#include "core/wire.h"
+#include "netdam/pool.h"
+#include "pool/map_request.h"
+#include "pool_fixture.h"
+#include "transport/udp.h"
+
+using namespace netdam;
+using namespace netdam::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+class PoolDirect : public PoolTest {
+ protected:
+  void OpenSocket() {
+    transport::UdpOptions u;
+    u.bind = transport::Endpoint{0x7F000001, 0};
+    auto opened = transport::UdpTransport::open(u);
+    ASSERT_TRUE(opened) << opened.error().message();
+    sock_ = std::move(*opened);
+    proxy_ = *transport::parse_endpoint(mmu_.endpoint());
+  }
+  // A request to the proxy with the allocation key (low half in rkey, high
+  // half in boot).
+  core::Header Request(Opcode op, uint64_t txn, uint64_t addr, uint32_t length, uint64_t key, uint8_t flags) {
+    core::Header h;
+    h.opcode = op;
+    h.flags = flags;
+    h.rkey = static_cast<uint32_t>(key);
+    h.boot = static_cast<uint32_t>(key >> 32);
+    h.txn = txn;
+    h.addr = addr;
+    h.length = length;
+    return h;
+  }
+  void Send(const core::Header& h, std::span<const std::byte> payload = {}) {
+    std::array<std::byte, kHeaderSize> head;
+    core::encode_header(h, head.data());
+    transport::OutMsg m{proxy_, {std::span<const std::byte>(head), payload}};
+    ASSERT_EQ(sock_->send_batch({&m, 1}), 1u);
+  }
+  struct Answer {
+    transport::Endpoint from;
+    core::Header h;
+    std::vector<std::byte> payload;
+  };
+  // Everything that arrives within `quiet` of the previous datagram.
+  std::vector<Answer> Receive(std::chrono::milliseconds quiet = 300ms) {
+    std::vector<Answer> out;
+    std::vector<std::byte> rx(kRxBufferSize);
+    for (;;) {
+      transport::InMsg in;
+      in.buf = rx;
+      if (sock_->recv_batch({&in, 1}, quiet) != 1) return out;
+      Answer a{in.from, core::decode_header(rx.data()), {}};
+      a.payload.assign(rx.begin() + kHeaderSize, rx.begin() + static_cast<std::ptrdiff_t>(in.len));
+      out.push_back(std::move(a));
+    }
+  }
+  uint64_t Word(const PoolAllocation& a, uint64_t off) {
+    auto v = pool_->atomic_fetch_add(a.base + off, 0, a.key);
+    EXPECT_TRUE(v) << v.error().to_string();
+    return v ? *v : ~0ull;
+  }
+
+  std::unique_ptr<transport::UdpTransport> sock_;
+  transport::Endpoint proxy_;
+};
+
+}  // namespace
+
+// What a client without the reference library sees: one CHAIN answer per
+// piece, from the device that holds it, `addr` its global address and
+// `rkey` its length; WRITE pieces acknowledged with length 0; an atomic's
+// old value; a WRITE without ACK_REQ served silently by the proxy; and
+// without DIRECT one answer from the proxy, as before.
+TEST_F(PoolDirect, PiecesOnTheWire) {
+  Start(2);
+  AllocOptions o;
+  o.stripe = 1024;
+  PoolAllocation a = Alloc("wire", 8192, o);
+  std::mt19937_64 rng(3);
+  auto data = Random(8192, rng);
+  ASSERT_FALSE(pool_->put(a.base, data, a.key));
+  OpenSocket();
+  std::vector<transport::Endpoint> devices;
+  for (const auto& d : devs_) devices.push_back(*transport::parse_endpoint(d->endpoint()));
+  auto from_a_device = [&](const transport::Endpoint& e) {
+    return std::find(devices.begin(), devices.end(), e) != devices.end();
+  };
+
+  // READ [512, 2560): stripes 0, 1, 2 on slots 0, 1, 0.
+  Send(Request(Opcode::kRead, 100, a.base + 512, 2048, a.key, kFlagDirect));
+  std::map<uint64_t, Answer> parts;
+  for (Answer& r : Receive()) parts[r.h.addr] = std::move(r);
+  ASSERT_EQ(parts.size(), 3u);
+  const std::vector<std::pair<uint64_t, uint32_t>> want = {{512, 512}, {1024, 1024}, {2048, 512}};
+  for (const auto& [off, len] : want) {
+    ASSERT_TRUE(parts.count(a.base + off)) << off;
+    const Answer& r = parts[a.base + off];
+    EXPECT_TRUE(from_a_device(r.from)) << r.from.to_string();
+    EXPECT_EQ(r.h.opcode, Opcode::kChain);
+    EXPECT_EQ(r.h.flags, kFlagResponse);
+    EXPECT_EQ(r.h.status, Status::kOk);
+    EXPECT_EQ(r.h.txn, 100u);
+    EXPECT_EQ(r.h.seg_index, 0);
+    EXPECT_EQ(r.h.rkey, len);
+    EXPECT_EQ(r.h.length, len);
+    ASSERT_EQ(r.payload.size(), len);
+    EXPECT_TRUE(std::equal(r.payload.begin(), r.payload.end(), data.begin() + static_cast<std::ptrdiff_t>(off)));
+  }
+  EXPECT_FALSE(parts[a.base + 512].from == parts[a.base + 1024].from);  // two devices answered
+  EXPECT_TRUE(parts[a.base + 512].from == parts[a.base + 2048].from);
+
+  // WRITE with ACK_REQ: the same pieces, acknowledged.
+  std::vector<std::byte> fresh(2048, std::byte{0x5A});
+  Send(Request(Opcode::kWrite, 101, a.base + 512, 2048, a.key, kFlagDirect | kFlagAckReq), fresh);
+  parts.clear();
+  for (Answer& r : Receive()) parts[r.h.addr] = std::move(r);
+  ASSERT_EQ(parts.size(), 3u);
+  for (const auto& [off, len] : want) {
+    const Answer& r = parts[a.base + off];
+    EXPECT_EQ(r.h.status, Status::kOk);
+    EXPECT_EQ(r.h.rkey, len);
+    EXPECT_EQ(r.h.length, 0u);
+    EXPECT_TRUE(r.payload.empty());
+  }
+  std::vector<std::byte> back(2048);
+  ASSERT_FALSE(pool_->get(a.base + 512, back, a.key));
+  EXPECT_EQ(back, fresh);
+
+  // An atomic: one part of 8 bytes, the old value.
+  std::vector<std::byte> add(8);
+  core::store_le<uint64_t>(add.data(), 5);
+  const uint64_t before = core::load_le<uint64_t>(fresh.data());
+  Send(Request(Opcode::kFetchAdd, 102, a.base + 1024, 8, a.key, kFlagDirect), add);
+  auto got = Receive();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_TRUE(from_a_device(got[0].from));
+  EXPECT_EQ(got[0].h.opcode, Opcode::kChain);
+  EXPECT_EQ(got[0].h.addr, a.base + 1024);
+  EXPECT_EQ(got[0].h.rkey, 8u);
+  ASSERT_EQ(got[0].payload.size(), 8u);
+  EXPECT_EQ(core::load_le<uint64_t>(got[0].payload.data()), before);
+  EXPECT_EQ(Word(a, 1024), before + 5);
+  core::store_le<uint64_t>(fresh.data() + 512, before + 5);  // allocation offset 1024
+
+  // A WRITE without ACK_REQ: the proxy serves it, nobody answers.
+  std::vector<std::byte> quiet(100, std::byte{0x11});
+  Send(Request(Opcode::kWrite, 103, a.base + 4000, 100, a.key, kFlagDirect), quiet);
+  EXPECT_TRUE(Receive(200ms).empty());
+  std::vector<std::byte> q(100);
+  ASSERT_FALSE(pool_->get(a.base + 4000, q, a.key));
+  EXPECT_EQ(q, quiet);
+
+  // Without DIRECT: one READ answer from the proxy.
+  Send(Request(Opcode::kRead, 104, a.base + 512, 2048, a.key, 0));
+  got = Receive();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_TRUE(got[0].from == proxy_);
+  EXPECT_EQ(got[0].h.opcode, Opcode::kRead);
+  EXPECT_EQ(got[0].payload, fresh);
+
+  // Refusals by the proxy come from the proxy, DIRECT or not.
+  Send(Request(Opcode::kRead, 105, a.base + 8000, 1000, a.key, kFlagDirect));
+  got = Receive();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_TRUE(got[0].from == proxy_);
+  EXPECT_EQ(got[0].h.status, Status::kOutOfBounds);
+  // A device refuses DIRECT: it is the proxy's flag.
+  std::array<std::byte, kHeaderSize> head;
+  core::encode_header(Request(Opcode::kRead, 106, 0, 8, 1, kFlagDirect), head.data());
+  transport::OutMsg m{devices[0], {std::span<const std::byte>(head), {}}};
+  ASSERT_EQ(sock_->send_batch({&m, 1}), 1u);
+  got = Receive();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].h.status, Status::kBadFlags);
+}
+
+// Faults at the proxy and at every device (drops, duplicates, reordering of
+// everything they send: forwarded pieces, the devices' answers): random
+// reads and writes that split over three devices stay exact against a
+// reference, and every FETCH_ADD counts once.
+TEST_F(PoolDirect, ExactUnderFaults) {
+  const std::vector<std::string> faults = {"--inject-drop", "0.05", "--inject-dup", "0.05", "--inject-reorder", "0.1"};
+  std::vector<std::string> mmu_faults = faults;
+  mmu_faults.insert(mmu_faults.end(), {"--inject-seed", "7"});
+  Start(3, mmu_faults, "8MiB", faults);
+  AllocOptions o;
+  o.stripe = 1024;
+  const uint64_t size = 100 * 1024 + 13;
+  PoolAllocation a = Alloc("faulty", size, o);
+  std::vector<std::byte> ref(size);
+  ASSERT_FALSE(pool_->put(a.base, ref, a.key));
+  std::mt19937_64 rng(11);
+  for (int i = 0; i < 120; ++i) {
+    const uint64_t off = rng() % size;
+    const uint64_t len = 1 + rng() % std::min<uint64_t>(size - off, i % 8 == 0 ? 40000 : 5000);
+    if (rng() % 2) {
+      auto data = Random(len, rng);
+      ASSERT_FALSE(pool_->put(a.base + off, data, a.key)) << i;
+      std::copy(data.begin(), data.end(), ref.begin() + static_cast<std::ptrdiff_t>(off));
+    } else {
+      std::vector<std::byte> got(len);
+      ASSERT_FALSE(pool_->get(a.base + off, got, a.key)) << i;
+      ASSERT_TRUE(std::equal(got.begin(), got.end(), ref.begin() + static_cast<std::ptrdiff_t>(off))) << i;
+    }
+  }
+  std::vector<std::byte> all(size);
+  ASSERT_FALSE(pool_->get(a.base, all, a.key));
+  EXPECT_TRUE(all == ref);
+  // 150 increments of one word (each retransmitted as loss demands).
+  const uint64_t w = 8 * 300;
+  ASSERT_FALSE(pool_->put(a.base + w, std::vector<std::byte>(8), a.key));
+  for (int i = 0; i < 150; ++i) {
+    auto old = pool_->atomic_fetch_add(a.base + w, 1, a.key);
+    ASSERT_TRUE(old) << old.error().to_string();
+    ASSERT_EQ(*old, static_cast<uint64_t>(i));
+  }
+  EXPECT_EQ(Word(a, w), 150u);
+  const Client::Counters& c = pool_->proxy_client().counters();
+  EXPECT_GT(c.direct_pieces, 500u);
+  EXPECT_GT(c.retransmits, 0u) << "no fault reached the client: the test tests nothing";
+  EXPECT_EQ(c.direct_fallbacks, 0u);
+}
+
+// The same FETCH_ADD datagram (same txn) sent before and after the proxy
+// crashed and restarted: with DIRECT the device's replay window, keyed by
+// the client, answers the second from memory; the word moved once. Without
+// DIRECT the proxy's window died with it and the add runs again (the
+// caveat PROTOCOL.md 17.5 states).
+TEST_F(PoolDirect, AtomicRetriedAcrossProxyRestartRunsOnce) {
+  TempDir dir;
+  Start(2, {"--state", dir.file("pool.db")});
+  PoolAllocation a = Alloc("counter", 4096);
+  ASSERT_FALSE(pool_->put(a.base, std::vector<std::byte>(4096), a.key));
+  OpenSocket();
+  std::vector<std::byte> add(8);
+  core::store_le<uint64_t>(add.data(), 3);
+  auto once = [&](uint64_t txn, uint64_t off, uint8_t flags) -> uint64_t {
+    Send(Request(Opcode::kFetchAdd, txn, a.base + off, 8, a.key, flags), add);
+    auto got = Receive();
+    EXPECT_EQ(got.size(), 1u);
+    if (got.size() != 1 || got[0].h.status != Status::kOk || got[0].payload.size() != 8) return ~0ull;
+    return core::load_le<uint64_t>(got[0].payload.data());
+  };
+  EXPECT_EQ(once(9000, 64, kFlagDirect), 0u);
+  EXPECT_EQ(once(9001, 128, 0), 0u);
+  ASSERT_TRUE(mmu_.crash_and_restart()) << mmu_.error();
+  EXPECT_EQ(once(9000, 64, kFlagDirect), 0u);  // remembered by the device
+  EXPECT_EQ(once(9001, 128, 0), 3u);           // run again
+  EXPECT_EQ(Word(a, 64), 3u);
+  EXPECT_EQ(Word(a, 128), 6u);
+}
+
+// A device refuses a forwarded piece (here: its region was deleted behind
+// the proxy's back): the client sends the request to the proxy again
+// without DIRECT, and the proxy's answer names the cause. The atomic did
+// not run.
+TEST_F(PoolDirect, DeviceRefusalFallsBackToProxy) {
+  Start(1);
+  PoolAllocation a = Alloc("gone", 4096);
+  ASSERT_FALSE(pool_->put(a.base, std::vector<std::byte>(4096, std::byte{1}), a.key));
+  auto m = pool::request_map(pool_->proxy_client(), a.base, a.key);
+  ASSERT_TRUE(m) << m.error().to_string();
+  ASSERT_EQ(m->m.slots.size(), 1u);
+  auto dev = Client::connect(devs_[0]->endpoint());
+  ASSERT_TRUE(dev) << dev.error().to_string();
+  ASSERT_FALSE((*dev)->region_del(0xAD, m->m.slots[0].rkey));
+  std::vector<std::byte> got(100);
+  Error e = pool_->get(a.base, got, a.key);
+  ASSERT_EQ(e.code(), Error::Code::kNak) << e.to_string();
+  EXPECT_EQ(e.status(), Status::kBadKey);
+  auto old = pool_->atomic_fetch_add(a.base, 1, a.key);
+  ASSERT_FALSE(old);
+  EXPECT_EQ(old.error().status(), Status::kBadKey);
+  EXPECT_EQ(pool_->proxy_client().counters().direct_fallbacks, 2u);
+}
+
+// direct_answers = false: the proxy answers everything itself, as before.
+TEST_F(PoolDirect, OffServesThroughTheProxy) {
+  Start(2);
+  Connect(Congestion::kFixed, false);
+  AllocOptions o;
+  o.stripe = 1024;
+  PoolAllocation a = Alloc("off", 20000, o);
+  std::mt19937_64 rng(5);
+  auto data = Random(20000, rng);
+  ASSERT_FALSE(pool_->put(a.base, data, a.key));
+  std::vector<std::byte> got(20000);
+  ASSERT_FALSE(pool_->get(a.base, got, a.key));
+  EXPECT_EQ(got, data);
+  EXPECT_EQ(*pool_->atomic_fetch_add(a.base, 1, a.key), core::load_le<uint64_t>(data.data()));
+  EXPECT_EQ(pool_->proxy_client().counters().direct_pieces, 0u);
+}
