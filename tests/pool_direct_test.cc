@@ -229,6 +229,20 @@ TEST_F(PoolDirect, ExactUnderFaults) {
     ASSERT_EQ(*old, static_cast<uint64_t>(i));
   }
   EXPECT_EQ(Word(a, w), 150u);
+  // 40 REDUCE_MEMs (i32 sum, +1 each) over 3 stripes on 3 devices (the
+  // devices keep them once) and over 4 stripes, two on one device (the
+  // proxy keeps them once): each piece applied once.
+  for (const auto& [r, n] : {std::pair<uint64_t, size_t>{61440, 3072}, {50000, 3000}}) {
+    std::vector<std::byte> ones(n);
+    for (size_t i = 0; i < ones.size(); i += 4) core::store_le<int32_t>(ones.data() + i, 1);
+    ASSERT_FALSE(pool_->put(a.base + r, std::vector<std::byte>(n), a.key));
+    for (int i = 0; i < 40; ++i)
+      ASSERT_FALSE(pool_->proxy_client().reduce(a.base + r, DType::kI32, RedOp::kSum, ones, Sparse::kAuto, a.key))
+          << i;
+    std::vector<std::byte> sums(n);
+    ASSERT_FALSE(pool_->get(a.base + r, sums, a.key));
+    for (size_t i = 0; i < sums.size(); i += 4) ASSERT_EQ(core::load_le<int32_t>(sums.data() + i), 40) << r << " " << i;
+  }
   const Client::Counters& c = pool_->proxy_client().counters();
   EXPECT_GT(c.direct_pieces, 500u);
   EXPECT_GT(c.retransmits, 0u) << "no fault reached the client: the test tests nothing";
@@ -302,5 +316,91 @@ TEST_F(PoolDirect, OffServesThroughTheProxy) {
   ASSERT_FALSE(pool_->get(a.base, got, a.key));
   EXPECT_EQ(got, data);
   EXPECT_EQ(*pool_->atomic_fetch_add(a.base, 1, a.key), core::load_le<uint64_t>(data.data()));
+  EXPECT_EQ(pool_->proxy_client().counters().direct_pieces, 0u);
+}
+
+// REDUCE_MEM and REDUCE_PAYLOAD through the proxy: forwarded piece by piece
+// where the devices can keep them (REDUCE_MEM: one piece per device), else
+// run by the proxy (both copies of a replicated allocation too, and
+// everything without DIRECT); typed checks at the proxy.
+TEST_F(PoolDirect, ReductionsThroughTheProxy) {
+  Start(3);
+  AllocOptions o;
+  o.stripe = 1024;
+  PoolAllocation a = Alloc("grads", 64 * 1024, o);
+  std::vector<std::byte> base(20000), add(20000);
+  for (size_t i = 0; i < base.size(); i += 4) {
+    core::store_le<float>(base.data() + i, static_cast<float>(i));
+    core::store_le<float>(add.data() + i, 0.5f);
+  }
+  ASSERT_FALSE(pool_->put(a.base + 4096, base, a.key));
+  Client& c = pool_->proxy_client();
+  // One piece per device: forwarded, three answers from the devices.
+  std::vector<std::byte> third(3072);
+  for (size_t i = 0; i < third.size(); i += 4) core::store_le<float>(third.data() + i, 1.f);
+  const uint64_t pieces = c.counters().direct_pieces;
+  ASSERT_FALSE(c.reduce(a.base + 3072 * 10, DType::kF32, RedOp::kSum, third, Sparse::kAuto, a.key));
+  EXPECT_EQ(c.counters().direct_pieces - pieces, 3u);
+  std::vector<std::byte> one(3072);
+  ASSERT_FALSE(pool_->get(a.base + 3072 * 10, one, a.key));
+  EXPECT_EQ(one, third);
+  // Pieces that share devices: the proxy runs it.
+  ASSERT_FALSE(c.reduce(a.base + 4096 + 100, DType::kF32, RedOp::kSum, std::span(add).first(16000), Sparse::kAuto, a.key));
+  std::vector<std::byte> got(20000);
+  ASSERT_FALSE(pool_->get(a.base + 4096, got, a.key));
+  for (size_t i = 0; i < got.size(); i += 4)
+    ASSERT_EQ(core::load_le<float>(got.data() + i), static_cast<float>(i) + (i >= 100 && i < 16100 ? 0.5f : 0.f)) << i;
+  // REDUCE_PAYLOAD: inout = inout MAX memory, memory unchanged.
+  std::vector<std::byte> inout(8000);
+  for (size_t i = 0; i < inout.size(); i += 4) core::store_le<float>(inout.data() + i, 3000.f);
+  ASSERT_FALSE(c.reduce_fetch(a.base + 4096, DType::kF32, RedOp::kMax, inout, a.key));
+  for (size_t i = 0; i < inout.size(); i += 4) {
+    const float mem = core::load_le<float>(got.data() + i);
+    ASSERT_EQ(core::load_le<float>(inout.data() + i), std::max(mem, 3000.f)) << i;
+  }
+  std::vector<std::byte> again(20000);
+  ASSERT_FALSE(pool_->get(a.base + 4096, again, a.key));
+  EXPECT_EQ(again, got);
+  // The proxy's own checks.
+  auto status = [](const Error& e) { return e.code() == Error::Code::kNak ? e.status() : Status::kOk; };
+  EXPECT_EQ(status(c.reduce(a.base + 2, DType::kF32, RedOp::kSum, std::span(add).first(8), Sparse::kAuto, a.key)),
+            Status::kMisaligned);
+  EXPECT_EQ(status(c.reduce(a.base, DType::kBytes, RedOp::kSum, std::span(add).first(8), Sparse::kAuto, a.key)),
+            Status::kBadType);
+  EXPECT_EQ(status(c.reduce(a.base + 64 * 1024 - 4, DType::kF32, RedOp::kSum, std::span(add).first(8), Sparse::kAuto,
+                            a.key)),
+            Status::kOutOfBounds);
+  // Replicated: REDUCE_PAYLOAD reads one copy, REDUCE_MEM updates both
+  // (the proxy runs it; the direct path reads each copy back).
+  AllocOptions r;
+  r.policy = PoolPolicy::kReplicated;
+  PoolAllocation rep = Alloc("replicated", 8192, r);
+  ASSERT_FALSE(pool_->put(rep.base, std::vector<std::byte>(8192), rep.key));
+  ASSERT_FALSE(c.reduce(rep.base, DType::kF32, RedOp::kSum, std::span(add).first(4096), Sparse::kAuto, rep.key));
+  std::vector<std::byte> x(4096);
+  for (size_t i = 0; i < x.size(); i += 4) core::store_le<float>(x.data() + i, 1.f);
+  ASSERT_FALSE(c.reduce_fetch(rep.base, DType::kF32, RedOp::kSum, x, rep.key));
+  for (size_t i = 0; i < x.size(); i += 4) ASSERT_EQ(core::load_le<float>(x.data() + i), 1.5f) << i;
+  auto m = pool::request_map(c, rep.base, rep.key);
+  ASSERT_TRUE(m) << m.error().to_string();
+  for (uint32_t copy = 0; copy < 2; ++copy) {  // stripe 0 (4 KiB): both copies reduced
+    const pool::Place pl = pool::locate(m->layout, 0, copy);
+    const pool::MapSlot& slot = m->m.slots[pl.slot];
+    ClientOptions co;
+    co.rkey = slot.rkey;
+    auto dev = Client::connect(transport::Endpoint{slot.ip, slot.port}.to_string(), co);
+    ASSERT_TRUE(dev) << dev.error().to_string();
+    std::vector<std::byte> bytes(4096);
+    ASSERT_FALSE((*dev)->read(slot.base + pl.extent_offset, bytes));
+    for (size_t i = 0; i < bytes.size(); i += 4) ASSERT_EQ(core::load_le<float>(bytes.data() + i), 0.5f) << copy << " " << i;
+  }
+  // Without DIRECT the proxy serves them.
+  Connect(Congestion::kFixed, false);
+  ASSERT_FALSE(pool_->proxy_client().reduce(a.base, DType::kF32, RedOp::kSum, std::span(add).first(64),
+                                            Sparse::kAuto, a.key));
+  std::vector<std::byte> y(64);
+  for (size_t i = 0; i < y.size(); i += 4) core::store_le<float>(y.data() + i, 0.f);
+  ASSERT_FALSE(pool_->proxy_client().reduce_fetch(a.base, DType::kF32, RedOp::kSum, y, a.key));
+  for (size_t i = 0; i < y.size(); i += 4) ASSERT_EQ(core::load_le<float>(y.data() + i), 0.5f) << i;
   EXPECT_EQ(pool_->proxy_client().counters().direct_pieces, 0u);
 }

@@ -198,10 +198,10 @@ class Client {
   Result<uint64_t> swap(uint64_t addr, uint64_t value, uint64_t rkey = 0);
   // memory = memory OP data (elements of type t, little-endian).
   Error reduce(uint64_t addr, DType t, RedOp op, std::span<const std::byte> data,
-               Sparse sparse = Sparse::kAuto, uint32_t rkey = 0);
+               Sparse sparse = Sparse::kAuto, uint64_t rkey = 0);
   // inout = inout OP memory; memory is not changed.
   Error reduce_fetch(uint64_t addr, DType t, RedOp op, std::span<std::byte> inout,
-                     uint32_t rkey = 0);
+                     uint64_t rkey = 0);
 
   // Optimizer offload (optimizer.h, PROTOCOL.md 6.11-6.12). opt_config sets
   // the region's optimizer config; send it again with config.step = t
@@ -231,10 +231,12 @@ class Client {
   Op fetch_add_async(uint64_t addr, uint64_t add, uint64_t rkey = 0);
   Op compare_swap_async(uint64_t addr, uint64_t expected, uint64_t desired, uint64_t rkey = 0);
   Op swap_async(uint64_t addr, uint64_t value, uint64_t rkey = 0);
+  // Through a pool proxy (64-bit keys) both are sent dense and need
+  // DIRECT: the proxy forwards them to the devices (PROTOCOL.md 17.5).
   Op reduce_async(uint64_t addr, DType t, RedOp op, std::span<const std::byte> data,
-                  Sparse sparse = Sparse::kAuto, uint32_t rkey = 0);
+                  Sparse sparse = Sparse::kAuto, uint64_t rkey = 0);
   Op reduce_fetch_async(uint64_t addr, DType t, RedOp op, std::span<std::byte> inout,
-                        uint32_t rkey = 0);
+                        uint64_t rkey = 0);
   Op opt_config_async(const OptimizerConfig& config, uint32_t rkey = 0, const Hop* at = nullptr);
   Op opt_step_async(uint64_t addr, std::span<const std::byte> grad_f32, uint32_t rkey = 0);
 

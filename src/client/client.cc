@@ -350,10 +350,11 @@ Op Client::swap_async(uint64_t addr, uint64_t value, uint64_t rkey) {
 }
 
 Op Client::reduce_async(uint64_t addr, DType t, RedOp rop, std::span<const std::byte> data,
-                        Sparse sparse, uint32_t rkey) {
+                        Sparse sparse, uint64_t rkey) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kReduceMem;
-  if ((op->error = check_range(addr, data.size()))) return start(std::move(op));
+  if ((op->error = check_range(addr, data.size())) || (op->error = check_key(key(rkey)))) return start(std::move(op));
+  if (info_.pool_proxy) sparse = Sparse::kNever;  // the proxy cuts the operand at stripe boundaries
   const size_t chunk = chunk_size(t);
   for (size_t off = 0; off < data.size(); off += chunk) {
     const size_t n = std::min(chunk, data.size() - off);
@@ -378,10 +379,10 @@ Op Client::reduce_async(uint64_t addr, DType t, RedOp rop, std::span<const std::
 }
 
 Op Client::reduce_fetch_async(uint64_t addr, DType t, RedOp rop, std::span<std::byte> inout,
-                              uint32_t rkey) {
+                              uint64_t rkey) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kReducePayload;
-  if ((op->error = check_range(addr, inout.size()))) return start(std::move(op));
+  if ((op->error = check_range(addr, inout.size())) || (op->error = check_key(key(rkey)))) return start(std::move(op));
   const size_t chunk = chunk_size(t);
   for (size_t off = 0; off < inout.size(); off += chunk) {
     const size_t n = std::min(chunk, inout.size() - off);
@@ -718,13 +719,13 @@ Result<uint64_t> Client::swap(uint64_t addr, uint64_t value, uint64_t rkey) {
 }
 
 Error Client::reduce(uint64_t addr, DType t, RedOp rop, std::span<const std::byte> data,
-                     Sparse sparse, uint32_t rkey) {
+                     Sparse sparse, uint64_t rkey) {
   Op op = reduce_async(addr, t, rop, data, sparse, rkey);
   return wait(op);
 }
 
 Error Client::reduce_fetch(uint64_t addr, DType t, RedOp rop, std::span<std::byte> inout,
-                           uint32_t rkey) {
+                           uint64_t rkey) {
   Op op = reduce_fetch_async(addr, t, rop, inout, rkey);
   return wait(op);
 }
@@ -1023,6 +1024,8 @@ bool Client::wants_direct(const Packet& p) const {
   if (!info_.pool_proxy || !opts_.direct_answers || p.routed() || !p.expect_answer || p.proxied) return false;
   switch (p.h.opcode) {
     case Opcode::kRead:
+    case Opcode::kReduceMem:
+    case Opcode::kReducePayload:
     case Opcode::kFetchAdd:
     case Opcode::kCompareSwap:
     case Opcode::kSwap: return true;
@@ -1051,7 +1054,8 @@ void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std
     ++counters_.direct_fallbacks;
     return;
   }
-  const bool data = p.h.opcode != Opcode::kWrite;
+  // Answers with data: READ and REDUCE_PAYLOAD (bytes), atomics (old value).
+  const bool data = p.h.opcode != Opcode::kWrite && p.h.opcode != Opcode::kReduceMem;
   const uint64_t off = h.addr - p.h.addr, n = h.rkey;
   if (h.addr < p.h.addr || off >= p.h.length || n == 0 || n > p.h.length - off || h.length != payload.size() ||
       payload.size() != (data ? n : 0))
@@ -1060,8 +1064,10 @@ void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std
                                                  describe(p), n, h.addr, payload.size(), from.to_string())));
   ++counters_.direct_pieces;
   if (p.covered.empty()) first_answer(p, p.sends == 1, h.depth);
-  if (p.h.opcode == Opcode::kRead) std::memcpy(p.answer_to + off, payload.data(), n);
-  if (data && p.h.opcode != Opcode::kRead) p.op->value = load_le<uint64_t>(payload.data());  // an atomic's old value
+  if (p.h.opcode == Opcode::kRead || p.h.opcode == Opcode::kReducePayload)
+    std::memcpy(p.answer_to + off, payload.data(), n);
+  else if (data)
+    p.op->value = load_le<uint64_t>(payload.data());  // an atomic's old value
   // Merge [off, off + n) into the covered intervals.
   uint64_t lo = off, hi = off + n;
   auto& c = p.covered;

@@ -302,6 +302,8 @@ void Proxy::handle(std::span<std::byte> datagram, const Endpoint& from) {
     case Opcode::kFetchAdd:
     case Opcode::kCompareSwap:
     case Opcode::kSwap: return data(from, h, pkt.payload);
+    case Opcode::kReduceMem:
+    case Opcode::kReducePayload: return data(from, h, pkt.payload);
     default: return reply(from, h, Status::kBadOpcode);
   }
 }
@@ -475,13 +477,15 @@ Client* Proxy::client(uint32_t device_id) { return conns_[device_id]->client.get
 
 void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload) {
   const bool atomic = is_atomic(h.opcode);
-  // A DIRECT atomic on an allocation with one copy is the device's to keep
-  // exactly once (its window, keyed by the client: PROTOCOL.md 17.5), so
-  // it never enters the proxy's window; one that the proxy must serve
-  // after all (no usable device) fails without running anywhere.
+  const bool mutation = atomic || h.opcode == Opcode::kReduceMem;
+  // Who serves it is decided by the request and the layout alone, never by
+  // which devices answer now: a mutation the devices keep exactly once
+  // (their windows, keyed by the client: PROTOCOL.md 17.5) must never be
+  // run by the proxy on a retransmission, and one the proxy keeps must
+  // never be forwarded.
   const Allocation* target = catalog_.find(pool::allocation_of(h.addr));
-  const bool direct_atomic = atomic && (h.flags & kFlagDirect) && target && target->layout.copies == 1;
-  if (atomic && !direct_atomic) {
+  const bool by_devices = target && served_by_devices(h, *target);
+  if (mutation && !by_devices) {
     const ProxyReplay::Answer* remembered = nullptr;
     switch (replay_.check(from.key(), h.txn, h.opcode, &remembered)) {
       case ProxyReplay::Verdict::kExecute: break;
@@ -496,7 +500,7 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   job->from = from;
   job->req = h;
   job->arrival = arrival_;
-  job->mutation = atomic && !direct_atomic;
+  job->mutation = mutation && !by_devices;
   job->alloc_id = pool::allocation_of(h.addr);
   auto fail = [&](Status s) {
     job->status = s;
@@ -515,6 +519,15 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
       if (payload.empty() || payload.size() > 256) return fail(Status::kBadPayload);
       if (h.length > opts_.max_fill) return fail(Status::kBadLength);
       break;
+    case Opcode::kReduceMem:
+    case Opcode::kReducePayload: {
+      if (!is_valid_dtype(static_cast<uint8_t>(h.dtype)) || h.dtype == DType::kBytes) return fail(Status::kBadType);
+      if (!is_valid_redop(static_cast<uint8_t>(h.redop)) || h.redop == RedOp::kNone) return fail(Status::kBadRedop);
+      const size_t esize = dtype_size(h.dtype);
+      if (h.length > opts_.max_payload || payload.size() != h.length || h.length % esize) return fail(Status::kBadLength);
+      if (h.addr % esize) return fail(Status::kMisaligned);
+      break;
+    }
     default:  // atomics
       if (h.length != 8 || payload.size() != (h.opcode == Opcode::kCompareSwap ? 16u : 8u))
         return fail(Status::kBadLength);
@@ -528,13 +541,11 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   const uint64_t off = pool::offset_of(h.addr);
   if (off > a->row.size || len > a->row.size - off) return fail(Status::kOutOfBounds);
   if (catalog_.state(*a) == AllocState::kLost) return fail(Status::kDeviceLost);
-  if ((h.flags & kFlagDirect) && forward(from, h, payload, *a)) return;
-  if (direct_atomic) {
-    // Not forwardable: its device is down or its data lost. Refused
-    // without running it anywhere.
-    const bool lost = a->slots[pool::locate(a->layout, off, 0).slot].state == ExtentState::kLost;
-    return fail(lost ? Status::kDeviceLost : Status::kUnavailable);
-  }
+  if (by_devices && forward(from, h, payload, *a)) return;
+  // A device it needs is not answering (lost data was refused above). A
+  // mutation is refused without running anywhere; the rest is served here
+  // (from the other copy, or UNAVAILABLE).
+  if (by_devices && mutation) return fail(Status::kUnavailable);
 
   if (atomic) {
     job->buf.assign(payload.begin(), payload.end());
@@ -545,8 +556,8 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
     else start_atomic(j);
     return;
   }
-  const bool write = h.opcode != Opcode::kRead;
-  if (h.opcode == Opcode::kWrite) {
+  const bool write = h.opcode != Opcode::kRead && h.opcode != Opcode::kReducePayload;
+  if (h.opcode == Opcode::kWrite || h.opcode == Opcode::kReduceMem || h.opcode == Opcode::kReducePayload) {
     job->buf.assign(payload.begin(), payload.end());
   } else if (h.opcode == Opcode::kFill) {
     job->buf.resize(len);
@@ -571,34 +582,68 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
 // per request instead of two per piece, and no state kept here. Planned
 // whole before anything is queued, so a request is forwarded entirely or
 // served entirely by the proxy.
-bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
-                    const Allocation& a) {
+// The pieces of a request and the device of each: the first usable copy
+// (`usable_only`), or copy 0 (the layout alone). False if some piece has
+// no usable copy.
+bool Proxy::plan_pieces(const core::Header& h, const Allocation& a, bool usable_only, std::vector<Target>& out) {
   const bool atomic = is_atomic(h.opcode);
-  const bool write = h.opcode == Opcode::kWrite;
-  // A WRITE answered only on error stays here: the devices acknowledge
-  // every WRITE segment. A second copy is the proxy's to keep equal.
-  if (!(h.opcode == Opcode::kRead || (write && (h.flags & kFlagAckReq)) || atomic)) return false;
-  if ((write || atomic) && a.layout.copies != 1) return false;
-  const uint64_t off = pool::offset_of(h.addr);
-  struct Target {
-    uint32_t device;
-    uint32_t key;
-    uint64_t device_addr, off;
-    uint32_t len;
-  };
-  std::vector<Target> targets;
-  for (const pool::Piece& pc : pool::split_merged(a.layout, off, atomic ? 8 : h.length)) {
+  for (const pool::Piece& pc : pool::split_merged(a.layout, pool::offset_of(h.addr), atomic ? 8 : h.length)) {
     std::optional<pool::Place> at;
     for (uint32_t c = 0; c < a.layout.copies && !at; ++c)
-      if (const pool::Place pl = pool::locate(a.layout, pc.offset, c); usable(a, pl.slot)) at = pl;
+      if (const pool::Place pl = pool::locate(a.layout, pc.offset, c); !usable_only || usable(a, pl.slot)) at = pl;
     if (!at) return false;
     const ExtentRow& e = a.slots[at->slot];
     // A device answers at most its own payload: larger pieces go in parts.
-    const uint32_t limit = atomic ? 8 : std::max<uint32_t>(client(e.device_id)->device_info().max_payload, 1);
+    const Client* cl = conns_[e.device_id]->client.get();
+    const uint32_t limit = atomic ? 8 : cl ? std::max<uint32_t>(cl->device_info().max_payload, 64) : pc.length;
     for (uint32_t done = 0; done < pc.length; done += limit)
-      targets.push_back({e.device_id, e.key, e.base + at->extent_offset + done, pc.offset + done,
-                         std::min(limit, pc.length - done)});
+      out.push_back({e.device_id, e.key, e.base + at->extent_offset + done, pc.offset + done,
+                     std::min(limit, pc.length - done)});
   }
+  return true;
+}
+
+// Whether the devices serve a request (DIRECT, PROTOCOL.md 17.5) or the
+// proxy does; from the request and the layout only. A WRITE answered only
+// on error stays here (the devices acknowledge every WRITE segment), and
+// so does every mutation of an allocation with two copies (the proxy keeps
+// them equal). A REDUCE_MEM forwarded as pieces must put at most one on
+// each device: its pieces share the client's txn, and a device's window
+// would take a second one for a retransmission of the first.
+bool Proxy::served_by_devices(const core::Header& h, const Allocation& a) {
+  if (!(h.flags & kFlagDirect)) return false;
+  switch (h.opcode) {
+    case Opcode::kRead:
+    case Opcode::kReducePayload: return true;
+    case Opcode::kWrite: return (h.flags & kFlagAckReq) && a.layout.copies == 1;
+    case Opcode::kFetchAdd:
+    case Opcode::kCompareSwap:
+    case Opcode::kSwap: return a.layout.copies == 1;
+    case Opcode::kReduceMem: {
+      // A malformed one is refused by the proxy's checks, through its window.
+      if (a.layout.copies != 1 || !is_valid_dtype(static_cast<uint8_t>(h.dtype)) || h.dtype == DType::kBytes)
+        return false;
+      std::vector<Target> pieces;
+      plan_pieces(h, a, false, pieces);
+      std::vector<uint32_t> devices;
+      for (const Target& t : pieces) devices.push_back(t.device);
+      std::sort(devices.begin(), devices.end());
+      return std::adjacent_find(devices.begin(), devices.end()) == devices.end();
+    }
+    default: return false;
+  }
+}
+
+bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
+                    const Allocation& a) {
+  const bool atomic = is_atomic(h.opcode);
+  // Pieces of the request's payload go with the pieces: WRITE's data,
+  // REDUCE_*'s operand.
+  const bool carries = h.opcode == Opcode::kWrite || h.opcode == Opcode::kReduceMem ||
+                       h.opcode == Opcode::kReducePayload;
+  const uint64_t off = pool::offset_of(h.addr);
+  std::vector<Target> targets;
+  if (!plan_pieces(h, a, true, targets)) return false;
   for (const Target& t : targets) {
     Answer& f = answers_.emplace_back();
     f.to = catalog_.devices()[t.device].endpoint;
@@ -607,6 +652,8 @@ bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const
     f.head_size = core::payload_offset(1);
     core::Header fh;
     fh.opcode = Opcode::kChain;
+    fh.dtype = h.dtype;
+    fh.redop = h.redop;
     fh.seg_count = 1;
     fh.txn = h.txn;
     // Unused by a chain's hops and echoed in its answer: they tell the
@@ -622,12 +669,23 @@ bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const
     core::encode_segment(core::Segment{f.to.ip, f.to.port, h.opcode, 0, t.key, 0, t.device_addr},
                          f.head.data() + kHeaderSize + kSrPreambleSize);
     if (atomic) f.payload.assign(payload.begin(), payload.end());
-    if (write) f.payload.assign(payload.begin() + (t.off - off), payload.begin() + (t.off - off) + t.len);
+    if (carries) f.payload.assign(payload.begin() + (t.off - off), payload.begin() + (t.off - off) + t.len);
     core::Stats::inc(stats_.forwarded);
     core::Stats::inc(stats_.tx_packets);
     core::Stats::inc(stats_.tx_bytes, f.head_size + f.payload.size());
   }
   return true;
+}
+
+// A piece of a job's request on one device: [addr, addr + piece) of the
+// device, `piece` the job's bytes for it (data in, or the answer out).
+Op Proxy::device_op(const Job& j, Client& cl, uint64_t addr, std::span<std::byte> piece, uint32_t key) {
+  switch (j.req.opcode) {
+    case Opcode::kRead: return cl.read_async(addr, piece, key);
+    case Opcode::kReduceMem: return cl.reduce_async(addr, j.req.dtype, j.req.redop, piece, Sparse::kNever, key);
+    case Opcode::kReducePayload: return cl.reduce_fetch_async(addr, j.req.dtype, j.req.redop, piece, key);
+    default: return cl.write_async(addr, piece, key);  // WRITE, FILL
+  }
 }
 
 Status Proxy::start_piece(Job& j, const Allocation& a, uint64_t off, uint32_t len, size_t buf_off, bool write) {
@@ -651,7 +709,7 @@ Status Proxy::start_piece(Job& j, const Allocation& a, uint64_t off, uint32_t le
     Client* cl = client(e.device_id);
     const uint64_t addr = e.base + pl.extent_offset;
     auto span = std::span(j.buf).subspan(buf_off, len);
-    sub.op = write ? cl->write_async(addr, span, e.key) : cl->read_async(addr, span, e.key);
+    sub.op = device_op(j, *cl, addr, span, e.key);
     j.subs.push_back(std::move(sub));
     started = true;
     if (!write) break;  // a read needs one copy
@@ -807,8 +865,8 @@ bool Proxy::retry_read(Job& j, Allocation& a, size_t failed) {
   retry.status = Status::kOk;
   retry.copy = 1 - sub.copy;
   retry.slot = pl.slot;
-  retry.op = client(e.device_id)->read_async(e.base + pl.extent_offset,
-                                             std::span(j.buf).subspan(sub.buf_off, sub.len), e.key);
+  retry.op = device_op(j, *client(e.device_id), e.base + pl.extent_offset,
+                       std::span(j.buf).subspan(sub.buf_off, sub.len), e.key);
   sub.status = Status::kOk;  // superseded by the retry
   j.subs.push_back(std::move(retry));
   return true;
@@ -884,7 +942,7 @@ void Proxy::settle_pieces(Job& j, Allocation* a) {
 void Proxy::finish(Job& j) {
   std::vector<std::byte> payload;
   if (j.status == Status::kOk) {
-    if (j.req.opcode == Opcode::kRead) payload = std::move(j.buf);
+    if (j.req.opcode == Opcode::kRead || j.req.opcode == Opcode::kReducePayload) payload = std::move(j.buf);
     if (is_atomic(j.req.opcode)) {
       payload.resize(8);
       store_le<uint64_t>(payload.data(), j.old_value);

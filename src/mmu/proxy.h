@@ -108,6 +108,15 @@ class Proxy {
   // False if some piece has no usable device: the proxy then serves it.
   bool forward(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
                const Allocation& a);
+  struct Target {  // a piece of a request on one device
+    uint32_t device;
+    uint32_t key;
+    uint64_t device_addr, off;
+    uint32_t len;
+  };
+  bool plan_pieces(const core::Header& h, const Allocation& a, bool usable_only, std::vector<Target>& out);
+  bool served_by_devices(const core::Header& h, const Allocation& a);
+  Op device_op(const Job& j, Client& cl, uint64_t addr, std::span<std::byte> piece, uint32_t key);
 
   // Jobs.
   bool usable(const Allocation& a, uint32_t slot) const;
