@@ -213,7 +213,7 @@ class Client {
   // config the region holds when it runs: with the async calls, wait for a
   // step's Op before sending the next step's config.
   Error opt_config(const OptimizerConfig& config, uint32_t rkey = 0);
-  Error opt_step(uint64_t addr, std::span<const std::byte> grad_f32, uint32_t rkey = 0);
+  Error opt_step(uint64_t addr, std::span<const std::byte> grad_f32, uint64_t rkey = 0);
 
   // Region administration; needs the device's admin key. With `at`, on
   // that device instead of this client's.
@@ -238,7 +238,7 @@ class Client {
   Op reduce_fetch_async(uint64_t addr, DType t, RedOp op, std::span<std::byte> inout,
                         uint64_t rkey = 0);
   Op opt_config_async(const OptimizerConfig& config, uint32_t rkey = 0, const Hop* at = nullptr);
-  Op opt_step_async(uint64_t addr, std::span<const std::byte> grad_f32, uint32_t rkey = 0);
+  Op opt_step_async(uint64_t addr, std::span<const std::byte> grad_f32, uint64_t rkey = 0);
 
   // Chains (docs/COLLECTIVES.md): sent to hops[0]; the last hop answers,
   // with `length` bytes into `answer_to` if given. A NOT_READY answer is

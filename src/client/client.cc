@@ -407,14 +407,15 @@ Op Client::opt_config_async(const OptimizerConfig& config, uint32_t rkey, const 
   return start(std::move(op));
 }
 
-Op Client::opt_step_async(uint64_t addr, std::span<const std::byte> grad_f32, uint32_t rkey) {
+Op Client::opt_step_async(uint64_t addr, std::span<const std::byte> grad_f32, uint64_t rkey) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kOptStep;
   if (grad_f32.size() % 4) {
     op->error = Error::invalid(fmt::format("opt_step: {} gradient bytes are not whole float32", grad_f32.size()));
     return start(std::move(op));
   }
-  if ((op->error = check_range(addr, grad_f32.size()))) return start(std::move(op));
+  if ((op->error = check_range(addr, grad_f32.size())) || (op->error = check_key(key(rkey))))
+    return start(std::move(op));
   // Element-aligned packets: each updates its own parameters (and their
   // state, at the same offsets) once.
   const size_t chunk = chunk_size(DType::kF32);
@@ -432,7 +433,7 @@ Error Client::opt_config(const OptimizerConfig& config, uint32_t rkey) {
   return wait(op);
 }
 
-Error Client::opt_step(uint64_t addr, std::span<const std::byte> grad_f32, uint32_t rkey) {
+Error Client::opt_step(uint64_t addr, std::span<const std::byte> grad_f32, uint64_t rkey) {
   Op op = opt_step_async(addr, grad_f32, rkey);
   return wait(op);
 }
@@ -1026,6 +1027,7 @@ bool Client::wants_direct(const Packet& p) const {
     case Opcode::kRead:
     case Opcode::kReduceMem:
     case Opcode::kReducePayload:
+    case Opcode::kOptStep:
     case Opcode::kFetchAdd:
     case Opcode::kCompareSwap:
     case Opcode::kSwap: return true;
@@ -1054,7 +1056,9 @@ void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std
     ++counters_.direct_fallbacks;
     return;
   }
-  // Answers with data: READ and REDUCE_PAYLOAD (bytes), atomics (old value).
+  // Answers with data: READ and REDUCE_PAYLOAD (bytes), atomics (old
+  // value), OPT_STEP (the updated parameters, which a chain hands on: not
+  // asked for here, and ignored).
   const bool data = p.h.opcode != Opcode::kWrite && p.h.opcode != Opcode::kReduceMem;
   const uint64_t off = h.addr - p.h.addr, n = h.rkey;
   if (h.addr < p.h.addr || off >= p.h.length || n == 0 || n > p.h.length - off || h.length != payload.size() ||
@@ -1066,7 +1070,7 @@ void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std
   if (p.covered.empty()) first_answer(p, p.sends == 1, h.depth);
   if (p.h.opcode == Opcode::kRead || p.h.opcode == Opcode::kReducePayload)
     std::memcpy(p.answer_to + off, payload.data(), n);
-  else if (data)
+  else if (data && p.h.opcode != Opcode::kOptStep)
     p.op->value = load_le<uint64_t>(payload.data());  // an atomic's old value
   // Merge [off, off + n) into the covered intervals.
   uint64_t lo = off, hi = off + n;

@@ -11,6 +11,7 @@
 
 #include "core/endian.h"
 #include "core/engine.h"
+#include "core/optimizer.h"
 
 namespace netdam::mmu {
 
@@ -303,7 +304,9 @@ void Proxy::handle(std::span<std::byte> datagram, const Endpoint& from) {
     case Opcode::kCompareSwap:
     case Opcode::kSwap: return data(from, h, pkt.payload);
     case Opcode::kReduceMem:
-    case Opcode::kReducePayload: return data(from, h, pkt.payload);
+    case Opcode::kReducePayload:
+    case Opcode::kOptConfig:
+    case Opcode::kOptStep: return data(from, h, pkt.payload);
     default: return reply(from, h, Status::kBadOpcode);
   }
 }
@@ -477,7 +480,8 @@ Client* Proxy::client(uint32_t device_id) { return conns_[device_id]->client.get
 
 void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload) {
   const bool atomic = is_atomic(h.opcode);
-  const bool mutation = atomic || h.opcode == Opcode::kReduceMem;
+  const bool mutation = atomic || h.opcode == Opcode::kReduceMem || h.opcode == Opcode::kOptStep ||
+                        h.opcode == Opcode::kOptConfig;
   // Who serves it is decided by the request and the layout alone, never by
   // which devices answer now: a mutation the devices keep exactly once
   // (their windows, keyed by the client: PROTOCOL.md 17.5) must never be
@@ -528,6 +532,16 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
       if (h.addr % esize) return fail(Status::kMisaligned);
       break;
     }
+    case Opcode::kOptStep:
+      if (h.dtype != DType::kF32) return fail(Status::kBadType);
+      if (h.length > opts_.max_payload || payload.size() != h.length || h.length % 4) return fail(Status::kBadLength);
+      if (h.addr % 4) return fail(Status::kMisaligned);
+      break;
+    case Opcode::kOptConfig:
+      if (h.length != kOptConfigRecordSize || payload.size() != kOptConfigRecordSize) return fail(Status::kBadLength);
+      if (pool::offset_of(h.addr) != 0) return fail(Status::kOutOfBounds);
+      len = 0;
+      break;
     default:  // atomics
       if (h.length != 8 || payload.size() != (h.opcode == Opcode::kCompareSwap ? 16u : 8u))
         return fail(Status::kBadLength);
@@ -547,6 +561,7 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   // (from the other copy, or UNAVAILABLE).
   if (by_devices && mutation) return fail(Status::kUnavailable);
 
+  if (h.opcode == Opcode::kOptConfig) return start_opt_config(std::move(job), *a, payload);
   if (atomic) {
     job->buf.assign(payload.begin(), payload.end());
     job->replicated_atomic = a->layout.copies > 1;
@@ -557,7 +572,8 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
     return;
   }
   const bool write = h.opcode != Opcode::kRead && h.opcode != Opcode::kReducePayload;
-  if (h.opcode == Opcode::kWrite || h.opcode == Opcode::kReduceMem || h.opcode == Opcode::kReducePayload) {
+  if (h.opcode == Opcode::kWrite || h.opcode == Opcode::kReduceMem || h.opcode == Opcode::kReducePayload ||
+      h.opcode == Opcode::kOptStep) {
     job->buf.assign(payload.begin(), payload.end());
   } else if (h.opcode == Opcode::kFill) {
     job->buf.resize(len);
@@ -577,11 +593,6 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   jobs_.push_back(std::move(job));
 }
 
-// DIRECT (PROTOCOL.md 17.5): the proxy translates and the devices answer
-// the client, as the seed's switch-as-MMU does: one crossing of the proxy
-// per request instead of two per piece, and no state kept here. Planned
-// whole before anything is queued, so a request is forwarded entirely or
-// served entirely by the proxy.
 // The pieces of a request and the device of each: the first usable copy
 // (`usable_only`), or copy 0 (the layout alone). False if some piece has
 // no usable copy.
@@ -619,7 +630,8 @@ bool Proxy::served_by_devices(const core::Header& h, const Allocation& a) {
     case Opcode::kFetchAdd:
     case Opcode::kCompareSwap:
     case Opcode::kSwap: return a.layout.copies == 1;
-    case Opcode::kReduceMem: {
+    case Opcode::kReduceMem:
+    case Opcode::kOptStep: {
       // A malformed one is refused by the proxy's checks, through its window.
       if (a.layout.copies != 1 || !is_valid_dtype(static_cast<uint8_t>(h.dtype)) || h.dtype == DType::kBytes)
         return false;
@@ -634,13 +646,18 @@ bool Proxy::served_by_devices(const core::Header& h, const Allocation& a) {
   }
 }
 
+// DIRECT (PROTOCOL.md 17.5): the proxy translates and the devices answer
+// the client, as the seed's switch-as-MMU does: one crossing of the proxy
+// per request instead of two per piece, and no state kept here. Planned
+// whole before anything is queued, so a request is forwarded entirely or
+// served entirely by the proxy.
 bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
                     const Allocation& a) {
   const bool atomic = is_atomic(h.opcode);
   // Pieces of the request's payload go with the pieces: WRITE's data,
   // REDUCE_*'s operand.
   const bool carries = h.opcode == Opcode::kWrite || h.opcode == Opcode::kReduceMem ||
-                       h.opcode == Opcode::kReducePayload;
+                       h.opcode == Opcode::kReducePayload || h.opcode == Opcode::kOptStep;
   const uint64_t off = pool::offset_of(h.addr);
   std::vector<Target> targets;
   if (!plan_pieces(h, a, true, targets)) return false;
@@ -684,7 +701,40 @@ Op Proxy::device_op(const Job& j, Client& cl, uint64_t addr, std::span<std::byte
     case Opcode::kRead: return cl.read_async(addr, piece, key);
     case Opcode::kReduceMem: return cl.reduce_async(addr, j.req.dtype, j.req.redop, piece, Sparse::kNever, key);
     case Opcode::kReducePayload: return cl.reduce_fetch_async(addr, j.req.dtype, j.req.redop, piece, key);
+    case Opcode::kOptStep: return cl.opt_step_async(addr, piece, key);
     default: return cl.write_async(addr, piece, key);  // WRITE, FILL
+  }
+}
+
+// OPT_CONFIG of an allocation: the same config on the region of every slot
+// that holds its data, its state distances translated. A parameter at
+// allocation offset o has its state at o + S; with S a multiple of G x D
+// (stripe x slots) that is on the same slot, S / D further in its extent,
+// for either copy (docs/POOL.md, "Optimizer offload in the pool").
+void Proxy::start_opt_config(std::unique_ptr<Job> job, const Allocation& a, std::span<const std::byte> payload) {
+  Job& j = *job;
+  jobs_.push_back(std::move(job));
+  OptimizerConfig c;
+  const uint64_t row = uint64_t{a.layout.stripe} * a.layout.slots;
+  if (!core::decode_opt_config(payload, c) || c.state1_offset % row || c.state2_offset % row) {
+    j.status = Status::kBadPayload;
+    return;
+  }
+  c.state1_offset /= a.layout.slots;
+  c.state2_offset /= a.layout.slots;
+  for (uint32_t slot = 0; slot < a.slots.size(); ++slot) {
+    const ExtentRow& e = a.slots[slot];
+    if (e.state == ExtentState::kLost) continue;  // its data is gone: nothing to step there
+    if (!usable(a, slot)) {
+      j.status = Status::kUnavailable;  // the operations started finish first
+      return;
+    }
+    Job::Sub sub;
+    sub.slot = slot;
+    sub.piece = j.pieces++;
+    sub.write = true;
+    sub.op = client(e.device_id)->opt_config_async(c, e.key);
+    j.subs.push_back(std::move(sub));
   }
 }
 

@@ -117,6 +117,7 @@ class Proxy {
   bool plan_pieces(const core::Header& h, const Allocation& a, bool usable_only, std::vector<Target>& out);
   bool served_by_devices(const core::Header& h, const Allocation& a);
   Op device_op(const Job& j, Client& cl, uint64_t addr, std::span<std::byte> piece, uint32_t key);
+  void start_opt_config(std::unique_ptr<Job> job, const Allocation& a, std::span<const std::byte> payload);
 
   // Jobs.
   bool usable(const Allocation& a, uint32_t slot) const;
