@@ -167,7 +167,11 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
   std::array<transport::InMsg, kRxBatch> in;
   for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);
   for (int round = 0; round < 4; ++round) {
-    const size_t n = listen_->recv_batch(in, 0ns);
+    // Through out_: with --inject-* a datagram held back for reordering is
+    // released here, before the next request is handled, not at some later
+    // send (a WRITE's late copy must not land after the client's next
+    // request, which it has already acknowledged).
+    const size_t n = out_->recv_batch(in, 0ns);
     for (size_t i = 0; i < n; ++i) {
       if (!in[i].truncated) {
         handle(in[i].data(), in[i].from);
@@ -178,7 +182,7 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
     }
     if (n < kRxBatch) break;
   }
-  if (const uint64_t bad = listen_->integrity_drops(); bad != integrity_drops_seen_) {
+  if (const uint64_t bad = out_->integrity_drops(); bad != integrity_drops_seen_) {
     core::Stats::inc(stats_.dropped[static_cast<size_t>(core::ParseError::kBadIntegrity)],
                      bad - integrity_drops_seen_);
     integrity_drops_seen_ = bad;
