@@ -88,12 +88,10 @@ class PoolDirect : public PoolTest {
 // without DIRECT one answer from the proxy, as before.
 TEST_F(PoolDirect, PiecesOnTheWire) {
   Start(2);
-  AllocOptions o;
-  o.stripe = 1024;
-  PoolAllocation a = Alloc("wire", 8192, o);
+  PoolAllocation a = AllocStriped("wire", 8192, 1024);
   std::mt19937_64 rng(3);
-  auto data = Random(8192, rng);
-  ASSERT_FALSE(pool_->put(a.base, data, a.key));
+  std::vector<std::byte> data;
+  ASSERT_FALSE(PutRandom(a, rng, data));
   OpenSocket();
   std::vector<transport::Endpoint> devices;
   for (const auto& d : devs_) devices.push_back(*transport::parse_endpoint(d->endpoint()));
@@ -198,10 +196,8 @@ TEST_F(PoolDirect, ExactUnderFaults) {
   std::vector<std::string> mmu_faults = faults;
   mmu_faults.insert(mmu_faults.end(), {"--inject-seed", "7"});
   Start(3, mmu_faults, "8MiB", faults);
-  AllocOptions o;
-  o.stripe = 1024;
   const uint64_t size = 100 * 1024 + 13;
-  PoolAllocation a = Alloc("faulty", size, o);
+  PoolAllocation a = AllocStriped("faulty", size, 1024);
   std::vector<std::byte> ref(size);
   ASSERT_FALSE(pool_->put(a.base, ref, a.key));
   std::mt19937_64 rng(11);
@@ -307,12 +303,10 @@ TEST_F(PoolDirect, DeviceRefusalFallsBackToProxy) {
 TEST_F(PoolDirect, OffServesThroughTheProxy) {
   Start(2);
   Connect(Congestion::kFixed, false);
-  AllocOptions o;
-  o.stripe = 1024;
-  PoolAllocation a = Alloc("off", 20000, o);
+  PoolAllocation a = AllocStriped("off", 20000, 1024);
   std::mt19937_64 rng(5);
-  auto data = Random(20000, rng);
-  ASSERT_FALSE(pool_->put(a.base, data, a.key));
+  std::vector<std::byte> data;
+  ASSERT_FALSE(PutRandom(a, rng, data));
   std::vector<std::byte> got(20000);
   ASSERT_FALSE(pool_->get(a.base, got, a.key));
   EXPECT_EQ(got, data);
@@ -326,9 +320,7 @@ TEST_F(PoolDirect, OffServesThroughTheProxy) {
 // everything without DIRECT); typed checks at the proxy.
 TEST_F(PoolDirect, ReductionsThroughTheProxy) {
   Start(3);
-  AllocOptions o;
-  o.stripe = 1024;
-  PoolAllocation a = Alloc("grads", 64 * 1024, o);
+  PoolAllocation a = AllocStriped("grads", 64 * 1024, 1024);
   std::vector<std::byte> base(20000), add(20000);
   for (size_t i = 0; i < base.size(); i += 4) {
     core::store_le<float>(base.data() + i, static_cast<float>(i));
@@ -420,13 +412,11 @@ TEST_F(PoolDirect, ReductionsThroughTheProxy) {
 // same steps again through the proxy alone (no DIRECT) give the same bits.
 TEST_F(PoolDirect, OptimizerStepsThroughTheProxy) {
   Start(3);
-  AllocOptions o;
-  o.stripe = 1024;
   const size_t n = 3072;  // floats: 12 KiB = 4 rows of 3 stripes
   const uint64_t S = n * 4;
   for (bool direct : {true, false}) {
     Connect(Congestion::kFixed, direct);
-    PoolAllocation a = Alloc(direct ? "adam" : "adam-proxied", 3 * S, o);
+    PoolAllocation a = AllocStriped(direct ? "adam" : "adam-proxied", 3 * S, 1024);
     std::mt19937_64 rng(9);
     std::vector<std::byte> weights(S), state(2 * S), grad(S);
     for (size_t i = 0; i < n; ++i) {

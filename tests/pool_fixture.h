@@ -130,6 +130,16 @@ class PoolTest : public ::testing::Test {
     EXPECT_TRUE(a) << a.error().to_string() << "\n" << mmu_.log();
     return a ? *a : PoolAllocation{};
   }
+  PoolAllocation AllocStriped(const std::string& name, uint64_t size, uint32_t stripe) {
+    AllocOptions o;
+    o.stripe = stripe;
+    return Alloc(name, size, o);
+  }
+  // The whole allocation written with bytes from `rng`, kept in `data`.
+  Error PutRandom(const PoolAllocation& a, std::mt19937_64& rng, std::vector<std::byte>& data) {
+    data = Random(a.size, rng);
+    return pool_->put(a.base, data, a.key);
+  }
   static std::vector<std::byte> Random(size_t n, std::mt19937_64& rng) {
     std::vector<std::byte> v(n);
     for (auto& b : v) b = static_cast<std::byte>(rng());

@@ -214,12 +214,10 @@ TEST_F(PoolProxyTest, DuplicateMutationAppliedOnce) {
 TEST_F(PoolProxyTest, ProxyRestartKeepsState) {
   TempDir dir;
   Start(2, {"--state", dir.file("pool.db")});
-  AllocOptions o;
-  o.stripe = 256;
-  PoolAllocation a = Alloc("persist", 10000, o);
+  PoolAllocation a = AllocStriped("persist", 10000, 256);
   std::mt19937_64 rng(1);
-  auto data = Random(10000, rng);
-  ASSERT_FALSE(pool_->put(a.base, data, a.key));
+  std::vector<std::byte> data;
+  ASSERT_FALSE(PutRandom(a, rng, data));
   ASSERT_TRUE(mmu_.crash_and_restart()) << mmu_.error();
   // The same Pool object (same proxy client, same boot id) goes on.
   std::vector<std::byte> got(10000);

@@ -82,11 +82,12 @@ struct ClientOptions {
   // costs a core while it looks, and only while answers have recently come
   // that soon (transport::UdpOptions::spin); 0 never spins.
   std::chrono::microseconds spin{100};
-  // With a pool proxy (netdam-mmu): ask for READ, acknowledged WRITE and
-  // atomic answers straight from the devices that hold the bytes, in
-  // pieces (DIRECT, PROTOCOL.md 17.5): the proxy only translates and
-  // forwards. A device's refusal sends the request again without it, and
-  // the proxy says why.
+  // With a pool proxy (netdam-mmu): ask for the answers of READ,
+  // acknowledged WRITE, atomics, REDUCE_* and OPT_STEP straight from the
+  // devices that hold the bytes, in pieces (DIRECT, PROTOCOL.md 17.5); the
+  // proxy forwards what its devices can keep and serves the rest itself.
+  // A device's refusal sends the request again without it, and the proxy
+  // says why.
   bool direct_answers = true;
 };
 
@@ -231,8 +232,8 @@ class Client {
   Op fetch_add_async(uint64_t addr, uint64_t add, uint64_t rkey = 0);
   Op compare_swap_async(uint64_t addr, uint64_t expected, uint64_t desired, uint64_t rkey = 0);
   Op swap_async(uint64_t addr, uint64_t value, uint64_t rkey = 0);
-  // Through a pool proxy (64-bit keys) both are sent dense and need
-  // DIRECT: the proxy forwards them to the devices (PROTOCOL.md 17.5).
+  // Through a pool proxy (64-bit keys) both are sent dense: the proxy cuts
+  // the operand at stripe boundaries (PROTOCOL.md 17).
   Op reduce_async(uint64_t addr, DType t, RedOp op, std::span<const std::byte> data,
                   Sparse sparse = Sparse::kAuto, uint64_t rkey = 0);
   Op reduce_fetch_async(uint64_t addr, DType t, RedOp op, std::span<std::byte> inout,
@@ -352,6 +353,7 @@ class Client {
   std::string describe(const Packet& p) const;  // "READ at 0x1000 on HOST:PORT"
   Error timed_out(const Packet& p) const;
   void check_timers();
+  void send_now(Packet& p, std::chrono::steady_clock::time_point now);
   void finish(Packet& p, Error e);
   uint32_t boot_for(const Packet& p) const;
   void fail_op(detail::OpState& op, Error e);

@@ -930,9 +930,7 @@ void Client::check_timers() {
     }
     if (!resend) continue;
     p->due = {};
-    transport::OutMsg m{p->routed() ? p->to : *device_, {p->head(), p->payload}};
-    transport_->send_batch({&m, 1});
-    p->last_sent = now;
+    send_now(*p, now);
     if (due) {
       ++counters_.not_ready_resends;
     } else {
@@ -946,6 +944,13 @@ void Client::check_timers() {
     if (it == inflight_.end()) continue;  // gone with an earlier failure of its op
     finish(*it->second, timed_out(*it->second));
   }
+}
+
+// A packet in flight, sent again (same txn, same bytes) outside the batch.
+void Client::send_now(Packet& p, TimePoint now) {
+  transport::OutMsg m{p.routed() ? p.to : *device_, {p.head(), p.payload}};
+  transport_->send_batch({&m, 1});
+  p.last_sent = now;
 }
 
 // The error of a packet unanswered for the whole timeout, naming where it went.
@@ -1050,9 +1055,7 @@ void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std
     p.covered.clear();
     p.h.flags &= static_cast<uint8_t>(~kFlagDirect);
     core::encode_header(p.h, p.wire.data());
-    transport::OutMsg m{*device_, {p.head(), p.payload}};
-    transport_->send_batch({&m, 1});
-    p.last_sent = transport_->now();
+    send_now(p, transport_->now());
     ++counters_.direct_fallbacks;
     return;
   }

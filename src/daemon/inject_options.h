@@ -22,9 +22,8 @@ inline void add_inject_options(CLI::App& app, transport::FaultModel& inject, con
   app.add_option("--inject-reorder", inject.reorder, "hold each datagram back behind the next one with probability P")
       ->check(CLI::Range(0.0, 1.0))
       ->group(kGroup);
-  app.add_option("--inject-seed", inject.seed, "seed of the fault draws (default 1)")->group(kGroup);
+  app.add_option("--inject-seed", inject.seed, "seed of the fault draws (default 1; netdamd's thread i uses N + i)")
+      ->group(kGroup);
 }
-
-inline bool injecting(const transport::FaultModel& f) { return f.drop > 0 || f.duplicate > 0 || f.reorder > 0; }
 
 }  // namespace netdam::device

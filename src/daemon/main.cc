@@ -259,7 +259,7 @@ int main(int argc, char** argv) {
 
   // Each socket, wrapped in a FaultyTransport if faults are injected (the
   // UdpTransports above stay alive underneath).
-  const bool injecting = device::injecting(inject);
+  const bool injecting = inject.any();
   std::vector<std::unique_ptr<transport::FaultyTransport>> faulty;
   std::vector<transport::Transport*> loops;
   for (size_t i = 0; i < sockets.size(); ++i) {

@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
     spdlog::warn("cannot learn the MTU of {} ({}): max payload {} B; set --max-payload to fit the path",
                  o.listen.to_string(), mtu.error().message(), o.max_payload);
   }
-  if (device::injecting(o.inject))
+  if (o.inject.any())
     spdlog::warn("!!! FAULT INJECTION ENABLED: every datagram the proxy sends is dropped with p={}, duplicated "
                  "with p={}, reordered with p={} (seed {}). Test/benchmark aid !!!",
                  o.inject.drop, o.inject.duplicate, o.inject.reorder, o.inject.seed);

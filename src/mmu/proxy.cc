@@ -122,7 +122,7 @@ Result<std::unique_ptr<Proxy>> Proxy::create(const ProxyOptions& o) {
   if (!listen) return listen.error();
   p->listen_ = std::move(*listen);
   p->out_ = p->listen_.get();
-  if (o.inject.drop > 0 || o.inject.duplicate > 0 || o.inject.reorder > 0) {
+  if (o.inject.any()) {
     p->faulty_ = std::make_unique<transport::FaultyTransport>(*p->listen_, o.inject);
     p->out_ = p->faulty_.get();
   }
@@ -491,8 +491,8 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   // (their windows, keyed by the client: PROTOCOL.md 17.5) must never be
   // run by the proxy on a retransmission, and one the proxy keeps must
   // never be forwarded.
-  const Allocation* target = catalog_.find(pool::allocation_of(h.addr));
-  const bool by_devices = target && served_by_devices(h, *target);
+  Allocation* a = catalog_.find(pool::allocation_of(h.addr));
+  const bool by_devices = a && served_by_devices(h, *a);
   if (mutation && !by_devices) {
     const ProxyReplay::Answer* remembered = nullptr;
     switch (replay_.check(from.key(), h.txn, h.opcode, &remembered)) {
@@ -528,19 +528,18 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
       if (h.length > opts_.max_fill) return fail(Status::kBadLength);
       break;
     case Opcode::kReduceMem:
-    case Opcode::kReducePayload: {
-      if (!is_valid_dtype(static_cast<uint8_t>(h.dtype)) || h.dtype == DType::kBytes) return fail(Status::kBadType);
-      if (!is_valid_redop(static_cast<uint8_t>(h.redop)) || h.redop == RedOp::kNone) return fail(Status::kBadRedop);
+    case Opcode::kReducePayload:
+    case Opcode::kOptStep: {  // typed: OPT_STEP is float32 and takes no redop
+      const bool step = h.opcode == Opcode::kOptStep;
+      if (step ? h.dtype != DType::kF32 : !is_valid_dtype(static_cast<uint8_t>(h.dtype)) || h.dtype == DType::kBytes)
+        return fail(Status::kBadType);
+      if (!step && (!is_valid_redop(static_cast<uint8_t>(h.redop)) || h.redop == RedOp::kNone))
+        return fail(Status::kBadRedop);
       const size_t esize = dtype_size(h.dtype);
       if (h.length > opts_.max_payload || payload.size() != h.length || h.length % esize) return fail(Status::kBadLength);
       if (h.addr % esize) return fail(Status::kMisaligned);
       break;
     }
-    case Opcode::kOptStep:
-      if (h.dtype != DType::kF32) return fail(Status::kBadType);
-      if (h.length > opts_.max_payload || payload.size() != h.length || h.length % 4) return fail(Status::kBadLength);
-      if (h.addr % 4) return fail(Status::kMisaligned);
-      break;
     case Opcode::kOptConfig:
       if (h.length != kOptConfigRecordSize || payload.size() != kOptConfigRecordSize) return fail(Status::kBadLength);
       if (pool::offset_of(h.addr) != 0) return fail(Status::kOutOfBounds);
@@ -553,7 +552,6 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
       len = 8;
       break;
   }
-  Allocation* a = catalog_.find(job->alloc_id);
   if (!a) return fail(Status::kNoSuchAllocation);
   if (shown_key(h) != a->row.key) return fail(Status::kBadKey);
   const uint64_t off = pool::offset_of(h.addr);
@@ -576,14 +574,13 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
     return;
   }
   const bool write = h.opcode != Opcode::kRead && h.opcode != Opcode::kReducePayload;
-  if (h.opcode == Opcode::kWrite || h.opcode == Opcode::kReduceMem || h.opcode == Opcode::kReducePayload ||
-      h.opcode == Opcode::kOptStep) {
-    job->buf.assign(payload.begin(), payload.end());
+  if (h.opcode == Opcode::kRead) {
+    job->buf.resize(len);
   } else if (h.opcode == Opcode::kFill) {
     job->buf.resize(len);
     for (size_t i = 0; i < len; ++i) job->buf[i] = payload[i % payload.size()];
-  } else {
-    job->buf.resize(len);
+  } else {  // the data or operand, cut into pieces below
+    job->buf.assign(payload.begin(), payload.end());
   }
   const auto pieces = pool::split_merged(a->layout, off, len);
   for (const auto& pc : pieces) {
@@ -636,8 +633,10 @@ bool Proxy::served_by_devices(const core::Header& h, const Allocation& a) {
     case Opcode::kSwap: return a.layout.copies == 1;
     case Opcode::kReduceMem:
     case Opcode::kOptStep: {
-      // A malformed one is refused by the proxy's checks, through its window.
-      if (a.layout.copies != 1 || !is_valid_dtype(static_cast<uint8_t>(h.dtype)) || h.dtype == DType::kBytes)
+      // A malformed one is refused by the proxy's checks, through its
+      // window; its length is not trusted with the work of planning yet.
+      if (a.layout.copies != 1 || !is_valid_dtype(static_cast<uint8_t>(h.dtype)) || h.dtype == DType::kBytes ||
+          h.length > opts_.max_payload)
         return false;
       std::vector<Target> pieces;
       plan_pieces(h, a, false, pieces);

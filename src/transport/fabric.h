@@ -43,6 +43,8 @@ struct FaultModel {
   // (after its integrity trailer was made, so the receiver must catch it).
   // FaultyTransport applies it both ways: to what it sends and receives.
   double corrupt = 0;
+  // Whether FaultyTransport changes anything (it ignores the delays).
+  bool any() const { return drop > 0 || duplicate > 0 || reorder > 0 || corrupt > 0; }
 };
 
 class Fabric {
