@@ -1,0 +1,326 @@
+#include "sim/scenario.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+#include <ns3/ipv4-address-generator.h>
+#include <ns3/rng-seed-manager.h>
+#include <ns3/simulator.h>
+
+#include "collectives/plan.h"
+#include "core/aggregation.h"
+#include "netdam/group.h"
+#include "sim/arena.h"
+#include "sim/nodes.h"
+
+namespace netdam::sim {
+
+namespace {
+
+constexpr size_t kMaxPayload = kDefaultMaxPayload;
+constexpr int kSlots = 1;
+
+using WallClock = std::chrono::steady_clock;
+double seconds_since(WallClock::time_point t) {
+  return std::chrono::duration<double>(WallClock::now() - t).count();
+}
+
+// Rank r's input: small integers, so that the float sum is exact in any
+// order (at most 12 x 1024 < 2^24) and every rank's result can be checked.
+float input_value(int rank, uint64_t i) { return static_cast<float>((static_cast<uint64_t>(rank) * 7 + i) % 13); }
+
+// The device memory a group's options take, and the regions the harness
+// registers there, as an operator's netdam-admin would, at the addresses
+// Group computes (checked against Group::slots_end after setup). The ranges
+// that hold data (the slots' IN | IN | OUT and partials, the aggregation
+// regions) may be shared (Arena).
+struct Regions {
+  uint64_t bytes = 0;      // device memory, from address 0
+  uint64_t slots_end = 0;  // end of the chain slots (Group::slots_end without aggregation regions)
+  std::vector<core::Region> regions;
+  std::vector<std::pair<uint64_t, uint64_t>> data;
+};
+
+size_t chain_block(size_t p) {
+  const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
+  return kMaxPayload >= route + 64 ? (kMaxPayload - route) / 64 * 64 : 0;
+}
+
+uint32_t aggregate_stride() {
+  const size_t overhead = kSrPreambleSize + kSegmentSize + core::kAggRecordSize;
+  return static_cast<uint32_t>((kMaxPayload - overhead) / 64 * 64);
+}
+
+void add_aggregation_regions(const GroupOptions& o, int p, size_t m, uint64_t at, Regions& out) {
+  const uint32_t stride = aggregate_stride();
+  const uint64_t blocks = collectives::aggregate_blocks_per_device(o.capacity, stride, p, m);
+  const uint64_t region = ((static_cast<uint64_t>(p) + 2) * blocks * stride + 4095) / 4096 * 4096;
+  for (int s = 0; s < o.slots; ++s) {
+    const uint64_t base = at + static_cast<uint64_t>(s) * region;
+    out.regions.push_back({base, region, o.key_base + 0xC0 + static_cast<uint32_t>(s), core::kPermAll});
+    out.data.emplace_back(base, base + region);
+  }
+  out.bytes = at + static_cast<uint64_t>(o.slots) * region;
+}
+
+Regions chain_regions(const GroupOptions& o, int p) {
+  Regions out;
+  const int partials = o.algorithm == Algorithm::kTorus ? static_cast<int>(o.torus_dims.size()) - 1 : 0;
+  const size_t block = chain_block(static_cast<size_t>(p));
+  const uint64_t slot = collectives::SlotLayout::bytes(o.capacity, block, static_cast<size_t>(p), partials);
+  for (int s = 0; s < o.slots; ++s) {
+    collectives::SlotLayout l{o.base + static_cast<uint64_t>(s) * slot, o.capacity,
+                              o.key_base + static_cast<uint32_t>(s), partials,
+                              collectives::SlotLayout::stamps_needed(o.capacity, block, static_cast<size_t>(p))};
+    out.regions.push_back({l.base, slot, l.key, core::kPermAll});
+    out.data.emplace_back(l.base, l.base + 3 * l.cap);
+    if (partials > 0) out.data.emplace_back(l.part(0), l.part(0) + static_cast<uint64_t>(partials) * l.cap);
+  }
+  out.slots_end = out.bytes = o.base + static_cast<uint64_t>(o.slots) * slot;
+  return out;
+}
+
+std::vector<std::string> addresses(const std::vector<uint32_t>& ips, uint16_t port) {
+  std::vector<std::string> out;
+  for (uint32_t ip : ips) out.push_back(transport::Endpoint{ip, port}.to_string());
+  return out;
+}
+
+// Everything of one run that lives in ns-3's world: destroyed (ranks and
+// devices, whose sockets belong to nodes) before the simulator is.
+struct World {
+  Network net;
+  Arena arena;
+  std::vector<std::unique_ptr<SimDevice>> devices;
+  std::vector<std::unique_ptr<SimRank>> ranks;
+  std::vector<std::unique_ptr<HostRing>> rings;
+  std::vector<SimTransport*> host_transports;
+  explicit World(bool shared) : arena(shared) {}
+};
+
+uint64_t datagrams_sent(const World& w) {
+  uint64_t n = 0;
+  for (auto* t : w.host_transports) n += t->sent();
+  for (const auto& d : w.devices) n += d->sent();
+  return n;
+}
+
+}  // namespace
+
+std::string to_string(Algo a) {
+  switch (a) {
+    case Algo::kRing: return "ring";
+    case Algo::kTorus: return "torus";
+    case Algo::kAggregate: return "aggregate";
+    case Algo::kHostRing: return "hostring";
+  }
+  return "?";
+}
+
+// docs/SIMULATION.md derives these (as docs/CLUSTER.md does for the
+// emulated cluster). Every host-only algorithm, the chains (each device
+// sends 2(p-1)/p of the data, as a host ring does) and aggregation on the
+// hosts' own devices: busbw <= B. Aggregation on M devices in the network:
+// a host sends S and receives S, a device receives p*S/M: busbw <= f*B*min(1, M/p).
+double busbw_bound(Algo a, int p, int aggregators) {
+  if (a == Algo::kAggregate && aggregators > 0) {
+    const double f = 2.0 * (p - 1) / p;
+    return f * std::min(1.0, static_cast<double>(aggregators) / p);
+  }
+  return 1.0;
+}
+
+Outcome run_scenario(const Scenario& s) {
+  const int p = s.topology.hosts;
+  const int m = s.topology.aggregators;
+  if (s.bytes == 0 || s.bytes % sizeof(float) != 0)
+    throw std::invalid_argument(fmt::format("{} bytes: a whole number of float32 elements, more than 0", s.bytes));
+  if (s.algorithm == Algo::kTorus && s.topology.torus_dims.size() < 2)
+    throw std::invalid_argument("the torus algorithm needs torus dimensions (2 or 3)");
+  if (m > 0 && s.algorithm != Algo::kAggregate)
+    throw std::invalid_argument("devices in the network serve the aggregation algorithm only");
+  const auto setup_start = WallClock::now();
+
+  ns3::Ipv4AddressGenerator::Reset();
+  ns3::RngSeedManager::SetSeed(static_cast<uint32_t>(s.seed % 0xFFFFFFFFu) + 1);
+  Outcome out;
+  {
+    World w(s.shared_data);
+    w.net = build_network(s.topology, s.seed);
+    out.network = w.net.description;
+    const uint64_t count = s.bytes / sizeof(float);
+
+    // Buffers: each rank's input and output, or one of each for all.
+    std::vector<std::vector<float>> inputs(s.shared_data ? 1 : static_cast<size_t>(p));
+    for (size_t r = 0; r < inputs.size(); ++r) {
+      inputs[r].resize(count);
+      for (uint64_t i = 0; i < count; ++i) inputs[r][i] = input_value(static_cast<int>(r), i);
+    }
+    std::vector<std::vector<float>> outputs(inputs.size(), std::vector<float>(count));
+    auto in_of = [&](int r) -> std::vector<float>& { return inputs[s.shared_data ? 0 : static_cast<size_t>(r)]; };
+    auto out_of = [&](int r) -> std::vector<float>& { return outputs[s.shared_data ? 0 : static_cast<size_t>(r)]; };
+
+    core::DeviceConfig cfg;
+    cfg.max_payload = kMaxPayload;
+    GroupOptions o;
+    o.capacity = s.bytes;
+    o.slots = kSlots;
+    o.timeout = s.limit;
+    o.aggregate_auto_bytes = 0;
+    o.client.congestion = s.congestion;
+    if (s.packet_timeout.count() > 0) o.client.timeout = s.packet_timeout;
+    Regions regions;
+    bool colocated = true;  // the ranks map their own devices' memory
+    switch (s.algorithm) {
+      case Algo::kRing:
+      case Algo::kTorus:
+        o.algorithm = s.algorithm == Algo::kRing ? Algorithm::kRing : Algorithm::kTorus;
+        o.torus_dims = s.algorithm == Algo::kTorus ? s.topology.torus_dims : std::vector<int>{};
+        o.devices = addresses(w.net.host_ip, kDevicePort);
+        regions = chain_regions(o, p);
+        break;
+      case Algo::kAggregate:
+        o.algorithm = Algorithm::kAggregate;
+        if (m > 0) {
+          colocated = false;
+          o.ranks = p;
+          o.aggregators = addresses(w.net.aggregator_ip, kDevicePort);
+          add_aggregation_regions(o, p, static_cast<size_t>(m), 0, regions);
+        } else {
+          o.devices = addresses(w.net.host_ip, kDevicePort);
+          regions = chain_regions(o, p);
+          add_aggregation_regions(o, p, static_cast<size_t>(p), regions.slots_end, regions);
+        }
+        break;
+      case Algo::kHostRing: break;
+    }
+
+    // Devices: on the hosts' nodes, or the aggregators'.
+    if (s.algorithm != Algo::kHostRing) {
+      const auto& nodes = colocated ? w.net.hosts : w.net.aggregators;
+      const auto& ips = colocated ? w.net.host_ip : w.net.aggregator_ip;
+      for (size_t i = 0; i < nodes.size(); ++i) {
+        cfg.boot_id = static_cast<uint32_t>(i + 1);
+        auto mem = w.arena.allocate(regions.bytes, regions.data);
+        w.devices.push_back(std::make_unique<SimDevice>(nodes[i], ips[i], mem, cfg));
+        for (const core::Region& r : regions.regions)
+          if (Status st = w.devices.back()->device().regions().add(r); st != Status::kOk)
+            throw std::runtime_error(fmt::format("region {:#x} on device {}: {}", r.key, i, to_string(st)));
+      }
+    }
+
+    // Ranks: their setup runs the simulation (blocking) one after another.
+    for (int r = 0; r < p; ++r) {
+      auto t = std::make_unique<SimTransport>(w.net.hosts[static_cast<size_t>(r)], w.net.host_ip[static_cast<size_t>(r)], kHostPort);
+      w.host_transports.push_back(t.get());
+      if (s.algorithm == Algo::kHostRing) {
+        auto& buf = out_of(r);
+        std::copy(in_of(r).begin(), in_of(r).end(), buf.begin());
+        const transport::Endpoint next{w.net.host_ip[static_cast<size_t>((r + 1) % p)], kHostPort};
+        w.rings.push_back(std::make_unique<HostRing>(std::move(t), r, p, next, buf, kMaxPayload));
+        continue;
+      }
+      o.rank = r;
+      SimTransport* raw = t.get();
+      std::span<std::byte> local = colocated ? w.devices[static_cast<size_t>(r)]->memory() : std::span<std::byte>{};
+      auto g = Group::create(o, std::move(t), local);
+      if (!g) {
+        out.error = fmt::format("setup of rank {}: {}", r, g.error().to_string());
+        break;
+      }
+      if (colocated && (*g)->slots_end() < regions.slots_end)
+        throw std::logic_error(fmt::format("the harness registered slots up to {} but the group's end at {}",
+                                           regions.slots_end, (*g)->slots_end()));
+      w.ranks.push_back(std::make_unique<SimRank>(std::move(*g), raw, s.tick));
+    }
+    out.setup_wall_s = seconds_since(setup_start);
+
+    if (out.error.empty()) {
+      const auto run_start = WallClock::now();
+      const uint64_t queue_drops0 = w.net.queue_drops(), losses0 = w.net.link_losses();
+      const uint64_t sent0 = datagrams_sent(w);
+      const transport::TimePoint t0 = sim_now();
+      for (int r = 0; r < static_cast<int>(w.ranks.size()); ++r) {
+        auto in = std::as_bytes(std::span(in_of(r)));
+        auto res = std::as_writable_bytes(std::span(out_of(r)));
+        w.ranks[static_cast<size_t>(r)]->start(
+            [in, res](Group& g) { return g.allreduce_async(in, res, DType::kF32, Reduction::kSum); });
+      }
+      for (auto& ring : w.rings) ring->start();
+      if (s.fail_link_at_us >= 0) {
+        if (w.net.core_links.empty()) throw std::invalid_argument("this network has no link between switches or devices to fail");
+        const size_t link = w.net.core_links[s.seed % w.net.core_links.size()];
+        ns3::Simulator::Schedule(ns3::NanoSeconds(static_cast<int64_t>(s.fail_link_at_us * 1000)),
+                                 [&w, link] { w.net.fail_link(link); });
+      }
+      auto all_done = [&] {
+        for (const auto& r : w.ranks)
+          if (!r->done()) return false;
+        for (const auto& r : w.rings)
+          if (!r->done()) return false;
+        return true;
+      };
+      // Stop as soon as the last rank is done (checked every 10 us of
+      // virtual time; the times come from the ranks themselves).
+      std::function<void()> check = [&] {
+        if (all_done()) return ns3::Simulator::Stop();
+        ns3::Simulator::Schedule(ns3::MicroSeconds(10), check);
+      };
+      ns3::Simulator::Schedule(ns3::MicroSeconds(10), check);
+      run_simulation(s.limit);
+      out.run_wall_s = seconds_since(run_start);
+
+      transport::TimePoint last = t0;
+      out.completed = all_done();
+      for (const auto& r : w.ranks) {
+        last = std::max(last, r->finished_at());
+        if (r->done() && r->error() && out.error.empty()) out.error = r->error().to_string();
+        out.retransmits += r->client_counters()->retransmits;
+        if (getenv("NETDAM_SIM_DEBUG")) {
+          const auto* c = r->client_counters();
+          fmt::print(stderr, "rank: sent {} resent {} probes {} answers {} ignored {} not_ready {} finished {:.1f} us\n",
+                     c->packets_sent, c->retransmits, c->probes, c->answers, c->ignored, c->not_ready_resends,
+                     std::chrono::duration<double, std::micro>(r->finished_at() - t0).count());
+        }
+      }
+      for (const auto& r : w.rings) last = std::max(last, r->finished_at());
+      if (!out.error.empty()) out.completed = false;
+      if (!out.completed && out.error.empty())
+        out.error = fmt::format("not done within {} ms of virtual time", s.limit.count());
+      out.time_us = std::chrono::duration<double, std::micro>(last - t0).count();
+      out.datagrams = datagrams_sent(w) - sent0;
+      out.queue_drops = w.net.queue_drops() - queue_drops0;
+      out.link_losses = w.net.link_losses() - losses0;
+      if (out.completed && out.time_us > 0) {
+        out.algbw_gbs = static_cast<double>(s.bytes) / out.time_us / 1e3;
+        out.busbw_gbs = out.algbw_gbs * 2.0 * (p - 1) / p;
+      }
+      out.bound_busbw_gbs = busbw_bound(s.algorithm, p, m) * s.topology.link.gbps / 8;
+      if (out.completed && !s.shared_data) {
+        out.exact = 1;
+        for (uint64_t i = 0; i < count && out.exact; ++i) {
+          float sum = 0;
+          for (int r = 0; r < p; ++r) sum += input_value(r, i);
+          for (int r = 0; r < p; ++r)
+            if (std::memcmp(&out_of(r)[i], &sum, sizeof sum) != 0) {
+              out.exact = 0;
+              out.error = fmt::format("rank {} element {}: {} instead of {}", r, i, out_of(r)[i], sum);
+              break;
+            }
+        }
+      }
+    }
+    w.ranks.clear();
+    w.rings.clear();
+    w.devices.clear();
+  }
+  ns3::Simulator::Destroy();
+  return out;
+}
+
+}  // namespace netdam::sim
