@@ -17,6 +17,8 @@ packages=(
   python3-dev pybind11-dev python3-numpy  # the netdam Python module (for /usr/bin/python3)
   python3-torch libtorch-dev           # the torch.distributed backend and optimizer offload
   tshark                               # tests/wireshark: decodes a capture with tools/wireshark/netdam.lua
+  libns3-dev                            # netdam-sim, the packet-level simulation (docs/SIMULATION.md)
+  python3-matplotlib                   # scripts/sim_plots.py (the simulation report's plots)
   python3-venv python3-setuptools python3-wheel  # pip install . into a venv (tests/install)
 )
 

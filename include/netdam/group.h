@@ -126,6 +126,13 @@ struct GroupOptions {
   uint64_t capacity = 64ull << 20;  // largest collective buffer, bytes
   uint64_t base = 0;           // device address of the first slot, the same on every device
   int slots = 2;
+  // At setup each rank learns every device's (and aggregator's) address
+  // cookie and waits until every device has every chain slot: about 2p
+  // round trips per rank, p^2 in the group. Off: the caller has registered
+  // the slots everywhere (admin_key 0) and the devices check no cookies
+  // (no amplification limit), as the packet-level simulator arranges for a
+  // thousand ranks (docs/SIMULATION.md).
+  bool probe_devices = true;
   uint32_t key_base = 0x4E440100;  // slot s is region key key_base + s on every device
   std::chrono::milliseconds timeout{5000};
   Algorithm algorithm = Algorithm::kAuto;
@@ -192,6 +199,9 @@ class Group {
   // device (chain slots and aggregation regions, from opts.base), for a
   // device whose payload limit is `max_payload`.
   static uint64_t device_bytes(const GroupOptions& opts, size_t max_payload);
+  // Payload bytes of one chain packet of a group with these options on
+  // devices whose payload limit is `max_payload` (block_bytes() once set up).
+  static size_t chain_block_bytes(const GroupOptions& opts, size_t max_payload);
   ~Group();
 
   int rank() const { return opts_.rank; }

@@ -108,8 +108,23 @@ Result<std::unique_ptr<Group>> Group::create(const GroupOptions& opts,
 
 namespace {
 // Sizes both setup() and device_bytes() use.
-size_t chain_block(size_t max_payload, size_t p) {
-  const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
+// The segments of a torus's longest chain (collectives/torus_chain.cc):
+// the ring of the last dimension (2 x last) or a reduction along another
+// dimension d (its extent + 1), whichever is longer.
+size_t torus_segments(const std::vector<int>& dims) {
+  size_t most = dims.empty() ? 0 : 2 * static_cast<size_t>(std::max(dims.back(), 0));
+  for (size_t d = 0; d + 1 < dims.size(); ++d) most = std::max(most, static_cast<size_t>(std::max(dims[d], 0)) + 1);
+  return most;
+}
+// The segments chain packets are sized for: the ring's 2p, which every
+// collective of a group can then use; a torus group too large for the
+// ring sizes them for the torus's chains (it runs nothing else).
+size_t chain_segments(const GroupOptions& o, size_t p) {
+  if (o.algorithm == Algorithm::kTorus && 2 * p > kMaxSegments) return torus_segments(o.torus_dims);
+  return 2 * p;
+}
+size_t chain_block(size_t max_payload, size_t segments) {
+  const size_t route = kSrPreambleSize + segments * kSegmentSize;
   return max_payload >= route + 64 ? (max_payload - route) / 64 * 64 : 0;
 }
 uint32_t aggregate_stride(size_t max_payload) {
@@ -165,12 +180,16 @@ Error parse_hops(const std::vector<std::string>& addresses, std::string_view wha
 }
 }  // namespace
 
+size_t Group::chain_block_bytes(const GroupOptions& o, size_t max_payload) {
+  return chain_block(max_payload, chain_segments(o, o.devices.size()));
+}
+
 uint64_t Group::device_bytes(const GroupOptions& o, size_t max_payload) {
   const size_t p = o.devices.size();
   const int partials = o.algorithm == Algorithm::kTorus ? static_cast<int>(o.torus_dims.size()) - 1 : 0;
   uint64_t bytes = o.base;
   if (p == 0) return bytes;
-  const size_t block = chain_block(max_payload, p);
+  const size_t block = chain_block(max_payload, chain_segments(o, p));
   if (block > 0) bytes += static_cast<uint64_t>(o.slots) * collectives::SlotLayout::bytes(o.capacity, block, p, partials);
   const uint64_t agg = own_aggregation_capacity(o);
   const uint32_t stride = o.aggregate_stride ? o.aggregate_stride : aggregate_stride(max_payload);
@@ -194,18 +213,22 @@ Error Group::setup() {
     if (Error e = setup_aggregation()) return e;
     return probe_result_group();
   }
-  if (2 * p > kMaxSegments)
-    return Error::invalid(fmt::format("ring chains take 2p segments: at most {} ranks", kMaxSegments / 2));
+  // A torus group's AllReduce runs in chains of the torus's dimensions, so
+  // it may have more ranks than a ring (its other collectives need the
+  // ring: submit() refuses them then).
+  if (2 * p > kMaxSegments && opts_.algorithm != Algorithm::kTorus)
+    return Error::invalid(fmt::format("ring chains take 2p segments: at most {} ranks (a torus group may have more)",
+                                      kMaxSegments / 2));
   if (opts_.slots < 1) return Error::invalid("a group needs at least one slot");
   int partials = 0;
   if (opts_.algorithm == Algorithm::kTorus) {
     size_t product = 1;
     for (int n : opts_.torus_dims) product *= n > 0 ? static_cast<size_t>(n) : 0;
     if (opts_.torus_dims.size() < 2 || opts_.torus_dims.size() > 3 || product != p ||
-        2 * static_cast<size_t>(opts_.torus_dims.back()) > kMaxSegments)
+        torus_segments(opts_.torus_dims) > kMaxSegments)
       return Error::invalid(fmt::format("torus: {} dimensions of product {} for {} ranks (2 or 3 of "
-                                        "product p, the last at most {})",
-                                        opts_.torus_dims.size(), product, p, kMaxSegments / 2));
+                                        "product p, the last at most {}, the others at most {})",
+                                        opts_.torus_dims.size(), product, p, kMaxSegments / 2, kMaxSegments - 1));
     partials = static_cast<int>(opts_.torus_dims.size()) - 1;
   }
   if (!opts_.multicast.empty()) {
@@ -217,12 +240,13 @@ Error Group::setup() {
   // Chains start at every device of the group: learn the address cookie
   // each gives us, so their READ hops may answer us (PROTOCOL.md 9.6). Best
   // effort: a device that is not up yet fails only the chains that need it.
-  for (const Hop& d : devices_) (void)client_->learn_cookie(d);
-  // A chain packet carries 2p segments next to its payload; keep the whole
+  if (opts_.probe_devices)
+    for (const Hop& d : devices_) (void)client_->learn_cookie(d);
+  // A chain packet carries its segments next to its payload; keep the whole
   // datagram within the device's payload limit, in whole 64-byte units.
   const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
   const size_t max_payload = client_->options().max_payload;
-  block_ = chain_block(max_payload, p);
+  block_ = chain_block(max_payload, chain_segments(opts_, p));
   if (block_ == 0) return Error::invalid("device max payload too small for chains");
   // Optimizer chains take one segment more (collectives::ring_optimizer_step).
   if (2 * p + 1 <= kMaxSegments && max_payload >= route + kSegmentSize + 64)
@@ -258,7 +282,7 @@ Error Group::setup() {
   // Wait until every device has every slot: a one-byte READ through each
   // slot's key, from this rank's client, sent to each device in turn.
   const auto deadline = client_->now() + opts_.timeout;
-  for (size_t r = 0; r < p; ++r) {
+  for (size_t r = 0; r < (opts_.probe_devices ? p : 0); ++r) {
     for (const auto& slot : slots_) {
       for (;;) {
         std::byte probe[1];
@@ -320,7 +344,8 @@ Error Group::setup_aggregation() {
   const size_t max_payload = client_->options().max_payload;
   // Contributions without data get the whole block back: learn every
   // aggregator's cookie for us (PROTOCOL.md 9.6), as for devices.
-  for (const Hop& a : aggs) (void)client_->learn_cookie(a);
+  if (opts_.probe_devices)
+    for (const Hop& a : aggs) (void)client_->learn_cookie(a);
   agg_stride_ = aggregate_stride(max_payload);
   if (agg_stride_ == 0)
     return Error::invalid(fmt::format("device max payload {} too small for aggregation", max_payload));
@@ -462,6 +487,10 @@ void Group::probe_multicast() {
 // ---------------------------------------------------------------- submitting
 
 Work Group::submit(std::shared_ptr<detail::WorkState> w) {
+  if (w->make_plan && !w->torus && 2 * static_cast<size_t>(ranks_) > kMaxSegments)
+    return Work(detail::failed(Error::invalid(fmt::format(
+        "a torus group of {} ranks runs AllReduce on the torus; this collective needs ring chains of 2p "
+        "segments (at most {} ranks)", ranks_, kMaxSegments / 2))));
   w->slot = slots_[next_slot_++ % slots_.size()].get();
   active_.push_back(w);
   progress();
@@ -552,6 +581,7 @@ Work Group::allreduce_async(std::span<const std::byte> in, std::span<std::byte> 
   const bool direct = opts_.algorithm == Algorithm::kDirect ||
                       (opts_.algorithm == Algorithm::kAuto && in.size() <= kDirectMaxBytes);
   const bool torus = opts_.algorithm == Algorithm::kTorus;
+  w->torus = torus;
   w->make_plan = [=, dims = opts_.torus_dims](const collectives::Context& c) {
     if (torus) return collectives::torus_allreduce(c, dims, in, out, t, device_op(op));
     return direct ? collectives::direct_allreduce(c, in, out, t, device_op(op))

@@ -51,6 +51,7 @@ struct WorkState {
   std::vector<std::pair<const std::byte*, std::span<std::byte>>> mapped_results;
   std::vector<std::pair<std::chrono::steady_clock::time_point, size_t>> retry;  // BAD_KEY: send again then
   bool average = false;
+  bool torus = false;  // a torus AllReduce: its chains follow the torus's dimensions, not a ring of p
   // Optimizer steps: the config this rank's device needs before its
   // optimizer can be reached, i.e. before ARM.
   std::optional<OptimizerConfig> config;

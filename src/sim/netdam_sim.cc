@@ -70,6 +70,8 @@ int main(int argc, char** argv) {
   app.add_option("--seed", s.seed, "seeds losses and the link chosen to fail");
   uint64_t limit_ms = 20000;
   app.add_option("--limit-ms", limit_ms, "virtual time allowed for the collective");
+  app.add_option("--queue-trace", s.queue_trace,
+                 "write time_us,queued_bytes of the switch port toward aggregator 0 (or host 0) every 10 us");
   app.add_option("--csv", csv, "append the row to this file (the header when it is new)");
   bool check = false;
   app.add_flag("--check", check, "exit 1 unless the collective completed with the exact sum everywhere");
@@ -100,8 +102,8 @@ int main(int argc, char** argv) {
                                          o.busbw_gbs, of_bound, o.bound_busbw_gbs,
                                          o.exact == 1 ? "exact" : o.exact == 0 ? "NOT EXACT" : "not checked")
                            : "FAILED: " + o.error);
-    fmt::print("  {} datagrams, {} resent, {} dropped in queues, {} lost on links; wall {:.1f} s setup + {:.1f} s run\n",
-               o.datagrams, o.retransmits, o.queue_drops, o.link_losses, o.setup_wall_s, o.run_wall_s);
+    fmt::print("  {} datagrams, {} resent, {} dropped in queues, {} lost on links; {} events; wall {:.1f} s setup + {:.1f} s run\n",
+               o.datagrams, o.retransmits, o.queue_drops, o.link_losses, o.events, o.setup_wall_s, o.run_wall_s);
     if (!o.error.empty() && o.completed) fmt::print("  {}\n", o.error);
     if (!csv.empty()) {
       const bool fresh = !std::ifstream(csv).good();

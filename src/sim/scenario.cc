@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <stdexcept>
 
@@ -46,11 +47,6 @@ struct Regions {
   std::vector<std::pair<uint64_t, uint64_t>> data;
 };
 
-size_t chain_block(size_t p) {
-  const size_t route = kSrPreambleSize + 2 * p * kSegmentSize;
-  return kMaxPayload >= route + 64 ? (kMaxPayload - route) / 64 * 64 : 0;
-}
-
 uint32_t aggregate_stride() {
   const size_t overhead = kSrPreambleSize + kSegmentSize + core::kAggRecordSize;
   return static_cast<uint32_t>((kMaxPayload - overhead) / 64 * 64);
@@ -71,7 +67,7 @@ void add_aggregation_regions(const GroupOptions& o, int p, size_t m, uint64_t at
 Regions chain_regions(const GroupOptions& o, int p) {
   Regions out;
   const int partials = o.algorithm == Algorithm::kTorus ? static_cast<int>(o.torus_dims.size()) - 1 : 0;
-  const size_t block = chain_block(static_cast<size_t>(p));
+  const size_t block = Group::chain_block_bytes(o, kMaxPayload);
   const uint64_t slot = collectives::SlotLayout::bytes(o.capacity, block, static_cast<size_t>(p), partials);
   for (int s = 0; s < o.slots; ++s) {
     collectives::SlotLayout l{o.base + static_cast<uint64_t>(s) * slot, o.capacity,
@@ -172,6 +168,7 @@ Outcome run_scenario(const Scenario& s) {
     o.slots = kSlots;
     o.timeout = s.limit;
     o.aggregate_auto_bytes = 0;
+  o.probe_devices = false;  // the regions are registered below; the devices check no cookies
     o.client.congestion = s.congestion;
     if (s.packet_timeout.count() > 0) o.client.timeout = s.packet_timeout;
     Regions regions;
@@ -258,6 +255,21 @@ Outcome run_scenario(const Scenario& s) {
         ns3::Simulator::Schedule(ns3::NanoSeconds(static_cast<int64_t>(s.fail_link_at_us * 1000)),
                                  [&w, link] { w.net.fail_link(link); });
       }
+      std::ofstream trace;
+      std::function<void()> sample;
+      if (!s.queue_trace.empty()) {
+        const auto& ports = w.net.aggregator_port.empty() ? w.net.host_port : w.net.aggregator_port;
+        if (ports.empty()) throw std::invalid_argument("a queue trace needs a switch (not on a torus)");
+        trace.open(s.queue_trace);
+        if (!trace) throw std::invalid_argument("cannot write " + s.queue_trace);
+        trace << "time_us,queued_bytes\n";
+        sample = [&, port = ports[0]] {
+          trace << std::chrono::duration<double, std::micro>(sim_now() - t0).count() << ','
+                << Network::queued_bytes(port) << '\n';
+          ns3::Simulator::Schedule(ns3::MicroSeconds(10), sample);
+        };
+        sample();
+      }
       auto all_done = [&] {
         for (const auto& r : w.ranks)
           if (!r->done()) return false;
@@ -272,8 +284,10 @@ Outcome run_scenario(const Scenario& s) {
         ns3::Simulator::Schedule(ns3::MicroSeconds(10), check);
       };
       ns3::Simulator::Schedule(ns3::MicroSeconds(10), check);
+      const uint64_t events0 = ns3::Simulator::GetEventCount();
       run_simulation(s.limit);
       out.run_wall_s = seconds_since(run_start);
+      out.events = ns3::Simulator::GetEventCount() - events0;
 
       transport::TimePoint last = t0;
       out.completed = all_done();

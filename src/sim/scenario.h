@@ -39,6 +39,10 @@ struct Scenario {
   std::chrono::microseconds tick{20};          // the ranks' timer granularity
   std::chrono::milliseconds limit{20000};      // virtual time allowed for the collective
   std::chrono::milliseconds packet_timeout{0};  // the client's per-packet timeout; 0: its default
+  // Where to write "time_us,queued_bytes" of the switch port toward
+  // aggregator 0 (toward host 0 without aggregators), every 10 us of the
+  // collective; empty: nowhere. Not on a torus (no switch).
+  std::string queue_trace;
 };
 
 struct Outcome {
@@ -51,6 +55,7 @@ struct Outcome {
   int exact = -1;            // 1: every rank's result is the exact sum; 0: not; -1: not checked
   uint64_t datagrams = 0;    // sent by hosts and devices during the collective
   uint64_t retransmits = 0;  // by the netdam clients
+  uint64_t events = 0;       // ns-3 events of the collective (the simulation's work)
   uint64_t queue_drops = 0, link_losses = 0;
   double setup_wall_s = 0, run_wall_s = 0;
   std::string network;       // the topology's description

@@ -93,13 +93,29 @@ size_t SimTransport::recv_raw(std::span<transport::InMsg> msgs, transport::Durat
     auto& m = msgs[n];
     m.at = nullptr;
     m.from = d.from;
-    m.truncated = d.data.size() > m.buf.size();
-    m.len = std::min(d.data.size(), m.buf.size());
+    m.truncated = d.len > m.buf.size();
+    m.len = std::min(d.len, m.buf.size());
     std::memcpy(m.buf.data(), d.data.data(), m.len);
+    recycle(std::move(d.data));
     inbox_.pop_front();
     ++n;
   }
   return n;
+}
+
+std::vector<std::byte> SimTransport::take_buffer(size_t size) {
+  std::vector<std::byte> b;
+  if (!spare_.empty()) {
+    b = std::move(spare_.back());
+    spare_.pop_back();
+  }
+  // Never shrunk, so resize() zeroes a buffer's bytes once in its life.
+  if (b.size() < size) b.resize(std::max<size_t>(size, 9216));
+  return b;
+}
+
+void SimTransport::recycle(std::vector<std::byte>&& b) {
+  if (spare_.size() < 256) spare_.push_back(std::move(b));
 }
 
 // ns-3 delivers a datagram sent to the node's own address inside the
@@ -112,8 +128,9 @@ void SimTransport::receive(ns3::Ptr<ns3::Socket> socket) {
   ns3::Address from;
   while (auto packet = socket->RecvFrom(from)) {
     const auto inet = ns3::InetSocketAddress::ConvertFrom(from);
-    Datagram d{{inet.GetIpv4().Get(), inet.GetPort()}, std::vector<std::byte>(packet->GetSize())};
-    packet->CopyData(reinterpret_cast<uint8_t*>(d.data.data()), static_cast<uint32_t>(d.data.size()));
+    const uint32_t size = packet->GetSize();
+    Datagram d{{inet.GetIpv4().Get(), inet.GetPort()}, take_buffer(size), size};
+    packet->CopyData(reinterpret_cast<uint8_t*>(d.data.data()), size);
     inbox_.push_back(std::move(d));
   }
   if (waiting_) ns3::Simulator::Stop();
@@ -126,7 +143,8 @@ void SimTransport::handle() {
     while (!inbox_.empty()) {
       Datagram d = std::move(inbox_.front());
       inbox_.pop_front();
-      sink_(d.data, d.from);
+      sink_(std::span(d.data).first(d.len), d.from);
+      recycle(std::move(d.data));
     }
     return;
   }

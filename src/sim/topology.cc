@@ -9,6 +9,10 @@
 #include <ns3/double.h>
 #include <ns3/error-model.h>
 #include <ns3/internet-stack-helper.h>
+#include <ns3/ipv4-list-routing-helper.h>
+#include <ns3/ipv4-nix-vector-helper.h>
+#include <ns3/ipv4-static-routing-helper.h>
+#include <ns3/ipv4-static-routing.h>
 #include <ns3/ipv4-address-helper.h>
 #include <ns3/ipv4-global-routing-helper.h>
 #include <ns3/ipv4.h>
@@ -36,7 +40,19 @@ void count_ip_drop(const ns3::Ipv4Header&, ns3::Ptr<const ns3::Packet>, ns3::Ipv
 
 class Builder {
  public:
-  Builder(const LinkSpec& link, uint64_t seed) : link_(link), seed_(seed) {
+  Builder(const LinkSpec& link, uint64_t seed, bool ecmp) : link_(link), seed_(seed), ecmp_(ecmp) {
+    // Nix-vector routing finds a path per destination once and caches it:
+    // global routing scans every host route per packet, which at a
+    // thousand nodes costs more than everything else. Global routing only
+    // where packets spread over equal-cost paths.
+    // Static routing first, for a node's own address (nix-vector routing
+    // would send a host's datagram to its own device out of the node).
+    if (!ecmp) {
+      ns3::Ipv4ListRoutingHelper list;
+      list.Add(ns3::Ipv4StaticRoutingHelper(), 10);
+      list.Add(ns3::Ipv4NixVectorHelper(), 0);
+      stack_.SetRoutingHelper(list);
+    }
     p2p_.SetDeviceAttribute("DataRate", ns3::StringValue(fmt::format("{}Gbps", link.gbps)));
     p2p_.SetDeviceAttribute("Mtu", ns3::UintegerValue(link.mtu));
     p2p_.SetChannelAttribute("Delay", ns3::StringValue(fmt::format("{}ns", std::llround(link.delay_us * 1000))));
@@ -77,7 +93,15 @@ class Builder {
   }
 
   uint32_t ip_of(ns3::Ptr<ns3::Node> n) const { return ip_.at(n->GetId()); }
+  // Datagrams from a node to its own address go through its loopback.
+  void route_to_self(ns3::Ptr<ns3::Node> n) const {
+    if (ecmp_) return;  // global routing's host routes already do
+    auto ipv4 = n->GetObject<ns3::Ipv4>();
+    ns3::Ipv4StaticRoutingHelper().GetStaticRouting(ipv4)->AddHostRouteTo(ns3::Ipv4Address(ip_of(n)), 0);
+  }
+  bool global_routing() const { return ecmp_; }
   std::vector<Link> take_links() { return std::move(links_); }
+  const Link& link(size_t i) const { return links_[i]; }
 
  private:
   void set_queue(ns3::Ptr<ns3::NetDevice> dev, uint64_t bytes) {
@@ -88,6 +112,7 @@ class Builder {
 
   LinkSpec link_;
   uint64_t seed_;
+  bool ecmp_;
   uint64_t streams_ = 0;
   ns3::PointToPointHelper p2p_;
   ns3::InternetStackHelper stack_;
@@ -115,6 +140,10 @@ uint64_t Network::queue_drops() const {
   return n;
 }
 
+uint64_t Network::queued_bytes(const ns3::Ptr<ns3::NetDevice>& port) {
+  return ns3::DynamicCast<ns3::PointToPointNetDevice>(port)->GetQueue()->GetNBytes();
+}
+
 uint64_t Network::link_losses() const { return g_link_losses + g_ip_drops; }
 
 void Network::fail_link(size_t i) {
@@ -122,14 +151,15 @@ void Network::fail_link(size_t i) {
     auto ipv4 = d->GetNode()->GetObject<ns3::Ipv4>();
     ipv4->SetDown(static_cast<uint32_t>(ipv4->GetInterfaceForDevice(d)));
   }
-  ns3::Ipv4GlobalRoutingHelper::RecomputeRoutingTables();
+  // Nix-vector routing forgets its paths when an interface goes down.
+  if (global_routing) ns3::Ipv4GlobalRoutingHelper::RecomputeRoutingTables();
 }
 
 Network build_network(const TopologySpec& spec, uint64_t seed) {
   if (spec.hosts < 1) throw std::invalid_argument("a network needs at least one host");
   if (spec.aggregators < 0) throw std::invalid_argument("a negative number of aggregators");
   ns3::Config::SetDefault("ns3::Ipv4GlobalRouting::RandomEcmpRouting", ns3::BooleanValue(spec.ecmp));
-  Builder b(spec.link, seed);
+  Builder b(spec.link, seed, spec.ecmp);
   Network net;
   const uint64_t sw = spec.link.switch_queue_bytes, host = spec.link.host_queue_bytes;
   for (int r = 0; r < spec.hosts; ++r) net.hosts.push_back(b.node());
@@ -139,8 +169,8 @@ Network build_network(const TopologySpec& spec, uint64_t seed) {
     case Shape::kStar: {
       auto s = b.node();
       net.switches = 1;
-      for (auto& h : net.hosts) b.connect(h, s, host, sw);
-      for (auto& a : net.aggregators) b.connect(a, s, host, sw);
+      for (auto& h : net.hosts) net.host_port.push_back(b.link(b.connect(h, s, host, sw)).b);
+      for (auto& a : net.aggregators) net.aggregator_port.push_back(b.link(b.connect(a, s, host, sw)).b);
       net.description = fmt::format("star: {} hosts and {} devices on one switch", spec.hosts, spec.aggregators);
       break;
     }
@@ -163,12 +193,13 @@ Network build_network(const TopologySpec& spec, uint64_t seed) {
           for (int j = 0; j < half; ++j)
             net.core_links.push_back(b.connect(aggs[i], core[static_cast<size_t>(i * half + j)], sw, sw));
           for (int h = 0; h < half && placed < spec.hosts; ++h)
-            b.connect(net.hosts[static_cast<size_t>(placed++)], edges[i], host, sw);
+            net.host_port.push_back(b.link(b.connect(net.hosts[static_cast<size_t>(placed++)], edges[i], host, sw)).b);
         }
         net.switches += k;
       }
       net.switches += half * half;
-      for (size_t a = 0; a < net.aggregators.size(); ++a) b.connect(net.aggregators[a], core[a % core.size()], host, sw);
+      for (size_t a = 0; a < net.aggregators.size(); ++a)
+        net.aggregator_port.push_back(b.link(b.connect(net.aggregators[a], core[a % core.size()], host, sw)).b);
       net.description = fmt::format("fat-tree k={}: {} hosts in {} pods, {} switches, {} devices on the core",
                                     k, spec.hosts, pods, net.switches, spec.aggregators);
       break;
@@ -202,9 +233,13 @@ Network build_network(const TopologySpec& spec, uint64_t seed) {
     }
   }
   net.links = b.take_links();
-  for (auto& h : net.hosts) net.host_ip.push_back(b.ip_of(h));
+  for (auto& h : net.hosts) {
+    net.host_ip.push_back(b.ip_of(h));
+    b.route_to_self(h);
+  }
   for (auto& a : net.aggregators) net.aggregator_ip.push_back(b.ip_of(a));
-  ns3::Ipv4GlobalRoutingHelper::PopulateRoutingTables();
+  if (b.global_routing()) ns3::Ipv4GlobalRoutingHelper::PopulateRoutingTables();
+  net.global_routing = b.global_routing();
   ns3::Config::ConnectWithoutContext("/NodeList/*/$ns3::Ipv4L3Protocol/Drop", ns3::MakeCallback(&count_ip_drop));
   return net;
 }

@@ -47,12 +47,18 @@ struct Network {
   std::vector<ns3::Ptr<ns3::Node>> aggregators;
   std::vector<uint32_t> aggregator_ip;
   std::vector<Link> links;
+  // The switch's port toward each host and aggregator (its output queue is
+  // what fills when many send to one); empty on a torus.
+  std::vector<ns3::Ptr<ns3::NetDevice>> host_port, aggregator_port;
   std::vector<size_t> core_links;  // links between switches (fat-tree) or devices (torus)
   int switches = 0;
+  bool global_routing = false;  // else nix-vector routing
   std::string description;
   // Datagrams dropped by full queues, and lost on links (LinkSpec::loss or a
   // failed link), since the network was built.
   uint64_t queue_drops() const;
+  // Bytes waiting in a port's output queue now.
+  static uint64_t queued_bytes(const ns3::Ptr<ns3::NetDevice>& port);
   uint64_t link_losses() const;
   // Takes link i down at both ends and recomputes the routes: traffic goes
   // around it where the topology has another path.

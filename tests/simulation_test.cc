@@ -1,0 +1,133 @@
+// netdam-sim's scenarios at CI size (docs/SIMULATION.md): the real engine,
+// client and collectives on an ns-3 network of 4 to 32 hosts. Every rank's
+// result must be the exact sum, and the simulated time must respect the
+// algorithm's closed-form line-rate bound and come near it.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "sim/arena.h"
+#include "sim/scenario.h"
+
+namespace netdam::sim {
+namespace {
+
+Scenario make(Shape shape, int hosts, Algo a, uint64_t bytes, int aggregators = 0) {
+  Scenario s;
+  s.topology.shape = shape;
+  s.topology.hosts = hosts;
+  s.topology.aggregators = aggregators;
+  s.algorithm = a;
+  s.bytes = bytes;
+  s.limit = std::chrono::milliseconds(5000);
+  return s;
+}
+
+// The run completed, exactly, at no more than the bound (it cannot beat the
+// line rate) and at least `least` of it.
+void expect_exact_near_bound(const Outcome& o, double least) {
+  ASSERT_TRUE(o.completed) << o.error;
+  EXPECT_EQ(o.exact, 1) << o.error;
+  ASSERT_GT(o.bound_busbw_gbs, 0);
+  const double of_bound = o.busbw_gbs / o.bound_busbw_gbs;
+  EXPECT_LE(of_bound, 1.0 + 1e-9) << o.network;
+  EXPECT_GE(of_bound, least) << o.network;
+}
+
+TEST(Simulation, HostRingOnAStarRunsAtTheLineRate) {
+  // A host ring's busbw is bounded by the link rate B; pipelined per
+  // datagram it reaches it but for the pipeline's fill.
+  const Outcome o = run_scenario(make(Shape::kStar, 8, Algo::kHostRing, 4u << 20));
+  expect_exact_near_bound(o, 0.9);
+  EXPECT_EQ(o.queue_drops, 0u);
+  EXPECT_NEAR(o.bound_busbw_gbs, 100.0 / 8, 1e-9);
+}
+
+TEST(Simulation, RingChainsAreExactNearTheirBound) {
+  expect_exact_near_bound(run_scenario(make(Shape::kStar, 8, Algo::kRing, 2u << 20)), 0.75);
+}
+
+TEST(Simulation, AggregationOnDevicesInTheNetwork) {
+  // M = 2 devices for p = 8 hosts: their links are the limit, the bound
+  // is f x B x M/p.
+  const Outcome o = run_scenario(make(Shape::kStar, 8, Algo::kAggregate, 2u << 20, 2));
+  expect_exact_near_bound(o, 0.75);
+  EXPECT_NEAR(o.bound_busbw_gbs, 2.0 * 7 / 8 * 12.5 * 2 / 8, 1e-9);
+}
+
+TEST(Simulation, AggregationOnTheHostsOwnDevices) {
+  expect_exact_near_bound(run_scenario(make(Shape::kStar, 4, Algo::kAggregate, 1u << 20)), 0.6);
+}
+
+TEST(Simulation, TorusOnATorusNetwork) {
+  Scenario s = make(Shape::kTorus, 8, Algo::kTorus, 2u << 20);
+  s.topology.torus_dims = {2, 4};
+  expect_exact_near_bound(run_scenario(s), 0.75);
+}
+
+TEST(Simulation, FatTreeCarriesTheRing) {
+  const Outcome o = run_scenario(make(Shape::kFatTree, 16, Algo::kRing, 1u << 20));
+  expect_exact_near_bound(o, 0.6);
+  EXPECT_NE(o.network.find("fat-tree k=4"), std::string::npos) << o.network;
+}
+
+TEST(Simulation, TorusGroupsGrowPastTheRingsLimit) {
+  // 32 ranks: a ring chain would need 64 segments (at most 32), the torus's
+  // longest chain has 2 x 4.
+  Scenario s = make(Shape::kTorus, 32, Algo::kTorus, 1u << 20);
+  s.topology.torus_dims = {8, 4};
+  expect_exact_near_bound(run_scenario(s), 0.5);
+  const Outcome ring = run_scenario(make(Shape::kStar, 32, Algo::kRing, 1u << 20));
+  EXPECT_FALSE(ring.completed);
+  EXPECT_NE(ring.error.find("at most 16 ranks"), std::string::npos) << ring.error;
+}
+
+TEST(Simulation, ExactUnderLossOnEveryLink) {
+  for (Algo a : {Algo::kRing, Algo::kAggregate}) {
+    Scenario s = make(Shape::kStar, 4, a, 512u << 10, a == Algo::kAggregate ? 2 : 0);
+    s.topology.link.loss = 0.01;
+    s.seed = 7;
+    const Outcome o = run_scenario(s);
+    ASSERT_TRUE(o.completed) << to_string(a) << ": " << o.error;
+    EXPECT_EQ(o.exact, 1) << to_string(a) << ": " << o.error;
+    EXPECT_GT(o.link_losses, 0u) << to_string(a);
+    EXPECT_GT(o.retransmits, 0u) << to_string(a);
+  }
+}
+
+TEST(Simulation, ALinkFailsMidCollective) {
+  // The torus routes around a failed link; the datagrams it held are lost
+  // and resent.
+  Scenario s = make(Shape::kTorus, 16, Algo::kTorus, 2u << 20);
+  s.topology.torus_dims = {4, 4};
+  const Outcome clean = run_scenario(s);
+  ASSERT_TRUE(clean.completed) << clean.error;
+  s.fail_link_at_us = clean.time_us / 3;
+  const Outcome failed = run_scenario(s);
+  ASSERT_TRUE(failed.completed) << failed.error;
+  EXPECT_EQ(failed.exact, 1) << failed.error;
+  EXPECT_GT(failed.time_us, clean.time_us);
+}
+
+TEST(Simulation, SharedDataIsOneCopyAndStampsStayPrivate) {
+  Arena arena(true);
+  const uint64_t page = 4096;
+  const std::pair<uint64_t, uint64_t> data[] = {{0, 4 * page}};
+  auto a = arena.allocate(6 * page, data);
+  auto b = arena.allocate(6 * page, data);
+  a[100] = std::byte{7};
+  EXPECT_EQ(b[100], std::byte{7});  // data: shared
+  a[5 * page] = std::byte{9};
+  EXPECT_EQ(b[5 * page], std::byte{0});  // not data: each device's own
+}
+
+TEST(Simulation, RefusesWhatCannotBeBuilt) {
+  Scenario s = make(Shape::kTorus, 8, Algo::kTorus, 1u << 20);
+  s.topology.torus_dims = {3, 3};
+  EXPECT_THROW(run_scenario(s), std::invalid_argument);
+  EXPECT_THROW(run_scenario(make(Shape::kStar, 4, Algo::kRing, 6)), std::invalid_argument);
+  EXPECT_THROW(run_scenario(make(Shape::kStar, 4, Algo::kRing, 1024, 2)), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace netdam::sim
