@@ -65,6 +65,8 @@ int main(int argc, char** argv) {
                  "take a link between switches (fat-tree) or devices (torus) down this long after the start");
   app.add_flag("--ecmp", s.topology.ecmp, "fat-tree: spread packets over equal-cost paths");
   app.add_option("--congestion", congestion, "fixed | depth | swift")->check(CLI::IsMember({"fixed", "depth", "swift"}));
+  app.add_option("--aggregate-window", s.aggregate_window,
+                 "aggregation contributions in flight per rank (0: the group's default, 16)");
   app.add_flag("--shared-data", s.shared_data,
                "one physical copy of all data buffers (needed at scale; results are then not checked)");
   app.add_option("--seed", s.seed, "seeds losses and the link chosen to fail");

@@ -170,6 +170,7 @@ Outcome run_scenario(const Scenario& s) {
     o.aggregate_auto_bytes = 0;
   o.probe_devices = false;  // the regions are registered below; the devices check no cookies
     o.client.congestion = s.congestion;
+  if (s.aggregate_window > 0) o.aggregate_window = s.aggregate_window;
     if (s.packet_timeout.count() > 0) o.client.timeout = s.packet_timeout;
     Regions regions;
     bool colocated = true;  // the ranks map their own devices' memory

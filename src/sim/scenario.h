@@ -36,6 +36,7 @@ struct Scenario {
   // long after the start; negative: never.
   double fail_link_at_us = -1;
   Congestion congestion = Congestion::kFixed;
+  size_t aggregate_window = 0;  // GroupOptions::aggregate_window; 0: its default
   std::chrono::microseconds tick{20};          // the ranks' timer granularity
   std::chrono::milliseconds limit{20000};      // virtual time allowed for the collective
   std::chrono::milliseconds packet_timeout{0};  // the client's per-packet timeout; 0: its default
