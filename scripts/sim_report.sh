@@ -52,7 +52,8 @@ if wanted scale; then
   # busbw vs p at 100 Gbit/s: each algorithm where it runs (the ring by
   # chains up to 16 ranks, aggregation up to 64 contributors).
   for p in $scale_hosts; do
-    shared=(); ((p > 64)) && shared=(--shared-data)
+    # Beyond 16 ranks every rank's data would not fit in memory: one shared copy.
+    shared=(); ((p > 16)) && shared=(--shared-data)
     run scale --topology torus --torus-dims "$(torus_dims "$p")" --hosts "$p" --algorithm torus --size "$scale_size" "${shared[@]}"
     run scale --topology fattree --hosts "$p" --algorithm hostring --size "$scale_size" "${shared[@]}"
     ((p <= 16)) && run scale --topology fattree --hosts "$p" --algorithm ring --size "$scale_size" "${shared[@]}"

@@ -98,7 +98,7 @@ TEST(Simulation, ExactUnderLossOnEveryLink) {
 TEST(Simulation, ALinkFailsMidCollective) {
   // The torus routes around a failed link; the datagrams it held are lost
   // and resent.
-  Scenario s = make(Shape::kTorus, 16, Algo::kTorus, 2u << 20);
+  Scenario s = make(Shape::kTorus, 16, Algo::kTorus, 1u << 20);
   s.topology.torus_dims = {4, 4};
   const Outcome clean = run_scenario(s);
   ASSERT_TRUE(clean.completed) << clean.error;
@@ -107,6 +107,21 @@ TEST(Simulation, ALinkFailsMidCollective) {
   ASSERT_TRUE(failed.completed) << failed.error;
   EXPECT_EQ(failed.exact, 1) << failed.error;
   EXPECT_GT(failed.time_us, clean.time_us);
+}
+
+TEST(Simulation, IncastOverflowsAQueueAndStaysExact) {
+  // 8 hosts aggregate into one device through a 256 KiB switch port: 8
+  // windows of 64 contributions overflow it, and what was dropped there is
+  // resent.
+  Scenario s = make(Shape::kStar, 8, Algo::kAggregate, 1u << 20, 1);
+  s.aggregate_window = 64;
+  s.topology.link.switch_queue_bytes = 256u << 10;
+  const Outcome o = run_scenario(s);
+  ASSERT_TRUE(o.completed) << o.error;
+  EXPECT_EQ(o.exact, 1) << o.error;
+  EXPECT_GT(o.queue_drops, 0u);
+  EXPECT_GE(o.retransmits, o.queue_drops / 2);
+  EXPECT_EQ(o.link_losses, 0u);
 }
 
 TEST(Simulation, SharedDataIsOneCopyAndStampsStayPrivate) {

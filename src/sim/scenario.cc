@@ -330,6 +330,11 @@ Outcome run_scenario(const Scenario& s) {
         }
       }
     }
+    if (getenv("NETDAM_SIM_DEBUG")) {
+      std::ifstream st("/proc/self/status");
+      for (std::string line; std::getline(st, line);)
+        if (line.rfind("Rss", 0) == 0 || line.rfind("VmHWM", 0) == 0) fmt::print(stderr, "{}\n", line);
+    }
     w.ranks.clear();
     w.rings.clear();
     w.devices.clear();

@@ -23,6 +23,8 @@
 #include <ns3/string.h>
 #include <ns3/traffic-control-helper.h>
 #include <ns3/config.h>
+#include <ns3/node-list.h>
+#include <ns3/traffic-control-layer.h>
 #include <ns3/ipv4-l3-protocol.h>
 
 namespace netdam::sim {
@@ -31,6 +33,10 @@ namespace {
 
 uint64_t g_link_losses = 0;
 void count_loss(ns3::Ptr<const ns3::Packet>) { ++g_link_losses; }
+// A port whose queue is full: the traffic-control layer (no queue disc
+// installed) drops what the stopped device queue cannot take.
+uint64_t g_full_queue_drops = 0;
+void count_full_queue(ns3::Ptr<const ns3::Packet>) { ++g_full_queue_drops; }
 uint64_t g_ip_drops = 0;
 void count_ip_drop(const ns3::Ipv4Header&, ns3::Ptr<const ns3::Packet>, ns3::Ipv4L3Protocol::DropReason why,
                    ns3::Ptr<ns3::Ipv4>, uint32_t) {
@@ -133,7 +139,7 @@ std::string to_string(Shape s) {
 }
 
 uint64_t Network::queue_drops() const {
-  uint64_t n = 0;
+  uint64_t n = g_full_queue_drops;
   for (const Link& l : links)
     for (const auto& d : {l.a, l.b})
       n += ns3::DynamicCast<ns3::PointToPointNetDevice>(d)->GetQueue()->GetTotalDroppedPackets();
@@ -241,6 +247,11 @@ Network build_network(const TopologySpec& spec, uint64_t seed) {
   if (b.global_routing()) ns3::Ipv4GlobalRoutingHelper::PopulateRoutingTables();
   net.global_routing = b.global_routing();
   ns3::Config::ConnectWithoutContext("/NodeList/*/$ns3::Ipv4L3Protocol/Drop", ns3::MakeCallback(&count_ip_drop));
+  for (auto n = ns3::NodeList::Begin(); n != ns3::NodeList::End(); ++n) {
+    auto tc = (*n)->GetObject<ns3::TrafficControlLayer>();
+    if (!tc || !tc->TraceConnectWithoutContext("TcDrop", ns3::MakeCallback(&count_full_queue)))
+      throw std::logic_error("a node without the traffic-control layer's TcDrop trace to count full queues by");
+  }
   return net;
 }
 
