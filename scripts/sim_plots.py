@@ -42,24 +42,27 @@ def label(r):
 
 
 def busbw_vs_p(data, out):
-    scale = [r for r in data if r["scenario"] == "scale" and done(r)]
-    if not scale:
+    """One panel per scale scenario ("scale", "scale-4MiB", ...)."""
+    names = sorted({r["scenario"] for r in data if r["scenario"].startswith("scale") and done(r)})
+    if not names:
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = {}
-    for r in scale:
-        series.setdefault(label(r), []).append((int(r["hosts"]), float(r["busbw_gbs"]), float(r["bound_busbw_gbs"])))
-    for name, pts in sorted(series.items()):
-        pts.sort()
-        line, = ax.plot([p for p, _, _ in pts], [b for _, b, _ in pts], marker="o", label=name)
-        ax.plot([p for p, _, _ in pts], [c for _, _, c in pts], linestyle=":", color=line.get_color())
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("hosts p")
-    ax.set_ylabel("busbw (GB/s)")
-    size = int(scale[0]["bytes"]) >> 20
-    ax.set_title(f"AllReduce {size} MiB, 100 Gbit/s links (dotted: line-rate bound)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 4.8), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        scale = [r for r in data if r["scenario"] == name and done(r)]
+        series = {}
+        for r in scale:
+            series.setdefault(label(r), []).append((int(r["hosts"]), float(r["busbw_gbs"]), float(r["bound_busbw_gbs"])))
+        for key, pts in sorted(series.items()):
+            pts.sort()
+            line, = ax.plot([p for p, _, _ in pts], [b for _, b, _ in pts], marker="o", label=key)
+            ax.plot([p for p, _, _ in pts], [c for _, _, c in pts], linestyle=":", color=line.get_color())
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("hosts p")
+        ax.set_ylabel("busbw (GB/s)")
+        size = int(scale[0]["bytes"]) >> 20
+        ax.set_title(f"AllReduce {size} MiB, 100 Gbit/s (dotted: line-rate bound)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "busbw_vs_p.png"), dpi=110)
 

@@ -49,20 +49,25 @@ torus_dims() {
 }
 
 if wanted scale; then
+  sc=scale; [[ $scale_size != 64MiB ]] && sc=scale-$scale_size
   # busbw vs p at 100 Gbit/s: each algorithm where it runs (the ring by
   # chains up to 16 ranks, aggregation up to 64 contributors).
   for p in $scale_hosts; do
     # Beyond 16 ranks every rank's data would not fit in memory: one shared copy.
     shared=(); ((p > 16)) && shared=(--shared-data)
-    run scale --topology torus --torus-dims "$(torus_dims "$p")" --hosts "$p" --algorithm torus --size "$scale_size" "${shared[@]}"
-    run scale --topology fattree --hosts "$p" --algorithm hostring --size "$scale_size" "${shared[@]}"
-    ((p <= 16)) && run scale --topology fattree --hosts "$p" --algorithm ring --size "$scale_size" "${shared[@]}"
-    ((p <= 64)) && run scale --topology fattree --hosts "$p" --aggregators $((p / 4)) --algorithm aggregate \
-      --aggregate-window 64 --size "$scale_size" "${shared[@]}"
-    ((p <= 64)) && run scale --topology fattree --hosts "$p" --aggregators "$p" --algorithm aggregate \
-      --aggregate-window 64 --size "$scale_size" "${shared[@]}"
+    run $sc --topology torus --torus-dims "$(torus_dims "$p")" --hosts "$p" --algorithm torus --size "$scale_size" "${shared[@]}"
+    run $sc --topology fattree --hosts "$p" --algorithm hostring --size "$scale_size" "${shared[@]}"
+    if ((p <= 16)); then
+      run $sc --topology fattree --hosts "$p" --algorithm ring --size "$scale_size" "${shared[@]}"
+    fi
+    if ((p <= 64)); then
+      run $sc --topology fattree --hosts "$p" --aggregators $((p / 4)) --algorithm aggregate \
+        --aggregate-window 64 --size "$scale_size" "${shared[@]}"
+      run $sc --topology fattree --hosts "$p" --aggregators "$p" --algorithm aggregate \
+        --aggregate-window 64 --size "$scale_size" "${shared[@]}"
+    fi
   done
-  finish scale
+  finish $sc
 fi
 
 if wanted size; then
