@@ -41,6 +41,19 @@ def label(r):
     return name
 
 
+def save_time_vs_bytes(fig, ax, ylabel, title, path):
+    """Log-log axes of time against AllReduce bytes, then the file."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("AllReduce bytes")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def busbw_vs_p(data, out):
     """One panel per scale scenario ("scale", "scale-4MiB", ...)."""
     names = sorted({r["scenario"] for r in data if r["scenario"].startswith("scale") and done(r)})
@@ -78,15 +91,7 @@ def time_vs_size(data, out):
     for name, pts in sorted(series.items()):
         pts.sort()
         ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("AllReduce bytes")
-    ax.set_ylabel("time (us)")
-    ax.set_title("p = 16, 100 Gbit/s: time vs size")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "time_vs_size.png"), dpi=110)
+    save_time_vs_bytes(fig, ax, "time (us)", "p = 16, 100 Gbit/s: time vs size", os.path.join(out, "time_vs_size.png"))
 
 
 def queue_incast(out):
@@ -121,15 +126,8 @@ def validation(data, out):
         m = [(b, measured[(system, b)]) for b, _ in pts if (system, b) in measured]
         ax.plot([b for b, _ in m], [t / 1000 for _, t in m], marker="x", linestyle="--", color=line.get_color(),
                 label=f"{system}, emulated cluster")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("AllReduce bytes")
-    ax.set_ylabel("time (ms)")
-    ax.set_title("p = 4, M = 4, 500 Mbit/s: simulation vs emulated cluster")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "validation.png"), dpi=110)
+    save_time_vs_bytes(fig, ax, "time (ms)", "p = 4, M = 4, 500 Mbit/s: simulation vs emulated cluster",
+                       os.path.join(out, "validation.png"))
 
 
 def main():

@@ -202,6 +202,11 @@ class Group {
   // Payload bytes of one chain packet of a group with these options on
   // devices whose payload limit is `max_payload` (block_bytes() once set up).
   static size_t chain_block_bytes(const GroupOptions& opts, size_t max_payload);
+  // The regions such a group registers (with admin_key) on each rank's own
+  // device, and on each aggregator in the network (GroupOptions::aggregators),
+  // in address order: what an operator registers for it with admin_key 0.
+  static std::vector<RegionInfo> device_regions(const GroupOptions& opts, size_t max_payload);
+  static std::vector<RegionInfo> aggregator_regions(const GroupOptions& opts, size_t max_payload);
   ~Group();
 
   int rank() const { return opts_.rank; }
@@ -343,6 +348,8 @@ class Group {
   // rank cuts them.
   std::vector<collectives::AggregatePlace> aggregate_placement(uint64_t bytes) const;
   Error setup_aggregation();
+  // Waits until every device has every chain slot (GroupOptions::probe_devices).
+  Error wait_for_slots();
   bool start_aggregate(detail::WorkState& w);
   void begin_aggregating(detail::WorkState& w);
   bool skip_zero_everywhere(detail::WorkState& w);

@@ -184,17 +184,43 @@ size_t Group::chain_block_bytes(const GroupOptions& o, size_t max_payload) {
   return chain_block(max_payload, chain_segments(o, o.devices.size()));
 }
 
-uint64_t Group::device_bytes(const GroupOptions& o, size_t max_payload) {
+// Where setup() puts them (slot s at base + s x slot bytes, key key_base + s;
+// aggregation regions key key_base + 0xC0 + s, after the slots on the
+// ranks' own devices, from base on aggregators in the network).
+std::vector<RegionInfo> Group::device_regions(const GroupOptions& o, size_t max_payload) {
+  std::vector<RegionInfo> out;
   const size_t p = o.devices.size();
+  if (p == 0) return out;
   const int partials = o.algorithm == Algorithm::kTorus ? static_cast<int>(o.torus_dims.size()) - 1 : 0;
-  uint64_t bytes = o.base;
-  if (p == 0) return bytes;
-  const size_t block = chain_block(max_payload, chain_segments(o, p));
-  if (block > 0) bytes += static_cast<uint64_t>(o.slots) * collectives::SlotLayout::bytes(o.capacity, block, p, partials);
+  uint64_t at = o.base;
+  if (const size_t block = chain_block(max_payload, chain_segments(o, p)); block > 0) {
+    const uint64_t slot = collectives::SlotLayout::bytes(o.capacity, block, p, partials);
+    for (int s = 0; s < o.slots; ++s, at += slot) out.push_back({at, slot, o.key_base + static_cast<uint32_t>(s), 3});
+  }
   const uint64_t agg = own_aggregation_capacity(o);
   const uint32_t stride = o.aggregate_stride ? o.aggregate_stride : aggregate_stride(max_payload);
-  if (agg > 0 && stride > 0) bytes += static_cast<uint64_t>(o.slots) * aggregate_region_bytes(agg, p, p, stride);
-  return bytes;
+  if (agg > 0 && stride > 0) {
+    const uint64_t region = aggregate_region_bytes(agg, p, p, stride);
+    for (int s = 0; s < o.slots; ++s, at += region)
+      out.push_back({at, region, o.key_base + 0xC0 + static_cast<uint32_t>(s), 3});
+  }
+  return out;
+}
+
+std::vector<RegionInfo> Group::aggregator_regions(const GroupOptions& o, size_t max_payload) {
+  std::vector<RegionInfo> out;
+  const size_t p = o.devices.empty() ? static_cast<size_t>(std::max(o.ranks, 0)) : o.devices.size();
+  const uint32_t stride = o.aggregate_stride ? o.aggregate_stride : aggregate_stride(max_payload);
+  if (o.aggregators.empty() || p == 0 || stride == 0) return out;
+  const uint64_t region = aggregate_region_bytes(o.capacity, p, o.aggregators.size(), stride);
+  for (int s = 0; s < o.slots; ++s)
+    out.push_back({o.base + static_cast<uint64_t>(s) * region, region, o.key_base + 0xC0 + static_cast<uint32_t>(s), 3});
+  return out;
+}
+
+uint64_t Group::device_bytes(const GroupOptions& o, size_t max_payload) {
+  const auto regions = device_regions(o, max_payload);
+  return regions.empty() ? o.base : regions.back().base + regions.back().size;
 }
 
 Error Group::setup() {
@@ -279,10 +305,20 @@ Error Group::setup() {
       }
     }
   }
-  // Wait until every device has every slot: a one-byte READ through each
-  // slot's key, from this rank's client, sent to each device in turn.
+  if (opts_.probe_devices)
+    if (Error e = wait_for_slots()) return e;
+  slots_end_ = opts_.base + static_cast<uint64_t>(opts_.slots) * slot_bytes_;
+  if (!opts_.aggregators.empty() || own_aggregation_capacity(opts_) > 0)
+    if (Error e = setup_aggregation()) return e;
+  if (multicast_.ip != 0) probe_multicast();
+  return probe_result_group();
+}
+
+// Wait until every device has every slot: a one-byte READ through each
+// slot's key, from this rank's client, sent to each device in turn.
+Error Group::wait_for_slots() {
   const auto deadline = client_->now() + opts_.timeout;
-  for (size_t r = 0; r < (opts_.probe_devices ? p : 0); ++r) {
+  for (size_t r = 0; r < devices_.size(); ++r) {
     for (const auto& slot : slots_) {
       for (;;) {
         std::byte probe[1];
@@ -300,11 +336,7 @@ Error Group::setup() {
       }
     }
   }
-  slots_end_ = opts_.base + static_cast<uint64_t>(opts_.slots) * slot_bytes_;
-  if (!opts_.aggregators.empty() || own_aggregation_capacity(opts_) > 0)
-    if (Error e = setup_aggregation()) return e;
-  if (multicast_.ip != 0) probe_multicast();
-  return probe_result_group();
+  return {};
 }
 
 // GroupOptions::result_multicast: join the group, then have the first

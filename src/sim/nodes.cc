@@ -31,7 +31,8 @@ SimRank::~SimRank() {
   transport_->on_arrival({});
 }
 
-void SimRank::start(Submit submit) {
+void SimRank::start(Submit submit, std::function<void()> finished) {
+  finished_cb_ = std::move(finished);
   work_ = submit(*group_);
   transport_->on_arrival([this] { step(); });
   step();
@@ -46,6 +47,7 @@ void SimRank::step() {
   error_ = work_.error();
   finished_ = sim_now();
   ns3::Simulator::Cancel(next_tick_);
+  if (finished_cb_) finished_cb_();
 }
 
 void SimRank::tick() {
@@ -88,9 +90,11 @@ int HostRing::send_chunk(uint32_t step) const {
   return ((rank_ - static_cast<int>(step)) % p + p) % p;
 }
 
-void HostRing::start() {
+void HostRing::start(std::function<void()> finished) {
+  finished_cb_ = std::move(finished);
   if (ranks_ < 2) {
     finished_ = sim_now();
+    if (finished_cb_) finished_cb_();
     return;
   }
   const auto [a, b] = chunk(send_chunk(0));
@@ -129,7 +133,10 @@ void HostRing::arrive() {
     }
     ++received_;
     if (step + 1 < static_cast<uint32_t>(2 * (ranks_ - 1))) send(step + 1, piece);
-    if (done()) finished_ = sim_now();
+    if (done()) {
+      finished_ = sim_now();
+      if (finished_cb_) finished_cb_();
+    }
   }
 }
 

@@ -46,7 +46,8 @@ class SimRank {
   using Submit = std::function<Work(Group&)>;
   SimRank(std::unique_ptr<Group> group, SimTransport* transport, transport::Duration tick);
   ~SimRank();
-  void start(Submit submit);
+  // `finished` is called once, when the collective is done.
+  void start(Submit submit, std::function<void()> finished);
   bool done() const { return done_; }
   const Error& error() const { return error_; }
   transport::TimePoint finished_at() const { return finished_; }
@@ -61,6 +62,7 @@ class SimRank {
   SimTransport* transport_;
   transport::Duration tick_;
   Work work_;
+  std::function<void()> finished_cb_;
   bool done_ = false;
   Error error_;
   transport::TimePoint finished_{};
@@ -76,7 +78,8 @@ class HostRing {
  public:
   HostRing(std::unique_ptr<SimTransport> transport, int rank, int ranks, transport::Endpoint next,
            std::span<float> buffer, size_t piece_bytes);
-  void start();
+  // `finished` is called once, when this rank has the whole result.
+  void start(std::function<void()> finished);
   bool done() const { return received_ == expected_; }
   transport::TimePoint finished_at() const { return finished_; }
 
@@ -92,6 +95,7 @@ class HostRing {
   std::span<float> buf_;
   size_t piece_;  // elements per datagram
   uint64_t received_ = 0, expected_ = 0;
+  std::function<void()> finished_cb_;
   transport::TimePoint finished_{};
   std::vector<std::byte> rx_, tx_;
 };

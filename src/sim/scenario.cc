@@ -14,7 +14,6 @@
 #include <ns3/simulator.h>
 
 #include "collectives/plan.h"
-#include "core/aggregation.h"
 #include "netdam/group.h"
 #include "sim/arena.h"
 #include "sim/nodes.h"
@@ -35,49 +34,33 @@ double seconds_since(WallClock::time_point t) {
 // order (at most 12 x 1024 < 2^24) and every rank's result can be checked.
 float input_value(int rank, uint64_t i) { return static_cast<float>((static_cast<uint64_t>(rank) * 7 + i) % 13); }
 
-// The device memory a group's options take, and the regions the harness
-// registers there, as an operator's netdam-admin would, at the addresses
-// Group computes (checked against Group::slots_end after setup). The ranges
-// that hold data (the slots' IN | IN | OUT and partials, the aggregation
-// regions) may be shared (Arena).
+// The regions the harness registers on each device, as an operator would
+// (Group::device_regions / aggregator_regions), the memory they take, and
+// the ranges of it that hold data and may be shared (Arena): a chain
+// slot's IN | IN | OUT and its partial buffers (not its stamps), an
+// aggregation region whole.
 struct Regions {
-  uint64_t bytes = 0;      // device memory, from address 0
-  uint64_t slots_end = 0;  // end of the chain slots (Group::slots_end without aggregation regions)
-  std::vector<core::Region> regions;
+  uint64_t bytes = 0;  // device memory, from address 0
+  std::vector<RegionInfo> regions;
   std::vector<std::pair<uint64_t, uint64_t>> data;
 };
 
-uint32_t aggregate_stride() {
-  const size_t overhead = kSrPreambleSize + kSegmentSize + core::kAggRecordSize;
-  return static_cast<uint32_t>((kMaxPayload - overhead) / 64 * 64);
-}
-
-void add_aggregation_regions(const GroupOptions& o, int p, size_t m, uint64_t at, Regions& out) {
-  const uint32_t stride = aggregate_stride();
-  const uint64_t blocks = collectives::aggregate_blocks_per_device(o.capacity, stride, p, m);
-  const uint64_t region = ((static_cast<uint64_t>(p) + 2) * blocks * stride + 4095) / 4096 * 4096;
-  for (int s = 0; s < o.slots; ++s) {
-    const uint64_t base = at + static_cast<uint64_t>(s) * region;
-    out.regions.push_back({base, region, o.key_base + 0xC0 + static_cast<uint32_t>(s), core::kPermAll});
-    out.data.emplace_back(base, base + region);
-  }
-  out.bytes = at + static_cast<uint64_t>(o.slots) * region;
-}
-
-Regions chain_regions(const GroupOptions& o, int p) {
+Regions regions_of(const GroupOptions& o, int p, bool aggregator) {
   Regions out;
+  out.regions = aggregator ? Group::aggregator_regions(o, kMaxPayload) : Group::device_regions(o, kMaxPayload);
   const int partials = o.algorithm == Algorithm::kTorus ? static_cast<int>(o.torus_dims.size()) - 1 : 0;
   const size_t block = Group::chain_block_bytes(o, kMaxPayload);
-  const uint64_t slot = collectives::SlotLayout::bytes(o.capacity, block, static_cast<size_t>(p), partials);
-  for (int s = 0; s < o.slots; ++s) {
-    collectives::SlotLayout l{o.base + static_cast<uint64_t>(s) * slot, o.capacity,
-                              o.key_base + static_cast<uint32_t>(s), partials,
-                              collectives::SlotLayout::stamps_needed(o.capacity, block, static_cast<size_t>(p))};
-    out.regions.push_back({l.base, slot, l.key, core::kPermAll});
+  for (const RegionInfo& r : out.regions) {
+    out.bytes = std::max(out.bytes, r.base + r.size);
+    if (r.key - o.key_base >= 0xC0) {  // aggregation
+      out.data.emplace_back(r.base, r.base + r.size);
+      continue;
+    }
+    const collectives::SlotLayout l{r.base, o.capacity, r.key, partials,
+                                    collectives::SlotLayout::stamps_needed(o.capacity, block, static_cast<size_t>(p))};
     out.data.emplace_back(l.base, l.base + 3 * l.cap);
     if (partials > 0) out.data.emplace_back(l.part(0), l.part(0) + static_cast<uint64_t>(partials) * l.cap);
   }
-  out.slots_end = out.bytes = o.base + static_cast<uint64_t>(o.slots) * slot;
   return out;
 }
 
@@ -180,7 +163,7 @@ Outcome run_scenario(const Scenario& s) {
         o.algorithm = s.algorithm == Algo::kRing ? Algorithm::kRing : Algorithm::kTorus;
         o.torus_dims = s.algorithm == Algo::kTorus ? s.topology.torus_dims : std::vector<int>{};
         o.devices = addresses(w.net.host_ip, kDevicePort);
-        regions = chain_regions(o, p);
+        regions = regions_of(o, p, false);
         break;
       case Algo::kAggregate:
         o.algorithm = Algorithm::kAggregate;
@@ -188,12 +171,10 @@ Outcome run_scenario(const Scenario& s) {
           colocated = false;
           o.ranks = p;
           o.aggregators = addresses(w.net.aggregator_ip, kDevicePort);
-          add_aggregation_regions(o, p, static_cast<size_t>(m), 0, regions);
         } else {
           o.devices = addresses(w.net.host_ip, kDevicePort);
-          regions = chain_regions(o, p);
-          add_aggregation_regions(o, p, static_cast<size_t>(p), regions.slots_end, regions);
         }
+        regions = regions_of(o, p, m > 0);
         break;
       case Algo::kHostRing: break;
     }
@@ -206,8 +187,8 @@ Outcome run_scenario(const Scenario& s) {
         cfg.boot_id = static_cast<uint32_t>(i + 1);
         auto mem = w.arena.allocate(regions.bytes, regions.data);
         w.devices.push_back(std::make_unique<SimDevice>(nodes[i], ips[i], mem, cfg));
-        for (const core::Region& r : regions.regions)
-          if (Status st = w.devices.back()->device().regions().add(r); st != Status::kOk)
+        for (const RegionInfo& r : regions.regions)
+          if (Status st = w.devices.back()->device().regions().add({r.base, r.size, r.key, r.perms}); st != Status::kOk)
             throw std::runtime_error(fmt::format("region {:#x} on device {}: {}", r.key, i, to_string(st)));
       }
     }
@@ -231,9 +212,6 @@ Outcome run_scenario(const Scenario& s) {
         out.error = fmt::format("setup of rank {}: {}", r, g.error().to_string());
         break;
       }
-      if (colocated && (*g)->slots_end() < regions.slots_end)
-        throw std::logic_error(fmt::format("the harness registered slots up to {} but the group's end at {}",
-                                           regions.slots_end, (*g)->slots_end()));
       w.ranks.push_back(std::make_unique<SimRank>(std::move(*g), raw, s.tick));
     }
     out.setup_wall_s = seconds_since(setup_start);
@@ -243,13 +221,18 @@ Outcome run_scenario(const Scenario& s) {
       const uint64_t queue_drops0 = w.net.queue_drops(), losses0 = w.net.link_losses();
       const uint64_t sent0 = datagrams_sent(w);
       const transport::TimePoint t0 = sim_now();
+      // The simulation stops when the last rank is done.
+      size_t running = w.ranks.size() + w.rings.size();
+      auto finished = [&running] {
+        if (--running == 0) ns3::Simulator::Stop();
+      };
       for (int r = 0; r < static_cast<int>(w.ranks.size()); ++r) {
         auto in = std::as_bytes(std::span(in_of(r)));
         auto res = std::as_writable_bytes(std::span(out_of(r)));
         w.ranks[static_cast<size_t>(r)]->start(
-            [in, res](Group& g) { return g.allreduce_async(in, res, DType::kF32, Reduction::kSum); });
+            [in, res](Group& g) { return g.allreduce_async(in, res, DType::kF32, Reduction::kSum); }, finished);
       }
-      for (auto& ring : w.rings) ring->start();
+      for (auto& ring : w.rings) ring->start(finished);
       if (s.fail_link_at_us >= 0) {
         if (w.net.core_links.empty()) throw std::invalid_argument("this network has no link between switches or devices to fail");
         const size_t link = w.net.core_links[s.seed % w.net.core_links.size()];
@@ -271,27 +254,13 @@ Outcome run_scenario(const Scenario& s) {
         };
         sample();
       }
-      auto all_done = [&] {
-        for (const auto& r : w.ranks)
-          if (!r->done()) return false;
-        for (const auto& r : w.rings)
-          if (!r->done()) return false;
-        return true;
-      };
-      // Stop as soon as the last rank is done (checked every 10 us of
-      // virtual time; the times come from the ranks themselves).
-      std::function<void()> check = [&] {
-        if (all_done()) return ns3::Simulator::Stop();
-        ns3::Simulator::Schedule(ns3::MicroSeconds(10), check);
-      };
-      ns3::Simulator::Schedule(ns3::MicroSeconds(10), check);
       const uint64_t events0 = ns3::Simulator::GetEventCount();
       run_simulation(s.limit);
       out.run_wall_s = seconds_since(run_start);
       out.events = ns3::Simulator::GetEventCount() - events0;
 
       transport::TimePoint last = t0;
-      out.completed = all_done();
+      out.completed = running == 0;
       for (const auto& r : w.ranks) {
         last = std::max(last, r->finished_at());
         if (r->done() && r->error() && out.error.empty()) out.error = r->error().to_string();
