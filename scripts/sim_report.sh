@@ -5,6 +5,10 @@
 #
 #   scripts/sim_report.sh [--out DIR] [--only scale|size|incast|failure|validation]...
 #                         [--scale-hosts "16 64 256 1024"] [--scale-size 64MiB]
+#                         [--model links|stack]
+#
+# --model stack runs every scenario on ns-3's own IPv4/UDP stack, the
+# reference the default link model is checked against (several times slower).
 #
 # Environment: BUILD_DIR (default build). Needs netdam-sim (libns3-dev) and,
 # for the plots, /usr/bin/python3 with matplotlib (python3-matplotlib).
@@ -14,13 +18,15 @@ out=docs/sim
 only=()
 scale_hosts="16 64 256 1024"
 scale_size=64MiB
+model=links
 while (($#)); do
   case $1 in
     --out) out=$2; shift 2 ;;
     --only) only+=("$2"); shift 2 ;;
     --scale-hosts) scale_hosts=$2; shift 2 ;;
     --scale-size) scale_size=$2; shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    --model) model=$2; shift 2 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "sim_report: unknown option '$1'" >&2; exit 2 ;;
   esac
 done
@@ -33,7 +39,7 @@ run() {  # scenario name, then netdam-sim arguments
   local name=$1; shift
   echo "== $name: $*"
   # A run that fails (a collective that cannot complete) is a row too.
-  "$sim" --csv "$csv.$name" "$@" || true
+  "$sim" --model "$model" --csv "$csv.$name" "$@" || true
 }
 finish() {  # prefix the scenario name to its rows
   local name=$1 f=$csv.$1

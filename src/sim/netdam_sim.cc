@@ -31,7 +31,7 @@ std::vector<int> parse_dims(const std::string& text) {
 constexpr const char* kHeader =
     "topology,hosts,aggregators,algorithm,bytes,gbps,delay_us,switch_queue_bytes,loss,fail_link_at_us,congestion,"
     "completed,exact,time_us,algbw_gbs,busbw_gbs,bound_busbw_gbs,of_bound,datagrams,retransmits,queue_drops,"
-    "link_losses,setup_wall_s,run_wall_s,error";
+    "link_losses,setup_wall_s,run_wall_s,error,model";
 
 std::string csv_quote(const std::string& s) {
   if (s.find_first_of(",\"\n") == std::string::npos) return s;
@@ -45,7 +45,7 @@ std::string csv_quote(const std::string& s) {
 int main(int argc, char** argv) {
   CLI::App app{"netdam-sim: the real engine, client and collectives on a packet-level ns-3 network"};
   netdam::sim::Scenario s;
-  std::string shape = "star", algorithm = "ring", size = "1MiB", dims, csv, congestion = "fixed";
+  std::string shape = "star", algorithm = "ring", size = "1MiB", dims, csv, congestion = "fixed", model = "links";
   app.add_option("--topology", shape, "star | fattree | torus")->check(CLI::IsMember({"star", "fattree", "torus"}));
   app.add_option("--hosts", s.topology.hosts, "hosts (ranks)")->check(CLI::Range(1, 4096));
   app.add_option("--aggregators", s.topology.aggregators,
@@ -63,6 +63,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 0.5));
   app.add_option("--fail-link-at-us", s.fail_link_at_us,
                  "take a link between switches (fat-tree) or devices (torus) down this long after the start");
+  app.add_option("--model", model,
+                 "links: links, queues and switches modelled by netdam-sim (fast); stack: ns-3's point-to-point "
+                 "devices and IPv4/UDP stack (the reference)")
+      ->check(CLI::IsMember({"links", "stack"}));
   app.add_flag("--ecmp", s.topology.ecmp, "fat-tree: spread packets over equal-cost paths");
   app.add_option("--congestion", congestion, "fixed | depth | swift")->check(CLI::IsMember({"fixed", "depth", "swift"}));
   app.add_option("--aggregate-window", s.aggregate_window,
@@ -87,6 +91,7 @@ int main(int argc, char** argv) {
   s.congestion = congestion == "depth" ? netdam::Congestion::kDepth
                  : congestion == "swift" ? netdam::Congestion::kSwift
                                          : netdam::Congestion::kFixed;
+  s.topology.model = model == "stack" ? netdam::sim::Model::kStack : netdam::sim::Model::kLinks;
   s.limit = std::chrono::milliseconds(limit_ms);
   const auto bytes = netdam::parse_size(size);
   if (!bytes) {
@@ -111,12 +116,12 @@ int main(int argc, char** argv) {
       const bool fresh = !std::ifstream(csv).good();
       std::ofstream f(csv, std::ios::app);
       if (fresh) f << kHeader << "\n";
-      f << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{:.2f},{:.4f},{:.4f},{:.4f},{:.4f},{},{},{},{},{:.2f},{:.2f},{}\n",
+      f << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{:.2f},{:.4f},{:.4f},{:.4f},{:.4f},{},{},{},{},{:.2f},{:.2f},{},{}\n",
                        shape, s.topology.hosts, s.topology.aggregators, algorithm, s.bytes, s.topology.link.gbps,
                        s.topology.link.delay_us, s.topology.link.switch_queue_bytes, s.topology.link.loss,
                        s.fail_link_at_us, congestion, o.completed ? 1 : 0, o.exact, o.time_us, o.algbw_gbs,
                        o.busbw_gbs, o.bound_busbw_gbs, of_bound, o.datagrams, o.retransmits, o.queue_drops,
-                       o.link_losses, o.setup_wall_s, o.run_wall_s, csv_quote(o.error));
+                       o.link_losses, o.setup_wall_s, o.run_wall_s, csv_quote(o.error), model);
     }
     if (check && !(o.completed && o.exact == 1)) return 1;
     return o.completed ? 0 : 1;

@@ -10,14 +10,14 @@ namespace netdam::sim {
 
 // ---------------------------------------------------------------- device
 
-SimDevice::SimDevice(ns3::Ptr<ns3::Node> node, uint32_t ip, std::span<std::byte> memory,
+SimDevice::SimDevice(std::unique_ptr<SimTransport> transport, std::span<std::byte> memory,
                      const core::DeviceConfig& config)
-    : device_(memory, config), engine_(device_), transport_(node, ip, kDevicePort),
+    : device_(memory, config), engine_(device_), transport_(std::move(transport)),
       out_(core::Engine::out_buffer_size(config)) {
-  transport_.deliver_to([this](std::span<std::byte> datagram, transport::Endpoint from) {
+  transport_->deliver_to([this](std::span<std::byte> datagram, transport::Endpoint from) {
     transport::InMsg m{datagram, datagram.size(), from};
-    if (!transport_.open(m)) return;  // a corrupt datagram, counted as netdamd counts it
-    device::DeviceLoop::serve_one(engine_, m, transport_, out_);
+    if (!transport_->open(m)) return;  // a corrupt datagram, counted as netdamd counts it
+    device::DeviceLoop::serve_one(engine_, m, *transport_, out_);
   });
 }
 

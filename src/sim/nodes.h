@@ -24,16 +24,16 @@ inline constexpr uint16_t kHostPort = 9000;
 
 class SimDevice {
  public:
-  SimDevice(ns3::Ptr<ns3::Node> node, uint32_t ip, std::span<std::byte> memory, const core::DeviceConfig& config);
+  SimDevice(std::unique_ptr<SimTransport> transport, std::span<std::byte> memory, const core::DeviceConfig& config);
   core::Device& device() { return device_; }
   std::span<std::byte> memory() const { return device_.memory(); }
-  transport::Endpoint endpoint() const { return transport_.local(); }
-  uint64_t sent() const { return transport_.sent(); }
+  transport::Endpoint endpoint() const { return transport_->local(); }
+  uint64_t sent() const { return transport_->sent(); }
 
  private:
   core::Device device_;
   core::Engine engine_;
-  SimTransport transport_;
+  std::unique_ptr<SimTransport> transport_;
   std::vector<std::byte> out_;
 };
 

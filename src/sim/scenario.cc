@@ -9,7 +9,6 @@
 
 #include <fmt/format.h>
 
-#include <ns3/ipv4-address-generator.h>
 #include <ns3/rng-seed-manager.h>
 #include <ns3/simulator.h>
 
@@ -73,7 +72,7 @@ std::vector<std::string> addresses(const std::vector<uint32_t>& ips, uint16_t po
 // Everything of one run that lives in ns-3's world: destroyed (ranks and
 // devices, whose sockets belong to nodes) before the simulator is.
 struct World {
-  Network net;
+  std::unique_ptr<Network> net;
   Arena arena;
   std::vector<std::unique_ptr<SimDevice>> devices;
   std::vector<std::unique_ptr<SimRank>> ranks;
@@ -125,13 +124,14 @@ Outcome run_scenario(const Scenario& s) {
     throw std::invalid_argument("devices in the network serve the aggregation algorithm only");
   const auto setup_start = WallClock::now();
 
-  ns3::Ipv4AddressGenerator::Reset();
   ns3::RngSeedManager::SetSeed(static_cast<uint32_t>(s.seed % 0xFFFFFFFFu) + 1);
   Outcome out;
   {
     World w(s.shared_data);
     w.net = build_network(s.topology, s.seed);
-    out.network = w.net.description;
+    const Graph& graph = w.net->graph();
+    const std::vector<uint32_t> host_ip = w.net->host_ips(), aggregator_ip = w.net->aggregator_ips();
+    out.network = graph.description;
     const uint64_t count = s.bytes / sizeof(float);
 
     // Buffers: each rank's input and output, or one of each for all.
@@ -162,7 +162,7 @@ Outcome run_scenario(const Scenario& s) {
       case Algo::kTorus:
         o.algorithm = s.algorithm == Algo::kRing ? Algorithm::kRing : Algorithm::kTorus;
         o.torus_dims = s.algorithm == Algo::kTorus ? s.topology.torus_dims : std::vector<int>{};
-        o.devices = addresses(w.net.host_ip, kDevicePort);
+        o.devices = addresses(host_ip, kDevicePort);
         regions = regions_of(o, p, false);
         break;
       case Algo::kAggregate:
@@ -170,9 +170,9 @@ Outcome run_scenario(const Scenario& s) {
         if (m > 0) {
           colocated = false;
           o.ranks = p;
-          o.aggregators = addresses(w.net.aggregator_ip, kDevicePort);
+          o.aggregators = addresses(aggregator_ip, kDevicePort);
         } else {
-          o.devices = addresses(w.net.host_ip, kDevicePort);
+          o.devices = addresses(host_ip, kDevicePort);
         }
         regions = regions_of(o, p, m > 0);
         break;
@@ -181,12 +181,11 @@ Outcome run_scenario(const Scenario& s) {
 
     // Devices: on the hosts' nodes, or the aggregators'.
     if (s.algorithm != Algo::kHostRing) {
-      const auto& nodes = colocated ? w.net.hosts : w.net.aggregators;
-      const auto& ips = colocated ? w.net.host_ip : w.net.aggregator_ip;
+      const auto& nodes = colocated ? graph.hosts : graph.aggregators;
       for (size_t i = 0; i < nodes.size(); ++i) {
         cfg.boot_id = static_cast<uint32_t>(i + 1);
         auto mem = w.arena.allocate(regions.bytes, regions.data);
-        w.devices.push_back(std::make_unique<SimDevice>(nodes[i], ips[i], mem, cfg));
+        w.devices.push_back(std::make_unique<SimDevice>(w.net->open(nodes[i], kDevicePort), mem, cfg));
         for (const RegionInfo& r : regions.regions)
           if (Status st = w.devices.back()->device().regions().add({r.base, r.size, r.key, r.perms}); st != Status::kOk)
             throw std::runtime_error(fmt::format("region {:#x} on device {}: {}", r.key, i, to_string(st)));
@@ -195,12 +194,12 @@ Outcome run_scenario(const Scenario& s) {
 
     // Ranks: their setup runs the simulation (blocking) one after another.
     for (int r = 0; r < p; ++r) {
-      auto t = std::make_unique<SimTransport>(w.net.hosts[static_cast<size_t>(r)], w.net.host_ip[static_cast<size_t>(r)], kHostPort);
+      auto t = w.net->open(graph.hosts[static_cast<size_t>(r)], kHostPort);
       w.host_transports.push_back(t.get());
       if (s.algorithm == Algo::kHostRing) {
         auto& buf = out_of(r);
         std::copy(in_of(r).begin(), in_of(r).end(), buf.begin());
-        const transport::Endpoint next{w.net.host_ip[static_cast<size_t>((r + 1) % p)], kHostPort};
+        const transport::Endpoint next{host_ip[static_cast<size_t>((r + 1) % p)], kHostPort};
         w.rings.push_back(std::make_unique<HostRing>(std::move(t), r, p, next, buf, kMaxPayload));
         continue;
       }
@@ -218,7 +217,7 @@ Outcome run_scenario(const Scenario& s) {
 
     if (out.error.empty()) {
       const auto run_start = WallClock::now();
-      const uint64_t queue_drops0 = w.net.queue_drops(), losses0 = w.net.link_losses();
+      const uint64_t queue_drops0 = w.net->queue_drops(), losses0 = w.net->link_losses();
       const uint64_t sent0 = datagrams_sent(w);
       const transport::TimePoint t0 = sim_now();
       // The simulation stops when the last rank is done.
@@ -234,22 +233,22 @@ Outcome run_scenario(const Scenario& s) {
       }
       for (auto& ring : w.rings) ring->start(finished);
       if (s.fail_link_at_us >= 0) {
-        if (w.net.core_links.empty()) throw std::invalid_argument("this network has no link between switches or devices to fail");
-        const size_t link = w.net.core_links[s.seed % w.net.core_links.size()];
+        if (graph.core_links.empty()) throw std::invalid_argument("this network has no link between switches or devices to fail");
+        const size_t link = graph.core_links[s.seed % graph.core_links.size()];
         ns3::Simulator::Schedule(ns3::NanoSeconds(static_cast<int64_t>(s.fail_link_at_us * 1000)),
-                                 [&w, link] { w.net.fail_link(link); });
+                                 [&w, link] { w.net->fail_link(link); });
       }
       std::ofstream trace;
       std::function<void()> sample;
       if (!s.queue_trace.empty()) {
-        const auto& ports = w.net.aggregator_port.empty() ? w.net.host_port : w.net.aggregator_port;
-        if (ports.empty()) throw std::invalid_argument("a queue trace needs a switch (not on a torus)");
+        const auto& links = graph.aggregator_links.empty() ? graph.host_links : graph.aggregator_links;
+        if (links.empty()) throw std::invalid_argument("a queue trace needs a switch (not on a torus)");
         trace.open(s.queue_trace);
         if (!trace) throw std::invalid_argument("cannot write " + s.queue_trace);
         trace << "time_us,queued_bytes\n";
-        sample = [&, port = ports[0]] {
+        sample = [&, link = links[0]] {
           trace << std::chrono::duration<double, std::micro>(sim_now() - t0).count() << ','
-                << Network::queued_bytes(port) << '\n';
+                << w.net->queued_bytes(link, 1) << '\n';
           ns3::Simulator::Schedule(ns3::MicroSeconds(10), sample);
         };
         sample();
@@ -278,8 +277,8 @@ Outcome run_scenario(const Scenario& s) {
         out.error = fmt::format("not done within {} ms of virtual time", s.limit.count());
       out.time_us = std::chrono::duration<double, std::micro>(last - t0).count();
       out.datagrams = datagrams_sent(w) - sent0;
-      out.queue_drops = w.net.queue_drops() - queue_drops0;
-      out.link_losses = w.net.link_losses() - losses0;
+      out.queue_drops = w.net->queue_drops() - queue_drops0;
+      out.link_losses = w.net->link_losses() - losses0;
       if (out.completed && out.time_us > 0) {
         out.algbw_gbs = static_cast<double>(s.bytes) / out.time_us / 1e3;
         out.busbw_gbs = out.algbw_gbs * 2.0 * (p - 1) / p;
@@ -307,6 +306,7 @@ Outcome run_scenario(const Scenario& s) {
     w.ranks.clear();
     w.rings.clear();
     w.devices.clear();
+    w.net.reset();
   }
   ns3::Simulator::Destroy();
   return out;

@@ -1,23 +1,20 @@
 #include "sim/sim_transport.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
-#include <ns3/inet-socket-address.h>
-#include <ns3/ipv4-address.h>
-#include <ns3/packet.h>
 #include <ns3/simulator.h>
-#include <ns3/udp-socket-factory.h>
-#include <ns3/uinteger.h>
 
 namespace netdam::sim {
 
 namespace {
 constexpr auto kEpochOffset = std::chrono::seconds(1);
+constexpr size_t kSpareBuffers = 4096;
 int g_run_depth = 0;
-// NETDAM_SIM_TRACE=1: every datagram sent, on stderr.
 const bool g_trace = std::getenv("NETDAM_SIM_TRACE") != nullptr;
+std::vector<std::vector<std::byte>> g_spare;
 void stop_now() { ns3::Simulator::Stop(); }
 }  // namespace
 
@@ -27,6 +24,7 @@ transport::TimePoint sim_now() {
 }
 
 bool simulation_running() { return g_run_depth > 0; }
+bool tracing() { return g_trace; }
 
 void run_simulation(transport::Duration limit) {
   if (g_run_depth > 0) {
@@ -41,44 +39,31 @@ void run_simulation(transport::Duration limit) {
   ns3::Simulator::Cancel(stop);
 }
 
-SimTransport::SimTransport(ns3::Ptr<ns3::Node> node, uint32_t ip, uint16_t port)
-    : local_{ip, port}, scratch_(65536) {
-  socket_ = ns3::Socket::CreateSocket(node, ns3::UdpSocketFactory::GetTypeId());
-  // The application reads every datagram as it arrives; the buffer only
-  // has to hold one event's worth.
-  socket_->SetAttribute("RcvBufSize", ns3::UintegerValue(64u << 20));
-  if (socket_->Bind(ns3::InetSocketAddress(ns3::Ipv4Address(ip), port)) != 0) {
-    std::fprintf(stderr, "netdam-sim: cannot bind %s\n", local_.to_string().c_str());
-    std::abort();
+std::vector<std::byte> take_buffer(size_t size) {
+  std::vector<std::byte> b;
+  if (!g_spare.empty()) {
+    b = std::move(g_spare.back());
+    g_spare.pop_back();
   }
-  socket_->SetRecvCallback(ns3::MakeCallback(&SimTransport::receive, this));
+  // Never shrunk, so resize() zeroes a buffer's bytes once in its life.
+  if (b.size() < size) b.resize(std::max<size_t>(size, 9216));
+  return b;
+}
+
+void recycle(std::vector<std::byte>&& b) {
+  if (g_spare.size() < kSpareBuffers && !b.empty()) g_spare.push_back(std::move(b));
 }
 
 SimTransport::~SimTransport() {
   ns3::Simulator::Cancel(handling_);
-  socket_->SetRecvCallback(ns3::MakeNullCallback<void, ns3::Ptr<ns3::Socket>>());
-  socket_->Close();
+  for (auto& d : inbox_) recycle(std::move(d.data));
 }
 
-size_t SimTransport::send_raw(std::span<const transport::OutMsg> msgs) {
-  for (const auto& m : msgs) {
-    const size_t size = m.size();
-    if (scratch_.size() < size) scratch_.resize(size);
-    size_t at = 0;
-    for (const auto& part : m.parts) {
-      if (!part.empty()) std::memcpy(scratch_.data() + at, part.data(), part.size());
-      at += part.size();
-    }
-    auto packet = ns3::Create<ns3::Packet>(reinterpret_cast<const uint8_t*>(scratch_.data()),
-                                           static_cast<uint32_t>(size));
-    // A full queue drops the datagram inside ns-3, as a NIC would: sent.
-    const int rc = socket_->SendTo(packet, 0, ns3::InetSocketAddress(ns3::Ipv4Address(m.to.ip), m.to.port));
-    if (g_trace)
-      std::fprintf(stderr, "%.3f send %s -> %s %zu rc=%d\n", ns3::Simulator::Now().GetNanoSeconds() / 1e3,
-              local_.to_string().c_str(), m.to.to_string().c_str(), size, rc);
-    ++sent_;
-  }
-  return msgs.size();
+void SimTransport::count_sent(transport::Endpoint to, size_t bytes) {
+  ++sent_;
+  if (g_trace)
+    std::fprintf(stderr, "%.3f send %s -> %s %zu\n", ns3::Simulator::Now().GetNanoSeconds() / 1e3,
+                 local_.to_string().c_str(), to.to_string().c_str(), bytes);
 }
 
 size_t SimTransport::recv_raw(std::span<transport::InMsg> msgs, transport::Duration timeout) {
@@ -103,36 +88,14 @@ size_t SimTransport::recv_raw(std::span<transport::InMsg> msgs, transport::Durat
   return n;
 }
 
-std::vector<std::byte> SimTransport::take_buffer(size_t size) {
-  std::vector<std::byte> b;
-  if (!spare_.empty()) {
-    b = std::move(spare_.back());
-    spare_.pop_back();
-  }
-  // Never shrunk, so resize() zeroes a buffer's bytes once in its life.
-  if (b.size() < size) b.resize(std::max<size_t>(size, 9216));
-  return b;
-}
-
-void SimTransport::recycle(std::vector<std::byte>&& b) {
-  if (spare_.size() < 256) spare_.push_back(std::move(b));
-}
-
-// ns-3 delivers a datagram sent to the node's own address inside the
-// sender's SendTo: handled there, a device would run a request in the middle
-// of the answer it is sending, and a host would re-enter its collective.
-// So an arrival only takes the datagrams in; they are handled in an event
-// of their own, at the same virtual time, as a real stack hands them over
-// after the sender's call returned.
-void SimTransport::receive(ns3::Ptr<ns3::Socket> socket) {
-  ns3::Address from;
-  while (auto packet = socket->RecvFrom(from)) {
-    const auto inet = ns3::InetSocketAddress::ConvertFrom(from);
-    const uint32_t size = packet->GetSize();
-    Datagram d{{inet.GetIpv4().Get(), inet.GetPort()}, take_buffer(size), size};
-    packet->CopyData(reinterpret_cast<uint8_t*>(d.data.data()), size);
-    inbox_.push_back(std::move(d));
-  }
+// A model may deliver a datagram sent to the node's own address inside the
+// sender's send (ns-3's stack does): handled there, a device would run a
+// request in the middle of the answer it is sending, and a host would
+// re-enter its collective. So an arrival only takes the datagram in; it is
+// handled in an event of its own, at the same virtual time, as a real stack
+// hands it over after the sender's call returned.
+void SimTransport::arrive(transport::Endpoint from, std::vector<std::byte>&& data, size_t len) {
+  inbox_.push_back({from, std::move(data), len});
   if (waiting_) ns3::Simulator::Stop();
   if (!handling_.IsRunning() && (sink_ || on_arrival_))
     handling_ = ns3::Simulator::ScheduleNow(&SimTransport::handle, this);

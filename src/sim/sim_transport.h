@@ -1,7 +1,8 @@
-// The Transport of a simulated node: datagrams go through an ns-3 UDP
-// socket on that node, time is ns-3's clock. The client library, the
-// collectives and the device's engine run over it unchanged: only the
-// transport and the clock are simulated (docs/SIMULATION.md).
+// The Transport of a simulated node: datagrams cross the simulated network
+// (topology.h: the link model or ns-3's own stack), time is ns-3's clock. The
+// client library, the collectives and the device's engine run over it
+// unchanged: only the transport and the clock are simulated
+// (docs/SIMULATION.md).
 //
 // Two ways the code above is driven:
 //  - Event-driven (the measured part): a datagram's arrival calls the
@@ -19,9 +20,6 @@
 #include <vector>
 
 #include <ns3/event-id.h>
-#include <ns3/node.h>
-#include <ns3/ptr.h>
-#include <ns3/socket.h>
 
 #include "transport/transport.h"
 
@@ -36,15 +34,23 @@ transport::TimePoint sim_now();
 void run_simulation(transport::Duration limit);
 bool simulation_running();
 
-class SimTransport final : public transport::Transport {
+// NETDAM_SIM_TRACE=1: every datagram sent, on stderr.
+bool tracing();
+
+// Datagram buffers, recycled: a fresh zeroed vector per datagram was a
+// tenth of the simulation's time. Buffers are never shrunk.
+std::vector<std::byte> take_buffer(size_t size);
+void recycle(std::vector<std::byte>&& b);
+
+// What the models share: the inbox, the two ways of being driven, the
+// counts. A model sends (send_raw) and calls arrive() for what reaches
+// the transport's address.
+class SimTransport : public transport::Transport {
  public:
-  // A UDP socket bound to ip:port on `node` (ip in host order, an address
-  // of one of the node's interfaces: datagrams leave with it as source).
-  SimTransport(ns3::Ptr<ns3::Node> node, uint32_t ip, uint16_t port);
+  explicit SimTransport(transport::Endpoint local) : local_(local) {}
   ~SimTransport() override;
 
   transport::Endpoint local() const override { return local_; }
-  size_t send_raw(std::span<const transport::OutMsg> msgs) override;
   size_t recv_raw(std::span<transport::InMsg> msgs, transport::Duration timeout) override;
   transport::TimePoint now() const override { return sim_now(); }
 
@@ -58,24 +64,22 @@ class SimTransport final : public transport::Transport {
 
   uint64_t sent() const { return sent_; }
 
+  // The model hands over a datagram (its first `len` bytes of `data`).
+  void arrive(transport::Endpoint from, std::vector<std::byte>&& data, size_t len);
+
+ protected:
+  void count_sent(transport::Endpoint to, size_t bytes);
+
  private:
-  void receive(ns3::Ptr<ns3::Socket> socket);
   void handle();
 
-  // Received datagrams wait in buffers recycled through spare_: a fresh
-  // zeroed vector per datagram was a tenth of the simulation's time.
   struct Datagram {
     transport::Endpoint from;
     std::vector<std::byte> data;  // at least `len` bytes
     size_t len;
   };
-  std::vector<std::byte> take_buffer(size_t size);
-  void recycle(std::vector<std::byte>&& b);
-  std::vector<std::vector<std::byte>> spare_;
-  ns3::Ptr<ns3::Socket> socket_;
   transport::Endpoint local_;
   std::deque<Datagram> inbox_;
-  std::vector<std::byte> scratch_;  // a datagram gathered for sending
   std::function<void()> on_arrival_;
   Sink sink_;
   ns3::EventId handling_;

@@ -1,6 +1,13 @@
-// The simulated network: nodes, point-to-point links with a rate, a delay
-// and a finite drop-tail queue at each end, switches (IP routers), and the
-// shapes the scenarios use (docs/SIMULATION.md).
+// The simulated network: its shape as a graph (hosts, devices in the
+// network, switches, point-to-point links with a rate, a delay and a
+// finite drop-tail queue at each end), and the two models that carry
+// datagrams over it (docs/SIMULATION.md):
+//  - links (link_network.h, the default): ns-3's event scheduler and
+//    clock; links, queues and switches modelled here, one event per
+//    datagram per link;
+//  - stack (stack_network.h): ns-3's own point-to-point devices, IPv4/UDP
+//    stack, traffic-control layer and routing, several times slower. The
+//    link model is checked against it.
 //
 // A host's node also carries its own device (the NIC of a NetDAM server:
 // the chain collectives' devices are co-located with the hosts); devices
@@ -8,12 +15,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
-#include <ns3/net-device.h>
-#include <ns3/node.h>
-#include <ns3/ptr.h>
+#include "sim/sim_transport.h"
 
 namespace netdam::sim {
 
@@ -27,6 +33,7 @@ struct LinkSpec {
 };
 
 enum class Shape { kStar, kFatTree, kTorus };
+enum class Model { kLinks, kStack };
 
 struct TopologySpec {
   Shape shape = Shape::kStar;
@@ -35,40 +42,63 @@ struct TopologySpec {
   std::vector<int> torus_dims;  // kTorus: X, Y(, Z), product = hosts
   LinkSpec link;
   bool ecmp = false;           // fat-tree: spread packets over equal-cost paths (per packet)
+  Model model = Model::kLinks;
 };
 
-struct Link {
-  ns3::Ptr<ns3::NetDevice> a, b;
-};
-
-struct Network {
-  std::vector<ns3::Ptr<ns3::Node>> hosts;  // rank r's node
-  std::vector<uint32_t> host_ip;           // its address (host order)
-  std::vector<ns3::Ptr<ns3::Node>> aggregators;
-  std::vector<uint32_t> aggregator_ip;
+// The shape, before any model carries packets over it. Nodes are numbered
+// from 0; a node's ports are its links in the order they appear here
+// (routes that tie choose by that order).
+struct Graph {
+  struct Link {
+    int a, b;
+    uint64_t queue_a, queue_b;  // the output queue at each end
+  };
+  int nodes = 0;
   std::vector<Link> links;
-  // The switch's port toward each host and aggregator (its output queue is
-  // what fills when many send to one); empty on a torus.
-  std::vector<ns3::Ptr<ns3::NetDevice>> host_port, aggregator_port;
+  std::vector<int> hosts;        // rank r's node
+  std::vector<int> aggregators;  // device a's node
+  // The link from each host and aggregator to its switch, the switch at
+  // end b (its output queue is what fills when many send to one); empty on
+  // a torus.
+  std::vector<size_t> host_links, aggregator_links;
   std::vector<size_t> core_links;  // links between switches (fat-tree) or devices (torus)
   int switches = 0;
-  bool global_routing = false;  // else nix-vector routing
   std::string description;
-  // Datagrams dropped by full queues, and lost on links (LinkSpec::loss or a
-  // failed link), since the network was built.
-  uint64_t queue_drops() const;
-  // Bytes waiting in a port's output queue now.
-  static uint64_t queued_bytes(const ns3::Ptr<ns3::NetDevice>& port);
-  uint64_t link_losses() const;
-  // Takes link i down at both ends and recomputes the routes: traffic goes
-  // around it where the topology has another path.
-  void fail_link(size_t i);
 };
 
-// Builds the network and its routes in ns-3's global node list. Throws
-// std::invalid_argument for a shape that cannot be built.
-Network build_network(const TopologySpec& spec, uint64_t seed);
+// Throws std::invalid_argument for a shape that cannot be built.
+Graph build_graph(const TopologySpec& spec);
+
+// A graph brought to life in ns-3's world: datagrams between transports
+// opened on its nodes cross its links. Destroyed before the simulator is.
+class Network {
+ public:
+  virtual ~Network() = default;
+  const Graph& graph() const { return graph_; }
+  // Node n's address (host order): a transport opened there sends from it.
+  virtual uint32_t ip_of(int node) const = 0;
+  virtual std::unique_ptr<SimTransport> open(int node, uint16_t port) = 0;
+  // Datagrams dropped by full queues, and lost on links (LinkSpec::loss, a
+  // failed link, no route), since the network was built.
+  virtual uint64_t queue_drops() const = 0;
+  virtual uint64_t link_losses() const = 0;
+  // Bytes waiting now in the output queue of a link's end (0: a, 1: b).
+  virtual uint64_t queued_bytes(size_t link, int end) const = 0;
+  // Takes link i down at both ends and recomputes the routes: traffic goes
+  // around it where the topology has another path.
+  virtual void fail_link(size_t i) = 0;
+
+  std::vector<uint32_t> host_ips() const;
+  std::vector<uint32_t> aggregator_ips() const;
+
+ protected:
+  explicit Network(Graph g) : graph_(std::move(g)) {}
+  Graph graph_;
+};
+
+std::unique_ptr<Network> build_network(const TopologySpec& spec, uint64_t seed);
 
 std::string to_string(Shape s);
+std::string to_string(Model m);
 
 }  // namespace netdam::sim
