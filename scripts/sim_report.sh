@@ -71,9 +71,15 @@ if wanted scale; then
         --aggregate-window 64 --size "$scale_size" "${shared[@]}"
       run $sc --topology fattree --hosts "$p" --aggregators "$p" --algorithm aggregate \
         --aggregate-window 64 --size "$scale_size" "${shared[@]}"
+      # The same over every equal-cost path (per-packet ECMP), not one route per destination.
+      if ((p == 64)); then
+        run ecmp-$sc --topology fattree --hosts "$p" --aggregators "$p" --algorithm aggregate \
+          --aggregate-window 64 --size "$scale_size" --ecmp "${shared[@]}"
+      fi
     fi
   done
   finish $sc
+  finish ecmp-$sc
 fi
 
 if wanted size; then
@@ -85,8 +91,11 @@ if wanted size; then
     # cluster's 500 Mbit/s) holds less than a round trip at 100 Gbit/s.
     run size --topology fattree --hosts 16 --aggregators 16 --algorithm aggregate --size $size --aggregate-window 64
     run size --topology fattree --hosts 16 --algorithm hostring --size $size
+    # The group's default window of 16, for comparison.
+    run size-window16 --topology fattree --hosts 16 --aggregators 16 --algorithm aggregate --size $size
   done
   finish size
+  finish size-window16
 fi
 
 if wanted incast; then
