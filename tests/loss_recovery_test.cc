@@ -43,6 +43,23 @@ TEST(LossRecovery, AnEarlierRequestIsLostOnceALaterOneIsAnsweredAndItIsOverdue) 
   EXPECT_EQ(lr.lost_at(b), TP::max());
 }
 
+// AGGREGATE: a held contribution is overtaken when one sent after it has
+// its result; only results count (a held answer says nothing of one).
+TEST(LossRecovery, AHeldContributionIsOvertakenByALaterOnesResult) {
+  LossRecovery lr(kLimits);
+  const TP a = t0, b = t0 + 10us, c = t0 + 20us;
+  EXPECT_FALSE(lr.result_overtaken(a));
+  lr.on_answer(b, b, 1, b + 300us);  // b's held answer
+  EXPECT_FALSE(lr.result_overtaken(a));
+  lr.on_result(b);
+  EXPECT_TRUE(lr.result_overtaken(a));
+  EXPECT_FALSE(lr.result_overtaken(b));  // itself
+  EXPECT_FALSE(lr.result_overtaken(c));  // sent later
+  lr.on_result(a);  // an older result does not move the mark back
+  EXPECT_FALSE(lr.result_overtaken(c));
+  EXPECT_TRUE(lr.result_overtaken(a));
+}
+
 TEST(LossRecovery, ReorderingWindowGrowsWithTheRoundTrip) {
   LossRecovery lr(kLimits);
   for (int i = 0; i < 20; ++i) lr.on_answer(t0, t0, 1, t0 + 40ms);

@@ -294,6 +294,10 @@ class Client {
   struct Counters {
     uint64_t packets_sent = 0, retransmits = 0, answers = 0, ignored = 0;
     uint64_t not_ready_resends = 0;  // chains sent again after NOT_READY
+    // held AGGREGATE contributions asked for their result again because a
+    // later contribution to the same device had its result (its own may
+    // be lost)
+    uint64_t overtaken_resends = 0;
     // retransmits = probes (nothing answered for a timeout) + losses
     // inferred from later requests' answers
     uint64_t probes = 0;

@@ -66,6 +66,10 @@ struct Client::Packet {
   client_detail::LossRecovery* recovery = nullptr;  // AGGREGATE: its device's estimator, once looked up
   TimePoint held_since{};
   int held_resends = 0;
+  // Held and overtaken (LossRecovery::result_overtaken): since when; asked
+  // for again once, one timeout after that.
+  TimePoint overtaken_since{};
+  bool overtaken_asked = false;
   std::span<const std::byte> payload;
   std::vector<std::byte> owned;     // payloads the client builds itself
   std::byte* answer_to = nullptr;   // READ / REDUCE_PAYLOAD: where the answer goes
@@ -896,13 +900,27 @@ void Client::check_timers() {
       // later contributions' answers, or by its own timer (each
       // contribution its own, as SwitchML's slots: a tail of losses after
       // a queue overflowed is repaired in one timeout, not one per probe).
+      // Held but overtaken by a later contribution's result: its own
+      // result may be lost, so it is asked for once a timeout later (the
+      // other contributors' own losses are repaired within that).
       const auto rto = lr.rto();
-      const TimePoint at = p->held ? p->held_since + std::max<transport::Duration>(8 * rto, 20ms) * (1 << std::min(p->held_resends, 6))
-                                   : std::min(lr.lost_at(p->last_sent), p->last_sent + rto);
+      if (p->held && !p->overtaken_asked && p->overtaken_since == TimePoint{} && lr.result_overtaken(p->first_sent))
+        p->overtaken_since = now;
+      const TimePoint overtaken_at =
+          p->overtaken_since != TimePoint{} && !p->overtaken_asked ? p->overtaken_since + rto : TimePoint::max();
+      const TimePoint at =
+          p->held ? std::min(overtaken_at, p->held_since + std::max<transport::Duration>(8 * rto, 20ms) *
+                                                                (1 << std::min(p->held_resends, 6)))
+                  : std::min(lr.lost_at(p->last_sent), p->last_sent + rto);
       if (now >= at) {
         resend = true;
         if (p->held) {
-          ++p->held_resends;
+          if (now >= overtaken_at) {
+            p->overtaken_asked = true;
+            ++counters_.overtaken_resends;
+          } else {
+            ++p->held_resends;
+          }
           p->held_since = now;
         }
       } else {
@@ -1137,6 +1155,7 @@ void Client::deliver_aggregate(Packet& p, std::span<const std::byte> payload) {
     p.held = true;
     return;
   }
+  recovery_->route(p).on_result(p.first_sent);
   if (p.answer_to != nullptr && !(rec.flags & core::kAggResultNone)) {
     if (rec.flags & core::kAggResultZero)
       std::memset(p.answer_to, 0, p.h.length);  // the device found the result all zero bits

@@ -30,6 +30,7 @@
 // Pure logic on time points: tested without sockets or clocks.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 
@@ -59,6 +60,16 @@ class LossRecovery {
   // request's answer says nothing about an earlier one's.
   TimePoint tail_lost_at(TimePoint last_sent) const;
 
+  // AGGREGATE: the result (not a held answer) of a contribution first sent
+  // at `first` arrived.
+  void on_result(TimePoint first) { result_xmit_ = std::max(result_xmit_, first); }
+  // Whether a contribution first sent at `first`, held by the device, has
+  // been overtaken: one sent after it to the same device has its result.
+  // Its own result may then be lost (a block completes when its last
+  // contribution is in, and every contributor sends its blocks in order),
+  // so it is asked for again one timeout later instead of at the held
+  // timer's much later time.
+  bool result_overtaken(TimePoint first) const { return first < result_xmit_; }
   // A probe may go now for a request last sent at `last_sent`.
   bool probe_due(TimePoint last_sent, TimePoint now) const;
   // When probe_due could first become true for it.
@@ -78,6 +89,7 @@ class LossRecovery {
   uint32_t clean_answers_ = 0;       // answers since the last spurious resend
   uint64_t spurious_ = 0;
   TimePoint rack_xmit_{};  // send time of the latest-sent request answered
+  TimePoint result_xmit_{};  // AGGREGATE: first send of the latest-sent contribution with its result
   Ns rack_rtt_{0};         // and its round trip
   Ns tail_delay_{0};       // first send to answer of the last resent request answered
   TimePoint last_probe_{};

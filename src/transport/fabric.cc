@@ -163,11 +163,20 @@ void Fabric::send_one(Endpoint from, Endpoint to, const OutMsg& msg) {
   std::vector<std::byte> data;
   data.reserve(msg.size());
   for (const auto& part : msg.parts) data.insert(data.end(), part.begin(), part.end());
+  if (drop_filter_ && drop_filter_(from, to, data)) {
+    ++counters_.dropped;
+    return;
+  }
   if (chance(faults_.duplicate)) {
     ++counters_.duplicated;
     schedule(from, to, data);  // a copy, with its own delay
   }
   schedule(from, to, std::move(data));
+}
+
+void Fabric::set_drop_filter(DropFilter filter) {
+  std::lock_guard lock(mu_);
+  drop_filter_ = std::move(filter);
 }
 
 void Fabric::join(Endpoint group, Endpoint member) {

@@ -28,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -73,6 +74,12 @@ class Fabric {
   void leave(Endpoint group, Endpoint member);
   // Also reseeds the generator from faults.seed.
   void set_faults(const FaultModel& faults);
+  // A chosen loss, for tests that need one datagram lost and no other: a
+  // datagram (its bytes as sent, integrity trailer included) for which the
+  // filter returns true is dropped, after the fault model's own drop.
+  // Called with the fabric's lock held: it must not call the fabric.
+  using DropFilter = std::function<bool(Endpoint from, Endpoint to, std::span<const std::byte> data)>;
+  void set_drop_filter(DropFilter filter);
   TimePoint now() const;
 
   struct Counters {
@@ -106,6 +113,7 @@ class Fabric {
 
   mutable std::recursive_mutex mu_;
   FaultModel faults_;
+  DropFilter drop_filter_;
   std::mt19937_64 rng_;
   TimePoint now_;
   uint64_t next_seq_ = 0;
