@@ -3,7 +3,7 @@
 # scenario, appends a row per run to OUT/results.csv, writes the queue
 # traces, and draws the plots (scripts/sim_plots.py).
 #
-#   scripts/sim_report.sh [--out DIR] [--only scale|size|incast|failure|validation]...
+#   scripts/sim_report.sh [--out DIR] [--only scale|size|incast|failure|rto|validation]...
 #                         [--scale-hosts "16 64 256 1024"] [--scale-size 64MiB]
 #                         [--model links|stack]
 #
@@ -119,6 +119,19 @@ if wanted failure; then
   run failure --topology fattree --hosts 64 --aggregators 16 --algorithm aggregate --size 16MiB --aggregate-window 64 \
     --fail-link-at-us "$(awk -v t="$clean" 'BEGIN {printf "%.0f", t / 3}')"
   finish failure
+fi
+
+if wanted rto; then
+  # The clients' least retransmission timeout (20 ms by default, set for
+  # loopback) against failures and random loss at 100 Gbit/s.
+  for rto in 20000 2000 500 200 100; do
+    run rto --topology fattree --hosts 64 --aggregators 16 --algorithm aggregate --size 16MiB --aggregate-window 64 \
+      --fail-link-at-us 1895 --seed 4 --min-rto-us $rto
+    run rto --topology torus --torus-dims 8x8 --hosts 64 --algorithm torus --size 16MiB --fail-link-at-us 922 \
+      --min-rto-us $rto
+    run rto --topology star --hosts 8 --algorithm ring --size 4MiB --loss 0.01 --min-rto-us $rto
+  done
+  finish rto
 fi
 
 if wanted validation; then

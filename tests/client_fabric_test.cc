@@ -249,6 +249,41 @@ TEST(Client, SilentDeviceTimesOutInBoundedTime) {
   EXPECT_GE(fabric.now() - start, 300ms);
 }
 
+// The least retransmission timeout is an option (a fabric of hardware
+// devices can take a few round trips; loopback keeps 20 ms): a lost answer
+// is repaired that long after, and nonsense is refused.
+TEST(Client, TheLeastTimeoutIsAnOption) {
+  for (auto min_rto : {std::chrono::microseconds(0), std::chrono::microseconds(2'000'000)}) {
+    Fabric fabric;
+    FabricDevice dev(fabric, kDeviceAddr, 7);
+    ClientOptions opts;
+    opts.min_rto = min_rto;
+    auto c = Client::connect(fabric.attach(kClientAddr), kDeviceAddr, opts);
+    ASSERT_FALSE(c.ok());
+    EXPECT_EQ(c.error().code(), Error::Code::kInvalidArgument);
+    EXPECT_NE(c.error().to_string().find("min_rto"), std::string::npos) << c.error().to_string();
+  }
+  for (auto min_rto : {std::chrono::microseconds(20000), std::chrono::microseconds(1000)}) {
+    Fabric fabric;
+    FabricDevice dev(fabric, kDeviceAddr, 7);
+    ClientOptions opts;
+    opts.min_rto = min_rto;
+    auto c = connect(fabric, opts);
+    ASSERT_TRUE(c);
+    int answers_lost = 0;
+    fabric.set_drop_filter([&](Endpoint from, Endpoint, std::span<const std::byte>) {
+      return from == kDeviceAddr && answers_lost++ == 0;  // the first answer from here on
+    });
+    std::vector<std::byte> buf(100);
+    const auto start = fabric.now();
+    ASSERT_TRUE(c->read(0, buf).is_ok());
+    const auto took = fabric.now() - start;
+    EXPECT_EQ(c->counters().retransmits, 1u);
+    EXPECT_GE(took, min_rto);
+    EXPECT_LT(took, 3 * min_rto);
+  }
+}
+
 TEST(Client, RestartedDeviceIsReportedNotServed) {
   Fabric fabric;
   auto dev = std::make_unique<FabricDevice>(fabric, kDeviceAddr, 0x1111);

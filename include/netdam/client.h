@@ -74,6 +74,12 @@ struct ClientOptions {
   // The round trip above which the path counts as congested (kDepth and
   // kSwift); one value for every sender of a cluster, like Swift's target.
   std::chrono::microseconds congestion_target{1000};
+  // The least retransmission timeout (1 us .. 1 s). Loopback and loaded
+  // hosts need the default: a device process may wait milliseconds for a
+  // CPU, and a lower floor reads that as loss and resends. A fabric whose
+  // devices answer at hardware speed can take a few round trips (at
+  // 100 Gbit/s the default is thousands: docs/SIMULATION.md).
+  std::chrono::microseconds min_rto{20000};
   size_t max_payload = 0;                         // 0: the device's maximum
   bool detect_restart = true;                     // fail if the boot id changes
   // Look for answers this long before sleeping in the socket: a thread

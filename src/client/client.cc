@@ -105,10 +105,10 @@ namespace {
 // FILL and COPY carry a 32-bit length; ranges are split into 16 MiB
 // requests so that no single request occupies a device thread for long.
 constexpr uint64_t kMaxRangePerRequest = 16ull << 20;
-// Loopback RTTs are tens of microseconds, but on a loaded machine a process
-// can wait milliseconds for a CPU: a lower bound keeps that from looking
-// like loss and resending a whole window.
-constexpr auto kMinRto = 20ms;
+// The least timeout is ClientOptions::min_rto (20 ms by default: loopback
+// RTTs are tens of microseconds, but on a loaded machine a process can wait
+// milliseconds for a CPU, and a lower bound keeps that from looking like
+// loss and resending a whole window).
 constexpr auto kMaxRto = 1000ms;
 constexpr auto kInitialRto = 50ms;
 constexpr size_t kRxBatch = 32;
@@ -131,10 +131,12 @@ struct Client::Recovery {
   // their own: an answer from one is no evidence about another.
   std::unordered_map<uint64_t, client_detail::LossRecovery> aggregators;
   TimePoint next_check{};  // the earliest time check_timers has work
+  std::chrono::nanoseconds min_rto;
   // The window and pacing of everything this client sends: plain requests,
   // chains it starts and aggregate contributions alike (one sender).
   client_detail::CongestionControl cc;
-  explicit Recovery(const ClientOptions& o) : routes(make()), cc(congestion(o, kDefaultMaxPayload)) {}
+  explicit Recovery(const ClientOptions& o)
+      : routes(make(o.min_rto)), min_rto(o.min_rto), cc(congestion(o, kDefaultMaxPayload)) {}
   static client_detail::CongestionControl::Config congestion(const ClientOptions& o, size_t packet) {
     client_detail::CongestionControl::Config c;
     c.algorithm = o.congestion;
@@ -156,12 +158,13 @@ struct Client::Recovery {
   }
 
  private:
-  static std::array<client_detail::LossRecovery, kCount> make() {
+  static std::array<client_detail::LossRecovery, kCount> make(std::chrono::nanoseconds min_rto) {
     // A chain crosses 2p links and is retried end to end, so under loss it
     // needs many tries: back off less.
+    const client_detail::LossRecovery::Ns initial = std::max<client_detail::LossRecovery::Ns>(kInitialRto, min_rto);
     return [&]<size_t... I>(std::index_sequence<I...>) {
       return std::array<client_detail::LossRecovery, kCount>{
-          client_detail::LossRecovery({kMinRto, kMaxRto, kInitialRto, I == 0 ? 6 : 2})...};
+          client_detail::LossRecovery({min_rto, kMaxRto, initial, I == 0 ? 6 : 2})...};
     }(std::make_index_sequence<kCount>{});
   }
 };
@@ -232,6 +235,8 @@ uint32_t Client::boot_for(const Packet& p) const {
 Result<std::unique_ptr<Client>> Client::connect(std::unique_ptr<transport::Transport> t,
                                                 const transport::Endpoint& device,
                                                 ClientOptions opts) {
+  if (opts.min_rto < std::chrono::microseconds(1) || opts.min_rto > kMaxRto)
+    return Error::invalid(fmt::format("min_rto of {} us: 1 us to {} ms", opts.min_rto.count(), kMaxRto.count()));
   if (opts.window_packets == 0 || opts.window_bytes == 0)
     return Error::invalid("window_packets and window_bytes must be positive");
   if (opts.congestion_target <= std::chrono::microseconds::zero())
@@ -882,7 +887,7 @@ void Client::send_queued() {
 
 void Client::check_timers() {
   const TimePoint now = transport_->now();
-  TimePoint next = now + std::chrono::nanoseconds(kMinRto) / 2;
+  TimePoint next = now + recovery_->min_rto / 2;
   std::vector<uint64_t> expired;
   std::array<bool, Recovery::kCount> probed{};
   for (auto& [txn, p] : inflight_) {
@@ -909,7 +914,7 @@ void Client::check_timers() {
       const TimePoint overtaken_at =
           p->overtaken_since != TimePoint{} && !p->overtaken_asked ? p->overtaken_since + rto : TimePoint::max();
       const TimePoint at =
-          p->held ? std::min(overtaken_at, p->held_since + std::max<transport::Duration>(8 * rto, 20ms) *
+          p->held ? std::min(overtaken_at, p->held_since + transport::Duration(8 * rto) *
                                                                 (1 << std::min(p->held_resends, 6)))
                   : std::min(lr.lost_at(p->last_sent), p->last_sent + rto);
       if (now >= at) {
@@ -1214,12 +1219,12 @@ void Client::pump(bool block) {
   auto timeout = std::chrono::nanoseconds(0);
   if (block) {
     const TimePoint now = transport_->now();
-    TimePoint wake = inflight_.empty() ? now + kMinRto : recovery_->next_check;
+    TimePoint wake = inflight_.empty() ? now + recovery_->min_rto : recovery_->next_check;
     // Held back by the pacer (not by the window, which only answers open):
     // wake when it lets the next request go.
     if (const TimePoint pace = recovery_->cc.send_at(now); !queue_.empty() && pace > now) wake = std::min(wake, pace);
     timeout = std::clamp<std::chrono::nanoseconds>(wake - now, std::chrono::nanoseconds(0),
-                                                   std::chrono::nanoseconds(kMinRto) / 2);
+                                                   recovery_->min_rto / 2);
   }
   std::array<transport::InMsg, kRxBatch> in;
   for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);

@@ -31,7 +31,7 @@ std::vector<int> parse_dims(const std::string& text) {
 constexpr const char* kHeader =
     "topology,hosts,aggregators,algorithm,bytes,gbps,delay_us,switch_queue_bytes,loss,fail_link_at_us,congestion,"
     "completed,exact,time_us,algbw_gbs,busbw_gbs,bound_busbw_gbs,of_bound,datagrams,retransmits,queue_drops,"
-    "link_losses,setup_wall_s,run_wall_s,error,model";
+    "link_losses,setup_wall_s,run_wall_s,error,model,min_rto_us";
 
 std::string csv_quote(const std::string& s) {
   if (s.find_first_of(",\"\n") == std::string::npos) return s;
@@ -74,6 +74,10 @@ int main(int argc, char** argv) {
   app.add_flag("--shared-data", s.shared_data,
                "one physical copy of all data buffers (needed at scale; results are then not checked)");
   app.add_option("--seed", s.seed, "seeds losses and the link chosen to fail");
+  uint64_t min_rto_us = 0;
+  app.add_option("--min-rto-us", min_rto_us,
+                 "the clients' least retransmission timeout (0: the client's default, 20 ms, set for loopback)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1000000}));
   uint64_t limit_ms = 20000;
   app.add_option("--limit-ms", limit_ms, "virtual time allowed for the collective");
   app.add_option("--queue-trace", s.queue_trace,
@@ -93,6 +97,7 @@ int main(int argc, char** argv) {
                                          : netdam::Congestion::kFixed;
   s.topology.model = model == "stack" ? netdam::sim::Model::kStack : netdam::sim::Model::kLinks;
   s.limit = std::chrono::milliseconds(limit_ms);
+  s.min_rto = std::chrono::microseconds(min_rto_us);
   const auto bytes = netdam::parse_size(size);
   if (!bytes) {
     std::cerr << "netdam-sim: --size '" << size << "' is not a size\n";
@@ -116,12 +121,15 @@ int main(int argc, char** argv) {
       const bool fresh = !std::ifstream(csv).good();
       std::ofstream f(csv, std::ios::app);
       if (fresh) f << kHeader << "\n";
-      f << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{:.2f},{:.4f},{:.4f},{:.4f},{:.4f},{},{},{},{},{:.2f},{:.2f},{},{}\n",
+      f << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{:.2f},{:.4f},{:.4f},{:.4f},{:.4f},{},{},{},{},{:.2f},{:.2f},{},{},{}\n",
                        shape, s.topology.hosts, s.topology.aggregators, algorithm, s.bytes, s.topology.link.gbps,
                        s.topology.link.delay_us, s.topology.link.switch_queue_bytes, s.topology.link.loss,
                        s.fail_link_at_us, congestion, o.completed ? 1 : 0, o.exact, o.time_us, o.algbw_gbs,
                        o.busbw_gbs, o.bound_busbw_gbs, of_bound, o.datagrams, o.retransmits, o.queue_drops,
-                       o.link_losses, o.setup_wall_s, o.run_wall_s, csv_quote(o.error), model);
+                       o.link_losses, o.setup_wall_s, o.run_wall_s, csv_quote(o.error), model,
+                       std::chrono::duration_cast<std::chrono::microseconds>(
+                           s.min_rto.count() > 0 ? s.min_rto : netdam::ClientOptions{}.min_rto)
+                           .count());
     }
     if (check && !(o.completed && o.exact == 1)) return 1;
     return o.completed ? 0 : 1;
