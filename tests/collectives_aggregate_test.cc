@@ -123,6 +123,17 @@ std::vector<std::byte> random_elements(DType t, size_t n, uint64_t seed, double 
   return v;
 }
 
+// Ranks 0 .. ranks-1 of `groups` start a float32 AllReduce of in[r] into out[r].
+std::vector<Work> start_allreduce(std::vector<std::unique_ptr<Group>>& groups, std::vector<std::vector<std::byte>>& in,
+                                  std::vector<std::vector<std::byte>>& out, int ranks,
+                                  Reduction op = Reduction::kSum) {
+  std::vector<Work> works;
+  for (int r = 0; r < ranks; ++r)
+    works.push_back(groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
+                                                                     DType::kF32, op));
+  return works;
+}
+
 // in_0 OP in_1 OP ... in rank order, block by block as the devices do.
 std::vector<std::byte> reference(const std::vector<std::vector<std::byte>>& in, DType t, RedOp op) {
   std::vector<std::byte> out = in[0];
@@ -198,10 +209,7 @@ TEST(AggregateGroup, ManyCollectivesInARowOnTwoSlots) {
       in.push_back(random_elements(DType::kF32, 3000, static_cast<uint64_t>(round * 10 + r)));
       out.emplace_back(in.back().size());
     }
-    std::vector<Work> works;
-    for (int r = 0; r < 4; ++r)
-      works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
-                                                                         DType::kF32, Reduction::kSum));
+    std::vector<Work> works = start_allreduce(c.groups, in, out, 4);
     c.run(works);
     const auto want = reference(in, DType::kF32, RedOp::kSum);
     for (int r = 0; r < 4; ++r) {
@@ -231,10 +239,7 @@ TEST(AggregateGroup, ZeroBlocksAreSkippedBitExactly) {
   }
   auto run = [&](AggCluster& c) {
     std::vector<std::vector<std::byte>> out(3, std::vector<std::byte>(in[0].size()));
-    std::vector<Work> works;
-    for (int r = 0; r < 3; ++r)
-      works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
-                                                                         DType::kF32, Reduction::kSum));
+    std::vector<Work> works = start_allreduce(c.groups, in, out, 3);
     c.run(works);
     for (auto& w : works) EXPECT_TRUE(w.error().is_ok()) << w.error().to_string();
     return out;
@@ -389,10 +394,7 @@ TEST(AggregateGroup, OtherCollectives) {
 void check_allreduce(AggCluster& c, int p, size_t n, uint64_t seed) {
   std::vector<std::vector<std::byte>> in, out(p, std::vector<std::byte>(4 * n, std::byte{0xEE}));
   for (int r = 0; r < p; ++r) in.push_back(random_elements(DType::kF32, n, seed + static_cast<uint64_t>(r)));
-  std::vector<Work> works;
-  for (int r = 0; r < p; ++r)
-    works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
-                                                                       DType::kF32, Reduction::kSum));
+  std::vector<Work> works = start_allreduce(c.groups, in, out, p);
   c.run(works);
   const auto want = reference(in, DType::kF32, RedOp::kSum);
   for (int r = 0; r < p; ++r) {
@@ -585,10 +587,7 @@ TEST(AggregateGroup, RanksSharingADeviceStageThroughItsMemory) {
       out.emplace_back(in.back().size());
       gathered.emplace_back(4 * 1000 * p);
     }
-    std::vector<Work> works;
-    for (int r = 0; r < p; ++r)
-      works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
-                                                                         DType::kF32, Reduction::kSum));
+    std::vector<Work> works = start_allreduce(c.groups, in, out, p);
     for (int r = 0; r < p; ++r)
       works.push_back(c.groups[static_cast<size_t>(r)]->allgather_async(std::span(in[static_cast<size_t>(r)]).first(4000),
                                                                          gathered[static_cast<size_t>(r)]));
@@ -615,10 +614,7 @@ TEST(AggregateGroup, LateRankIsWaitedFor) {
     in.push_back(random_elements(DType::kF32, 4000, static_cast<uint64_t>(r + 7)));
     out.emplace_back(in.back().size());
   }
-  std::vector<Work> works;
-  for (int r = 0; r < 2; ++r)
-    works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
-                                                                       DType::kF32, Reduction::kSum));
+  std::vector<Work> works = start_allreduce(c.groups, in, out, 2);
   for (int i = 0; i < 100; ++i) {  // 2 s of virtual time without rank 2
     for (auto& g : c.groups) g->progress();
     c.wait(20ms);
@@ -657,10 +653,7 @@ TEST(AggregateGroup, LostResultIsAskedForAgainWithinATimeout) {
       out.emplace_back(in.back().size());
     }
     const auto start = c.fabric.now();
-    std::vector<Work> works;
-    for (int r = 0; r < 3; ++r)
-      works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
-                                                                         DType::kF32, Reduction::kSum));
+    std::vector<Work> works = start_allreduce(c.groups, in, out, 3);
     c.run(works);
     const auto took = c.fabric.now() - start;
     const auto want = reference(in, DType::kF32, RedOp::kSum);
@@ -768,10 +761,7 @@ TEST(AggregateGroup, DeadAggregatorFailsEveryRankNamingIt) {
     out.emplace_back(in.back().size());
   }
   const auto start = c.fabric.now();
-  std::vector<Work> works;
-  for (int r = 0; r < 3; ++r)
-    works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
-                                                                       DType::kF32, Reduction::kSum));
+  std::vector<Work> works = start_allreduce(c.groups, in, out, 3);
   c.run(works);
   EXPECT_LT(c.fabric.now() - start, 3s);
   const std::string dead = AggCluster::agg_addr(1).to_string();
@@ -797,10 +787,7 @@ TEST(AggregateGroup, OwnDevicesAggregate) {
     in.push_back(random_elements(DType::kF32, 20000, static_cast<uint64_t>(r + 70)));
     out.emplace_back(in.back().size());
   }
-  std::vector<Work> works;
-  for (int r = 0; r < p; ++r)
-    works.push_back(c.groups[static_cast<size_t>(r)]->allreduce_async(in[static_cast<size_t>(r)], out[static_cast<size_t>(r)],
-                                                                       DType::kF32, Reduction::kAvg));
+  std::vector<Work> works = start_allreduce(c.groups, in, out, p, Reduction::kAvg);
   c.run(works);
   auto want = reference(in, DType::kF32, RedOp::kSum);
   for (size_t i = 0; i < want.size() / 4; ++i) {

@@ -131,12 +131,10 @@ struct Client::Recovery {
   // their own: an answer from one is no evidence about another.
   std::unordered_map<uint64_t, client_detail::LossRecovery> aggregators;
   TimePoint next_check{};  // the earliest time check_timers has work
-  std::chrono::nanoseconds min_rto;
   // The window and pacing of everything this client sends: plain requests,
   // chains it starts and aggregate contributions alike (one sender).
   client_detail::CongestionControl cc;
-  explicit Recovery(const ClientOptions& o)
-      : routes(make(o.min_rto)), min_rto(o.min_rto), cc(congestion(o, kDefaultMaxPayload)) {}
+  explicit Recovery(const ClientOptions& o) : routes(make(o.min_rto)), cc(congestion(o, kDefaultMaxPayload)) {}
   static client_detail::CongestionControl::Config congestion(const ClientOptions& o, size_t packet) {
     client_detail::CongestionControl::Config c;
     c.algorithm = o.congestion;
@@ -887,7 +885,7 @@ void Client::send_queued() {
 
 void Client::check_timers() {
   const TimePoint now = transport_->now();
-  TimePoint next = now + recovery_->min_rto / 2;
+  TimePoint next = now + std::chrono::nanoseconds(opts_.min_rto) / 2;
   std::vector<uint64_t> expired;
   std::array<bool, Recovery::kCount> probed{};
   for (auto& [txn, p] : inflight_) {
@@ -1219,12 +1217,12 @@ void Client::pump(bool block) {
   auto timeout = std::chrono::nanoseconds(0);
   if (block) {
     const TimePoint now = transport_->now();
-    TimePoint wake = inflight_.empty() ? now + recovery_->min_rto : recovery_->next_check;
+    TimePoint wake = inflight_.empty() ? now + std::chrono::nanoseconds(opts_.min_rto) : recovery_->next_check;
     // Held back by the pacer (not by the window, which only answers open):
     // wake when it lets the next request go.
     if (const TimePoint pace = recovery_->cc.send_at(now); !queue_.empty() && pace > now) wake = std::min(wake, pace);
     timeout = std::clamp<std::chrono::nanoseconds>(wake - now, std::chrono::nanoseconds(0),
-                                                   recovery_->min_rto / 2);
+                                                   std::chrono::nanoseconds(opts_.min_rto) / 2);
   }
   std::array<transport::InMsg, kRxBatch> in;
   for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);

@@ -74,10 +74,11 @@ int main(int argc, char** argv) {
   app.add_flag("--shared-data", s.shared_data,
                "one physical copy of all data buffers (needed at scale; results are then not checked)");
   app.add_option("--seed", s.seed, "seeds losses and the link chosen to fail");
-  uint64_t min_rto_us = 0;
+  uint64_t min_rto_us = static_cast<uint64_t>(s.min_rto.count());
   app.add_option("--min-rto-us", min_rto_us,
-                 "the clients' least retransmission timeout (0: the client's default, 20 ms, set for loopback)")
-      ->check(CLI::Range(uint64_t{0}, uint64_t{1000000}));
+                 "the clients' least retransmission timeout (the client's default, 20 ms, is set for loopback)")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1000000}))
+      ->capture_default_str();
   uint64_t limit_ms = 20000;
   app.add_option("--limit-ms", limit_ms, "virtual time allowed for the collective");
   app.add_option("--queue-trace", s.queue_trace,
@@ -127,9 +128,7 @@ int main(int argc, char** argv) {
                        s.fail_link_at_us, congestion, o.completed ? 1 : 0, o.exact, o.time_us, o.algbw_gbs,
                        o.busbw_gbs, o.bound_busbw_gbs, of_bound, o.datagrams, o.retransmits, o.queue_drops,
                        o.link_losses, o.setup_wall_s, o.run_wall_s, csv_quote(o.error), model,
-                       std::chrono::duration_cast<std::chrono::microseconds>(
-                           s.min_rto.count() > 0 ? s.min_rto : netdam::ClientOptions{}.min_rto)
-                           .count());
+                       s.min_rto.count());
     }
     if (check && !(o.completed && o.exact == 1)) return 1;
     return o.completed ? 0 : 1;

@@ -155,7 +155,7 @@ Outcome run_scenario(const Scenario& s) {
     o.client.congestion = s.congestion;
   if (s.aggregate_window > 0) o.aggregate_window = s.aggregate_window;
     if (s.packet_timeout.count() > 0) o.client.timeout = s.packet_timeout;
-    if (s.min_rto.count() > 0) o.client.min_rto = s.min_rto;
+    o.client.min_rto = s.min_rto;
     Regions regions;
     bool colocated = true;  // the ranks map their own devices' memory
     switch (s.algorithm) {

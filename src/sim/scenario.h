@@ -40,7 +40,7 @@ struct Scenario {
   std::chrono::microseconds tick{20};          // the ranks' timer granularity
   std::chrono::milliseconds limit{20000};      // virtual time allowed for the collective
   std::chrono::milliseconds packet_timeout{0};  // the client's per-packet timeout; 0: its default
-  std::chrono::microseconds min_rto{0};         // ClientOptions::min_rto; 0: its default (20 ms)
+  std::chrono::microseconds min_rto = ClientOptions{}.min_rto;  // the clients' least retransmission timeout
   // Where to write "time_us,queued_bytes" of the switch port toward
   // aggregator 0 (toward host 0 without aggregators), every 10 us of the
   // collective; empty: nowhere. Not on a torus (no switch).
