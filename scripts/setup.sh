@@ -16,6 +16,8 @@ packages=(
   iputils-ping                         # tests/cluster: ping across the emulated cluster
   python3-dev pybind11-dev python3-numpy  # the netdam Python module (for /usr/bin/python3)
   python3-torch libtorch-dev           # the torch.distributed backend and optimizer offload
+  libopenblas0-pthread                 # the BLAS libtorch recommends; without it torch's matmuls run on
+                                       # the reference BLAS (docs/TORCH.md, "DDP: netdam against gloo")
   tshark                               # tests/wireshark: decodes a capture with tools/wireshark/netdam.lua
   libns3-dev                            # netdam-sim, the packet-level simulation (docs/SIMULATION.md)
   python3-matplotlib                   # scripts/sim_plots.py (the simulation report's plots)

@@ -361,6 +361,48 @@ TEST_F(AggregateTest, StagedBlocksMayExceedThePayloadLimit) {
   EXPECT_EQ(a[0].rec.flags & kAggResultNone, kAggResultNone);
 }
 
+// A block is reduced tile by tile (16 KiB); across tiles, a short last
+// tile and a zero marker between two dense contributions, the bits are
+// those of whole-block passes in contributor order.
+TEST_F(AggregateTest, LargeBlocksReduceBitExactAcrossTiles) {
+  constexpr uint32_t kLen = (40 << 10) + 24, kBig = 48 << 10;  // 2.5 tiles, whole f64s
+  const AggGeometry g = AggGeometry::of(256 << 10, 3, kBig);
+  ASSERT_GE(g.blocks, 1u);
+  for (DType t : {DType::kF32, DType::kF64, DType::kBF16}) {
+    const uint32_t gen = t == DType::kF32 ? 1 : t == DType::kF64 ? 2 : 3;
+    Bytes r0(kLen), r2(kLen);
+    uint32_t x = 0x9E3779B9u * gen;
+    for (size_t i = 0; i < kLen; ++i) {
+      x = x * 1664525u + 1013904223u;
+      r0[i] = std::byte(x >> 24);
+      r2[i] = std::byte(x >> 16);
+    }
+    // Rank 0's first element is -0.0 in f32: the zero marker of rank 1 must make it +0.0 + rank 2's.
+    std::memset(r0.data(), 0, 4);
+    r0[3] = std::byte{0x80};
+    std::memset(r2.data(), 0, 8);
+    std::memcpy(mem_.data() + g.stage(0, 0), r0.data(), kLen);
+    std::memcpy(mem_.data() + g.stage(2, 0), r2.data(), kLen);
+    std::memset(mem_.data() + g.stage(1, 0), 0x7f, kLen);  // stale: rank 1's marker means zeros, not this
+    auto h0 = Send({.rank = 0, .generation = gen, .stride = kBig, .flags = kAggStaged | kAggNoResult,
+                           .dtype = t, .length = kLen});
+    ASSERT_TRUE(Held(h0)) << to_string(h0[0].h.status);
+    EXPECT_TRUE(Held(Send({.rank = 1, .generation = gen, .stride = kBig, .flags = kAggZero | kAggNoResult,
+                           .dtype = t, .length = kLen})));
+    auto a = Send({.rank = 2, .generation = gen, .stride = kBig, .flags = kAggStaged | kAggNoResult, .dtype = t,
+                   .length = kLen});
+    ASSERT_EQ(a.size(), 3u);
+    Bytes want = r0, zeros(kLen);
+    reduce_reference(t, RedOp::kSum, want.data(), zeros.data(), kLen / dtype_size(t));
+    reduce_reference(t, RedOp::kSum, want.data(), r2.data(), kLen / dtype_size(t));
+    const size_t at = g.result(gen, 0);
+    EXPECT_EQ(Bytes(mem_.begin() + static_cast<ptrdiff_t>(at), mem_.begin() + static_cast<ptrdiff_t>(at + kLen)),
+              want)
+        << to_string(t);
+    EXPECT_EQ(a[0].rec.flags & kAggResultZero, 0u);
+  }
+}
+
 TEST_F(AggregateTest, Refusals) {
   const Bytes d = Floats({1, 2});
   EXPECT_EQ(StatusOf({.stride = 128 << 10, .data = d}), Status::kOutOfBounds);  // not one block fits

@@ -202,27 +202,42 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
   // bits do not depend on the order they arrived in.
   std::byte* result = base + g.result(c.generation, c.block);
   const uint64_t adding = b.have[s] & ~b.skip[s];
+  bool result_zero = true;
   if ((adding & ~b.zeros[s]) == 0) {
     // Only zero markers (or only relays): +0.0 OP +0.0 is +0.0 for every
     // operator and type, so the dense result is all zero bits.
     std::memset(result, 0, c.length);
   } else {
-    bool first = true;
-    for (uint16_t k = 0; k < r.contributors; ++k) {
-      const uint64_t bit = uint64_t{1} << k;
-      if (!(adding & bit)) continue;
-      std::byte* in = base + g.stage(k, c.block);
-      if (b.zeros[s] & bit) std::memset(in, 0, c.length);  // dense semantics: -0.0 + 0.0 is +0.0
-      if (first)
-        std::memcpy(result, in, c.length);
-      else
-        reduce_inplace(c.dtype, c.redop, result, in, c.length / dtype_size(c.dtype));
-      first = false;
+    // Tile by tile, so that a tile of RESULT stays in the cache while all p
+    // contributions are added to it: one pass over memory instead of p (a
+    // 1 MiB block at p = 4 read 11 MiB, now 5). Each element still sees the
+    // same operations in the same order, so the bits are those of whole-block
+    // passes.
+    constexpr size_t kTile = 16 << 10;  // a multiple of every element size
+    const size_t esize = dtype_size(c.dtype);
+    for (size_t at = 0; at < c.length; at += kTile) {
+      const size_t n = std::min(kTile, size_t{c.length} - at);
+      bool first = true;
+      for (uint16_t k = 0; k < r.contributors; ++k) {
+        const uint64_t bit = uint64_t{1} << k;
+        if (!(adding & bit)) continue;
+        std::byte* in = base + g.stage(k, c.block) + at;
+        if (b.zeros[s] & bit) std::memset(in, 0, n);  // dense semantics: -0.0 + 0.0 is +0.0
+        if (first)
+          std::memcpy(result + at, in, n);
+        else
+          reduce_inplace(c.dtype, c.redop, result + at, in, n / esize);
+        first = false;
+      }
+      result_zero = result_zero && all_zero(std::span<const std::byte>(result + at, n));  // while it is hot
     }
   }
-  if (c.finish) c.finish(std::span<std::byte>(result, c.length));  // OPTIMIZE: RESULT becomes the weights
+  if (c.finish) {
+    c.finish(std::span<std::byte>(result, c.length));  // OPTIMIZE: RESULT becomes the weights
+    result_zero = all_zero(std::span<const std::byte>(result, c.length));
+  }
   b.done[s] = true;
-  b.zero[s] = all_zero(std::span<const std::byte>(result, c.length));
+  b.zero[s] = result_zero;
   out.completed = true;
   for (uint16_t k = 0; k < r.contributors; ++k) {
     const AggReply& w = t->replies[c.block * r.contributors + k];
