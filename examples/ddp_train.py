@@ -74,14 +74,17 @@ REDUCES_GRADIENTS = {"offload-sgd", "offload-adam"}
 
 
 def train(steps=20, seed=1, optimizer="sgd", batch_size=32, classes=10, lr=0.05, process_group=None,
-          log=None, hidden=HIDDEN):
+          log=None, hidden=HIDDEN, comm_hook=None):
     """Trains with DDP over `process_group` (default: the default group);
-    returns the per-step losses of this rank's batches."""
+    returns the per-step losses of this rank's batches. `comm_hook`: a DDP
+    communication hook to register instead of the default all-reduce."""
     rank = dist.get_rank(process_group)
     model = build_model(seed, classes, hidden)  # the same weights on every rank
     model = DDP(model, process_group=process_group)
     if optimizer in REDUCES_GRADIENTS:
         model.register_comm_hook(None, netdam.optim.local_gradients_hook)
+    elif comm_hook is not None:
+        model.register_comm_hook(None, comm_hook)
     opt = OPTIMIZERS[optimizer](model.parameters(), lr, process_group)
     loss_fn = nn.CrossEntropyLoss()
     losses = []

@@ -12,7 +12,11 @@ verified once per backend (small integers: exact). Then all_to_all_single
 (equal splits) of 64 KiB, 1 MiB and 16 MiB per rank, verified. Then DDP: the MLP of
 examples/ddp_train.py (wider, --hidden), the same data, step time (forward,
 backward with its gradient all-reduces, optimizer) on both backends, and
-the losses compared. Rank 0 prints the tables; ratio = gloo's time / netdam's.
+the losses compared, and the same steps with no communication at all (a
+DDP comm hook that leaves each rank's gradients local: the floor any
+backend adds its all-reduces to). Rank 0 prints the tables; ratio =
+gloo's time / netdam's. The BLAS torch's matmuls run on is printed too: it
+decides how much of a step is compute.
 """
 
 import argparse
@@ -39,11 +43,19 @@ def fmt_size(n):
     return f"{n} B"
 
 
+def blas_library():
+    """The BLAS library this process mapped (Debian's libblas.so.3 alternative)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "blas" in line.rsplit("/", 1)[-1]}
+    return ", ".join(sorted(os.path.realpath(p) for p in paths)) or "none mapped"
+
+
 def worker(args, rank, size):
     import torch
     import torch.distributed as dist
 
     import netdam.distributed  # noqa: F401
+    import netdam.optim
     sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
     import ddp_train
 
@@ -123,11 +135,12 @@ def worker(args, rank, size):
             print(f"| {fmt_size(nbytes)} | {a * 1e6:.0f} us | {moved / a / 1e9:.3f} GB/s | {b * 1e6:.0f} us "
                   f"| {moved / b / 1e9:.3f} GB/s | {b / a:.2f} |", flush=True)
 
-    # DDP: per-step time after warm-up, both backends, same model and data.
+    # DDP: per-step time after warm-up, both backends, same model and data,
+    # and the floor: the same steps with a hook that communicates nothing.
     steps = {}
     losses = {}
     params = None
-    for name, g in groups.items():
+    for name, g in list(groups.items()) + [("no communication", groups["gloo"])]:
         dist.barrier()
         times = []
 
@@ -135,7 +148,8 @@ def worker(args, rank, size):
             times.append(time.perf_counter())
 
         losses[name] = ddp_train.train(args.steps + args.warmup, seed=7, optimizer="sgd", batch_size=args.batch,
-                                       hidden=args.hidden, process_group=g, log=log)
+                                       hidden=args.hidden, process_group=g, log=log,
+                                       comm_hook=netdam.optim.local_gradients_hook if name == "no communication" else None)
         per_step = (times[-1] - times[args.warmup - 1]) / args.steps
         steps[name] = slowest(per_step)
         params = sum(p.numel() for p in ddp_train.build_model(7, 10, args.hidden).parameters())
@@ -143,11 +157,13 @@ def worker(args, rank, size):
         diff = max(abs(a - b) for a, b in zip(losses["netdam"], losses["gloo"]))
         print(f"\n# DDP step (MLP {params / 1e6:.2f} M float32 parameters = {params * 4 / 2 ** 20:.1f} MiB of "
               f"gradients, batch {args.batch} per rank, SGD), mean of {args.steps} steps after {args.warmup}; "
-              f"losses max |netdam - gloo| = {diff:.1e}")
-        print("| backend | step time | gloo/netdam |")
-        print("|---|---:|---:|")
-        for name in groups:
-            print(f"| {name} | {steps[name] * 1e3:.1f} ms | {steps['gloo'] / steps[name]:.2f} |", flush=True)
+              f"losses max |netdam - gloo| = {diff:.1e}; BLAS {blas_library()}")
+        print("| backend | step time | over no communication | gloo/netdam |")
+        print("|---|---:|---:|---:|")
+        for name in steps:
+            ratio = f"{steps['gloo'] / steps[name]:.2f}" if name != "no communication" else "-"
+            print(f"| {name} | {steps[name] * 1e3:.1f} ms | {(steps[name] - steps['no communication']) * 1e3:+.1f} ms "
+                  f"| {ratio} |", flush=True)
     ok = max(abs(a - b) for a, b in zip(losses["netdam"], losses["gloo"])) <= 1e-5
     dist.destroy_process_group(groups["netdam"])
     dist.destroy_process_group()
@@ -161,7 +177,7 @@ def main():
     ap.add_argument("--min-iters", type=int, default=5)
     ap.add_argument("--max-iters", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=60)  # 20 steps of ~20 ms scattered runs by +-10%
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
