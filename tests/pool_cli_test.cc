@@ -46,6 +46,19 @@ TEST_F(PoolCliTest, AllocPutGetLsStatFree) {
   r = Run({"pool", "get", "blob", "--direct", "--offset", "1000", "--length", "3000"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(r.out == data.substr(1000, 3000));
+  // `netdam copy` through the proxy: global addresses, the 64-bit key;
+  // the ranges overlap and cross stripes and devices.
+  r = Run({"pool", "ls"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const size_t at = r.out.find("key=");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const std::string key = r.out.substr(at + 4, r.out.find(' ', at) - at - 4);
+  r = Run({"--key", key, "copy", "0x10000000064", "0x10000000000", "5000"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  data.replace(100, 5000, data.substr(0, 5000));
+  r = Run({"pool", "get", "blob"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(r.out == data);
   r = Run({"pool", "put", "blob", "--offset", "49999"}, "xy");
   EXPECT_EQ(r.exit_code, 2) << r.err;
   r = Run({"pool", "ls"});

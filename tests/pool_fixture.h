@@ -16,6 +16,8 @@
 
 #include "daemon_fixture.h"
 #include "netdam/pool.h"
+#include "pool/map_request.h"
+#include "transport/transport.h"
 
 namespace netdam::testing {
 
@@ -144,6 +146,37 @@ class PoolTest : public ::testing::Test {
     std::vector<std::byte> v(n);
     for (auto& b : v) b = static_cast<std::byte>(rng());
     return v;
+  }
+  // [off, off + len) of every live copy of `a`, read from its devices
+  // directly, stripe by stripe. A copy the proxy gave up on (a device
+  // operation that timed out on a loaded machine) is stale by design and
+  // never read again: it is skipped, so the result may hold one copy only.
+  std::vector<std::vector<std::byte>> ReadLiveCopies(const PoolAllocation& a, uint64_t off, size_t len) {
+    std::vector<std::vector<std::byte>> out;
+    auto m = pool::request_map(pool_->proxy_client(), a.base, a.key);
+    EXPECT_TRUE(m) << m.error().to_string();
+    if (!m) return out;
+    for (uint32_t copy = 0; copy < m->layout.copies; ++copy) {
+      std::vector<std::byte> bytes(len);
+      bool live = true;
+      for (uint64_t at = off; live && at < off + len;) {
+        const uint64_t n = std::min<uint64_t>(m->layout.stripe - at % m->layout.stripe, off + len - at);
+        const pool::Place pl = pool::locate(m->layout, at, copy);
+        const pool::MapSlot& slot = m->m.slots[pl.slot];
+        live = slot.flags & pool::kSlotLive;
+        if (!live) break;
+        ClientOptions co;
+        co.rkey = slot.rkey;
+        auto dev = Client::connect(transport::Endpoint{slot.ip, slot.port}.to_string(), co);
+        EXPECT_TRUE(dev) << dev.error().to_string();
+        if (!dev) return out;
+        Error e = (*dev)->read(slot.base + pl.extent_offset, std::span(bytes).subspan(at - off, n));
+        EXPECT_FALSE(e) << e.to_string();
+        at += n;
+      }
+      if (live) out.push_back(std::move(bytes));
+    }
+    return out;
   }
   // Waits until the proxy's view of the allocation is `state`.
   bool WaitState(const std::string& name, const std::string& state, std::chrono::milliseconds limit = std::chrono::milliseconds(3000)) {

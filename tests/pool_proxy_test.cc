@@ -2,6 +2,7 @@
 // through netdam::Pool (proxy and direct paths) and raw datagrams.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <random>
 #include <thread>
 
@@ -22,6 +23,44 @@ namespace {
 class PoolProxyTest : public PoolTest {};
 
 Status nak_status(const Error& e) { return e.code() == Error::Code::kNak ? e.status() : Status::kOk; }
+
+// A raw COPY datagram through the proxy (one socket, so one requester),
+// sent `times` times, each waiting for its answer: the answers' headers.
+std::vector<core::Header> raw_copy(const std::string& proxy, const PoolAllocation& a, uint64_t txn, uint64_t dst,
+                                   uint64_t src, uint32_t len, int times) {
+  std::vector<core::Header> answers;
+  transport::UdpOptions u;
+  u.bind = transport::Endpoint{0x7F000001, 0};
+  auto opened = transport::UdpTransport::open(u);
+  EXPECT_TRUE(opened) << opened.error().message();
+  if (!opened) return answers;
+  auto sock = std::move(*opened);
+  core::Header h;
+  h.opcode = Opcode::kCopy;
+  h.rkey = static_cast<uint32_t>(a.key);
+  h.boot = static_cast<uint32_t>(a.key >> 32);
+  h.txn = txn;
+  h.addr = dst;
+  h.length = len;
+  std::array<std::byte, kHeaderSize + 16> d{};
+  core::encode_header(h, d.data());
+  core::store_be<uint64_t>(d.data() + kHeaderSize, src);
+  core::store_be<uint32_t>(d.data() + kHeaderSize + 8, static_cast<uint32_t>(a.key));
+  core::store_be<uint32_t>(d.data() + kHeaderSize + 12, static_cast<uint32_t>(a.key >> 32));
+  transport::OutMsg m{*transport::parse_endpoint(proxy), {std::span<const std::byte>(d), {}}};
+  std::vector<std::byte> rx(kRxBufferSize);
+  for (int send = 0; send < times; ++send) {
+    sock->send_batch({&m, 1});
+    transport::InMsg in;
+    in.buf = rx;
+    if (sock->recv_batch({&in, 1}, 2000ms) != 1) {
+      ADD_FAILURE() << "no answer to send " << send;
+      break;
+    }
+    answers.push_back(core::decode_header(rx.data()));
+  }
+  return answers;
+}
 
 }  // namespace
 
@@ -373,4 +412,108 @@ TEST_F(PoolProxyTest, DeviceKilledMidRead) {
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_EQ(nak_status(pool_->get(a.base, got, a.key)), Status::kUnavailable);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 200ms);
+}
+
+// COPY through the proxy (PROTOCOL.md 17.1): within an allocation across
+// stripes and devices, overlapping either way (memmove's result), between
+// allocations, into both copies of a replicated one; each against a
+// reference.
+TEST_F(PoolProxyTest, CopyAcrossStripesDevicesAndAllocations) {
+  Start(3);
+  PoolAllocation a = AllocStriped("src", 100 * 1024 + 13, 1024);
+  ASSERT_EQ(a.devices, 3);
+  std::mt19937_64 rng(11);
+  std::vector<std::byte> ref;
+  ASSERT_FALSE(PutRandom(a, rng, ref));
+  auto check = [&](const PoolAllocation& x, const std::vector<std::byte>& want, int step) {
+    for (Path path : {Path::kProxy, Path::kDirect}) {
+      std::vector<std::byte> got(x.size);
+      ASSERT_FALSE(pool_->get(x.base, got, x.key, path)) << step;
+      ASSERT_TRUE(got == want) << "step " << step << " path " << static_cast<int>(path);
+    }
+  };
+  // Forward and backward overlaps, disjoint ranges, an empty copy.
+  for (int i = 0; i < 40; ++i) {
+    const uint64_t len = i == 0 ? 0 : 1 + rng() % 20000;
+    const uint64_t src = rng() % (a.size - len + 1);
+    const uint64_t dst = i % 3 == 0 ? std::min<uint64_t>(src + 1 + rng() % 3000, a.size - len)  // forward overlap
+                         : i % 3 == 1 ? (src > 3000 ? src - 1 - rng() % 3000 : 0)               // backward overlap
+                                      : rng() % (a.size - len + 1);
+    ASSERT_FALSE(pool_->copy(a.base + dst, a.base + src, len, a.key, a.key)) << i;
+    std::memmove(ref.data() + dst, ref.data() + src, len);
+  }
+  check(a, ref, 40);
+  // Into another allocation, replicated: both copies hold the bytes.
+  AllocOptions r;
+  r.policy = PoolPolicy::kReplicated;
+  r.stripe = 4096;
+  PoolAllocation b = Alloc("dst", 3 * 4096, r);
+  ASSERT_EQ(b.copies, 2);
+  std::vector<std::byte> bref(b.size, std::byte{0});
+  ASSERT_FALSE(pool_->put(b.base, bref, b.key));
+  ASSERT_FALSE(pool_->copy(b.base + 100, a.base + 5000, 10000, b.key, a.key));
+  std::copy_n(ref.begin() + 5000, 10000, bref.begin() + 100);
+  check(b, bref, 41);
+  const auto copies = ReadLiveCopies(b, 0, b.size);
+  EXPECT_GE(copies.size(), 1u);
+  for (size_t c = 0; c < copies.size(); ++c) EXPECT_TRUE(copies[c] == bref) << "copy " << c;
+  // And back, the source unchanged.
+  ASSERT_FALSE(pool_->copy(a.base + 7, b.base, b.size, a.key, b.key));
+  std::copy(bref.begin(), bref.end(), ref.begin() + 7);
+  check(a, ref, 42);
+  check(b, bref, 43);
+}
+
+// COPY's refusals through the proxy: the source is checked first, as a
+// device checks it, and nothing is written when either side is refused.
+TEST_F(PoolProxyTest, CopyRefusals) {
+  Start(2);
+  PoolAllocation a = AllocStriped("a", 64 * 1024, 1024);
+  PoolAllocation b = AllocStriped("b", 64 * 1024, 1024);
+  std::mt19937_64 rng(12);
+  std::vector<std::byte> aref, bref;
+  ASSERT_FALSE(PutRandom(a, rng, aref));
+  ASSERT_FALSE(PutRandom(b, rng, bref));
+  Client& c = pool_->proxy_client();
+  const uint64_t none = uint64_t{999} << 40;
+  EXPECT_EQ(nak_status(c.copy(b.base, a.base, 100, b.key, b.key)), Status::kBadKey);  // source key wrong
+  EXPECT_EQ(nak_status(c.copy(b.base, a.base, 100, a.key, a.key)), Status::kBadKey);  // destination key wrong
+  EXPECT_EQ(nak_status(c.copy(b.base, none, 100, a.key, b.key)), Status::kNoSuchAllocation);
+  EXPECT_EQ(nak_status(c.copy(none, a.base, 100, a.key, b.key)), Status::kNoSuchAllocation);
+  EXPECT_EQ(nak_status(c.copy(b.base, a.base + 64 * 1024 - 50, 100, a.key, b.key)), Status::kOutOfBounds);
+  EXPECT_EQ(nak_status(c.copy(b.base + 64 * 1024 - 50, a.base, 100, a.key, b.key)), Status::kOutOfBounds);
+  // Both wrong: the source's refusal.
+  EXPECT_EQ(nak_status(c.copy(b.base + 64 * 1024, a.base, 100, b.key, b.key)), Status::kBadKey);
+  std::vector<std::byte> got(64 * 1024);
+  ASSERT_FALSE(pool_->get(a.base, got, a.key));
+  EXPECT_TRUE(got == aref);
+  ASSERT_FALSE(pool_->get(b.base, got, b.key));
+  EXPECT_TRUE(got == bref);
+  // Above 16 MiB in one request: BAD_LENGTH, before the allocation is
+  // looked at (section 6's checks come first). The client cuts disjoint
+  // copies itself, so this takes a raw request.
+  auto answers = raw_copy(mmu_.endpoint(), a, 50, a.base, a.base + 100, (16u << 20) + 1, 1);
+  ASSERT_EQ(answers.size(), 1u);
+  EXPECT_EQ(answers[0].status, Status::kBadLength);
+}
+
+// A retransmitted COPY (the same datagram three times) between overlapping
+// ranges runs once: a second run would shift the bytes again.
+TEST_F(PoolProxyTest, DuplicateCopyAppliedOnce) {
+  Start(2);
+  PoolAllocation a = AllocStriped("shift", 16 * 1024, 1024);
+  std::mt19937_64 rng(13);
+  std::vector<std::byte> ref;
+  ASSERT_FALSE(PutRandom(a, rng, ref));
+  // 1000 bytes further, across stripes and devices.
+  const auto answers = raw_copy(mmu_.endpoint(), a, 77, a.base + 1500, a.base + 500, 8000, 3);
+  ASSERT_EQ(answers.size(), 3u);
+  for (const core::Header& r : answers) {
+    EXPECT_EQ(r.status, Status::kOk);
+    EXPECT_EQ(r.txn, 77u);
+  }
+  std::memmove(ref.data() + 1500, ref.data() + 500, 8000);
+  std::vector<std::byte> got(a.size);
+  ASSERT_FALSE(pool_->get(a.base, got, a.key));
+  EXPECT_TRUE(got == ref);
 }

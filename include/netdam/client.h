@@ -197,7 +197,9 @@ class Client {
   // Repeats `pattern` (1..256 bytes) over [addr, addr+len).
   Error fill(uint64_t addr, uint64_t len, std::span<const std::byte> pattern, uint64_t rkey = 0);
   // Device-local copy of len bytes from (src_key, src) to (rkey, dst).
-  Error copy(uint64_t dst, uint64_t src, uint64_t len, uint32_t src_key = 0, uint32_t rkey = 0);
+  // Through a pool proxy, addresses are global and keys 64-bit: the copy
+  // may cross allocations, stripes and devices (PROTOCOL.md 17.1).
+  Error copy(uint64_t dst, uint64_t src, uint64_t len, uint64_t src_key = 0, uint64_t rkey = 0);
   Result<uint64_t> fetch_add(uint64_t addr, uint64_t add, uint64_t rkey = 0);
   // Returns the previous value; the swap happened iff it equals `expected`.
   Result<uint64_t> compare_swap(uint64_t addr, uint64_t expected, uint64_t desired,

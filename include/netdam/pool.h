@@ -105,6 +105,11 @@ class Pool {
   Result<uint64_t> atomic_compare_swap(uint64_t addr, uint64_t expected, uint64_t desired, uint64_t key,
                                        Path path = Path::kProxy);
   Result<uint64_t> atomic_swap(uint64_t addr, uint64_t value, uint64_t key, Path path = Path::kProxy);
+  // len bytes from (src, src_key) to (dst, dst_key), as if through a
+  // temporary buffer (ranges may overlap, allocations may differ); run by
+  // the proxy, exactly once, at most 16 MiB per request when the ranges
+  // overlap (the client cuts the rest).
+  Error copy(uint64_t dst, uint64_t src, uint64_t len, uint64_t dst_key, uint64_t src_key);
 
   // The client connected to the proxy (plain device protocol on global addresses).
   Client& proxy_client() { return *proxy_; }

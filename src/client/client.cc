@@ -687,9 +687,11 @@ Error Client::fill(uint64_t addr, uint64_t len, std::span<const std::byte> patte
   return wait(h);
 }
 
-Error Client::copy(uint64_t dst, uint64_t src, uint64_t len, uint32_t src_key, uint32_t rkey) {
+Error Client::copy(uint64_t dst, uint64_t src, uint64_t len, uint64_t src_key, uint64_t rkey) {
   if (Error e = check_range(dst, len)) return e;
   if (Error e = check_range(src, len)) return e;
+  if (Error e = check_key(key(src_key))) return e;
+  if (Error e = check_key(key(rkey))) return e;
   const bool overlap = dst < src + len && src < dst + len;
   if (overlap && len > kMaxRangePerRequest)
     return Error::invalid("overlapping copies are limited to 16 MiB (one request)");
@@ -700,7 +702,10 @@ Error Client::copy(uint64_t dst, uint64_t src, uint64_t len, uint32_t src_key, u
     Packet& p = new_packet(op, Opcode::kCopy, key(rkey), dst + off, static_cast<uint32_t>(n));
     p.owned.resize(16);
     store_be<uint64_t>(p.owned.data(), src + off);
+    // The source key's low half, then its high half (0 for a device's
+    // 32-bit keys; a pool allocation's key is 64-bit).
     store_be<uint32_t>(p.owned.data() + 8, static_cast<uint32_t>(key(src_key)));
+    store_be<uint32_t>(p.owned.data() + 12, static_cast<uint32_t>(key(src_key) >> 32));
     p.payload = p.owned;
   }
   Op h = start(std::move(op));

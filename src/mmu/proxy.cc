@@ -97,6 +97,9 @@ struct Proxy::Job {
   uint32_t primary = 0;
   uint64_t old_value = 0;
   std::array<std::byte, 8> word{};
+  // COPY: phase 0 reads the source (alloc_id) into buf, phase 1 writes it
+  // to the destination.
+  uint64_t copy_to = 0;  // the destination's allocation id
 };
 
 Result<std::unique_ptr<Proxy>> Proxy::create(const ProxyOptions& o) {
@@ -306,7 +309,8 @@ void Proxy::handle(std::span<std::byte> datagram, const Endpoint& from) {
     case Opcode::kFill:
     case Opcode::kFetchAdd:
     case Opcode::kCompareSwap:
-    case Opcode::kSwap: return data(from, h, pkt.payload);
+    case Opcode::kSwap:
+    case Opcode::kCopy: return data(from, h, pkt.payload);
     case Opcode::kReduceMem:
     case Opcode::kReducePayload:
     case Opcode::kOptConfig:
@@ -485,7 +489,7 @@ Client* Proxy::client(uint32_t device_id) { return conns_[device_id]->client.get
 void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload) {
   const bool atomic = is_atomic(h.opcode);
   const bool mutation = atomic || h.opcode == Opcode::kReduceMem || h.opcode == Opcode::kOptStep ||
-                        h.opcode == Opcode::kOptConfig;
+                        h.opcode == Opcode::kOptConfig || h.opcode == Opcode::kCopy;
   // Who serves it is decided by the request and the layout alone, never by
   // which devices answer now: a mutation the devices keep exactly once
   // (their windows, keyed by the client: PROTOCOL.md 17.5) must never be
@@ -540,6 +544,9 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
       if (h.addr % esize) return fail(Status::kMisaligned);
       break;
     }
+    case Opcode::kCopy:
+      if (payload.size() != kCopyPayloadSize || h.length > opts_.max_fill) return fail(Status::kBadLength);
+      break;
     case Opcode::kOptConfig:
       if (h.length != kOptConfigRecordSize || payload.size() != kOptConfigRecordSize) return fail(Status::kBadLength);
       if (pool::offset_of(h.addr) != 0) return fail(Status::kOutOfBounds);
@@ -552,11 +559,15 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
       len = 8;
       break;
   }
-  if (!a) return fail(Status::kNoSuchAllocation);
-  if (shown_key(h) != a->row.key) return fail(Status::kBadKey);
+  // COPY's source first, as a device checks it (PROTOCOL.md 6.6).
+  const Allocation* src = nullptr;
+  if (h.opcode == Opcode::kCopy) {
+    const CopySource cs = decode_copy_source(payload);
+    src = catalog_.find(pool::allocation_of(cs.addr));
+    if (Status st = check_access(src, cs.key, cs.addr, len); st != Status::kOk) return fail(st);
+  }
+  if (Status st = check_access(a, shown_key(h), h.addr, len); st != Status::kOk) return fail(st);
   const uint64_t off = pool::offset_of(h.addr);
-  if (off > a->row.size || len > a->row.size - off) return fail(Status::kOutOfBounds);
-  if (catalog_.state(*a) == AllocState::kLost) return fail(Status::kDeviceLost);
   if (by_devices && forward(from, h, payload, *a)) return;
   // A device it needs is not answering (lost data was refused above). A
   // mutation is refused without running anywhere; the rest is served here
@@ -573,6 +584,7 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
     else start_atomic(j);
     return;
   }
+  if (h.opcode == Opcode::kCopy) return start_copy(std::move(job), *src, payload);
   const bool write = h.opcode != Opcode::kRead && h.opcode != Opcode::kReducePayload;
   if (h.opcode == Opcode::kRead) {
     job->buf.resize(len);
@@ -592,6 +604,60 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
     }
   }
   jobs_.push_back(std::move(job));
+}
+
+// An allocation, the key a request shows for it and [addr, addr + len):
+// the refusal, in the order a device checks a region (PROTOCOL.md 17.1).
+Status Proxy::check_access(const Allocation* a, uint64_t key, uint64_t addr, uint64_t len) const {
+  if (!a) return Status::kNoSuchAllocation;
+  if (key != a->row.key) return Status::kBadKey;
+  const uint64_t off = pool::offset_of(addr);
+  if (off > a->row.size || len > a->row.size - off) return Status::kOutOfBounds;
+  if (catalog_.state(*a) == AllocState::kLost) return Status::kDeviceLost;
+  return Status::kOk;
+}
+
+Proxy::CopySource Proxy::decode_copy_source(std::span<const std::byte> payload) {
+  return {load_be<uint64_t>(payload.data()),
+          uint64_t{load_be<uint32_t>(payload.data() + 12)} << 32 | load_be<uint32_t>(payload.data() + 8)};
+}
+
+// COPY: the whole source is read into the job's buffer first (phase 0),
+// then written to every copy of the destination (phase 1), so overlapping
+// ranges copy as memmove does, across stripes, devices and allocations.
+void Proxy::start_copy(std::unique_ptr<Job> job, const Allocation& src, std::span<const std::byte> payload) {
+  Job& j = *job;
+  j.copy_to = j.alloc_id;
+  j.alloc_id = src.row.id;
+  j.buf.resize(j.req.length);
+  const uint64_t from = pool::offset_of(decode_copy_source(payload).addr);
+  for (const auto& pc : pool::split_merged(src.layout, from, j.req.length))
+    if (Status s = start_piece(j, src, pc.offset, pc.length, pc.offset - from, false); s != Status::kOk) {
+      j.status = s;
+      break;
+    }
+  jobs_.push_back(std::move(job));
+}
+
+// COPY's source is read: its destination pieces. True when the job is
+// finished (a failure, or nothing to write).
+bool Proxy::start_copy_writes(Job& j) {
+  j.phase = 1;
+  j.subs.clear();
+  j.pieces = 0;
+  j.alloc_id = j.copy_to;
+  const Allocation* a = catalog_.find(j.alloc_id);
+  if (!a) {
+    j.status = Status::kNoSuchAllocation;
+    return true;
+  }
+  const uint64_t off = pool::offset_of(j.req.addr);
+  for (const auto& pc : pool::split_merged(a->layout, off, j.req.length))
+    if (Status s = start_piece(j, *a, pc.offset, pc.length, pc.offset - off, true); s != Status::kOk) {
+      j.status = s;
+      break;
+    }
+  return j.subs.empty();
 }
 
 // The pieces of a request and the device of each: the first usable copy
@@ -705,6 +771,9 @@ Op Proxy::device_op(const Job& j, Client& cl, uint64_t addr, std::span<std::byte
     case Opcode::kReduceMem: return cl.reduce_async(addr, j.req.dtype, j.req.redop, piece, Sparse::kNever, key);
     case Opcode::kReducePayload: return cl.reduce_fetch_async(addr, j.req.dtype, j.req.redop, piece, key);
     case Opcode::kOptStep: return cl.opt_step_async(addr, piece, key);
+    case Opcode::kCopy:
+      if (j.phase == 0) return cl.read_async(addr, piece, key);
+      return cl.write_async(addr, piece, key);
     default: return cl.write_async(addr, piece, key);  // WRITE, FILL
   }
 }
@@ -870,6 +939,10 @@ bool Proxy::progress(Job& j) {
       a->layout.copies > 1) {
     write_second_copy(j, *a);
     return false;
+  }
+  if (j.req.opcode == Opcode::kCopy && j.phase == 0) {
+    if (j.status == Status::kOk) settle_pieces(j, a);
+    return j.status != Status::kOk || start_copy_writes(j);
   }
   if (j.status != Status::kOk) return true;
   if (is_atomic(j.req.opcode))

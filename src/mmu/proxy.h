@@ -44,7 +44,7 @@ struct ProxyOptions {
   size_t max_payload = kDefaultMaxPayload;
   size_t replay_window = 1024;
   size_t replay_requesters = 4096;
-  size_t max_fill = 16u << 20;          // FILL through the proxy is expanded into WRITEs
+  size_t max_fill = 16u << 20;          // FILL and COPY through the proxy pass through its memory
   Congestion congestion = Congestion::kFixed;  // the window's controller toward each device
   // Test and benchmark aid (--inject-*): faults on every datagram the
   // client-facing socket sends (answers and forwarded requests).
@@ -118,6 +118,16 @@ class Proxy {
   bool served_by_devices(const core::Header& h, const Allocation& a);
   Op device_op(const Job& j, Client& cl, uint64_t addr, std::span<std::byte> piece, uint32_t key);
   void start_opt_config(std::unique_ptr<Job> job, const Allocation& a, std::span<const std::byte> payload);
+  Status check_access(const Allocation* a, uint64_t key, uint64_t addr, uint64_t len) const;
+  // COPY's payload (PROTOCOL.md 6.6; through the proxy its offset 12 is
+  // the high half of the source allocation's 64-bit key).
+  static constexpr size_t kCopyPayloadSize = 16;
+  struct CopySource {
+    uint64_t addr, key;
+  };
+  static CopySource decode_copy_source(std::span<const std::byte> payload);
+  void start_copy(std::unique_ptr<Job> job, const Allocation& src, std::span<const std::byte> payload);
+  bool start_copy_writes(Job& j);
 
   // Jobs.
   bool usable(const Allocation& a, uint32_t slot) const;

@@ -138,6 +138,10 @@ Error Pool::get(uint64_t addr, std::span<std::byte> out, uint64_t key, Path path
   return direct_rw(addr, out, key, false);
 }
 
+Error Pool::copy(uint64_t dst, uint64_t src, uint64_t len, uint64_t dst_key, uint64_t src_key) {
+  return proxy_->copy(dst, src, len, src_key, dst_key);
+}
+
 Result<uint64_t> Pool::atomic_fetch_add(uint64_t addr, uint64_t value, uint64_t key, Path path) {
   if (path == Path::kProxy) return proxy_->fetch_add(addr, value, key);
   return direct_atomic(Opcode::kFetchAdd, addr, value, 0, key);

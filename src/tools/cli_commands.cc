@@ -247,8 +247,8 @@ int cmd_copy(Session& s, const CopyArgs& a) {
   const uint64_t len = number_arg(op, "LEN", a.len);
   check_range(op, dst, len, "DST");
   check_range(op, src, len, "SRC");
-  // COPY is a device's: 32-bit keys (a longer --key failed the connection already).
-  const auto src_key = static_cast<uint32_t>(a.src_key.empty() ? s.key(op) : key_arg(op, "--src-key", a.src_key));
+  // 64-bit keys are a pool proxy's (the client refuses them towards a device).
+  const uint64_t src_key = a.src_key.empty() ? s.key(op) : key_arg(op, "--src-key", a.src_key, 64);
   constexpr uint64_t kOneRequest = 1ull << 30;  // Client::copy splits larger copies
   Error e = non_idempotent(s, op, len <= kOneRequest,
                            [&](Client& c) { return c.copy(dst, src, len, src_key); });

@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
                        ->excludes(fbyte);
 
   CopyArgs ca;
-  auto* copy = command(&app, "copy", "copy LEN bytes from SRC to DST inside the device",
+  auto* copy = command(&app, "copy", "copy LEN bytes from SRC to DST inside the device (through a pool proxy: between allocations, --src-key the source's)",
                        [&](Session& s) { return cmd_copy(s, ca); });
   copy->add_option("DST", ca.dst, "destination address (region of --key)")->required();
   copy->add_option("SRC", ca.src, "source address (region of --src-key)")->required();

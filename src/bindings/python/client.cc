@@ -125,7 +125,7 @@ class PyClient {
     Buffer b(p, false, "pattern");
     check(run([&](Client& c) { return c.fill(addr, length, b.cbytes(), rkey); }));
   }
-  void copy(uint64_t dst, uint64_t src, uint64_t length, uint32_t src_key, uint32_t rkey) {
+  void copy(uint64_t dst, uint64_t src, uint64_t length, uint64_t src_key, uint64_t rkey) {
     check(run([&](Client& c) { return c.copy(dst, src, length, src_key, rkey); }));
   }
   uint64_t fetch_add(uint64_t addr, const py::object& add, uint64_t rkey) {
@@ -265,7 +265,8 @@ Every blocking call releases the GIL. A Client may be shared by threads
            "Repeats `pattern` (1..256 bytes, or one byte value) over [addr, addr+length).")
       .def("copy", &PyClient::copy, arg("dst"), arg("src"), arg("length"), arg("src_key") = 0, arg("rkey") = 0,
            "copy(dst: int, src: int, length: int, src_key: int = 0, rkey: int = 0) -> None\n\n"
-           "Device-local copy of `length` bytes from (src_key, src) to (rkey, dst).")
+           "Device-local copy of `length` bytes from (src_key, src) to (rkey, dst); through a pool\n"
+           "proxy, global addresses and 64-bit keys, across allocations and devices.")
       .def("fetch_add", &PyClient::fetch_add, arg("addr"), arg("add"), arg("rkey") = 0,
            "fetch_add(addr: int, add: int, rkey: int = 0) -> int\n\n"
            "Adds to the 64-bit word at addr (8-aligned; negative `add` wraps); returns the previous value.")
