@@ -360,11 +360,13 @@ TEST_F(PoolProxyTest, DeviceRestartedIsLost) {
   Error direct = pool_->get(s.base, got, s.key, Path::kDirect);
   EXPECT_TRUE(direct.code() == Error::Code::kRestarted || nak_status(direct) == Status::kDeviceLost) << direct.to_string();
   EXPECT_EQ(nak_status(pool_->get(s.base, got, s.key, Path::kDirect)), Status::kDeviceLost);
-  EXPECT_TRUE(WaitState("rep", "degraded"));
+  // The replicated one is degraded until the proxy has copied the lost
+  // copy back (ReSync below), and serves its data throughout.
   ASSERT_FALSE(pool_->get(r.base, got, r.key)) << mmu_.log();
   EXPECT_TRUE(got == data);
   ASSERT_FALSE(pool_->get(r.base, got, r.key, Path::kDirect));
   EXPECT_TRUE(got == data);
+  EXPECT_TRUE(WaitState("rep", "ok")) << mmu_.log();
   // The restarted device takes new allocations.
   AllocOptions one;
   one.policy = PoolPolicy::kSingle;
@@ -515,5 +517,69 @@ TEST_F(PoolProxyTest, DuplicateCopyAppliedOnce) {
   std::memmove(ref.data() + 1500, ref.data() + 500, 8000);
   std::vector<std::byte> got(a.size);
   ASSERT_FALSE(pool_->get(a.base, got, a.key));
+  EXPECT_TRUE(got == ref);
+}
+
+// A device of a replicated allocation restarts (its copy is gone): the
+// proxy makes its region again and copies every stripe back from the other
+// copy while a client keeps writing (puts, atomics, COPY). Then both copies
+// equal the reference byte for byte, and with the other device stopped the
+// re-synced copies serve every byte.
+TEST_F(PoolProxyTest, ReSyncAfterRestartUnderWrites) {
+  Start(3, {}, "32MiB");
+  AllocOptions rep;
+  rep.policy = PoolPolicy::kReplicated;
+  rep.stripe = 1024;
+  PoolAllocation r = Alloc("rep", (4u << 20) + 100, rep);
+  ASSERT_EQ(r.copies, 2);
+  std::mt19937_64 rng(21);
+  std::vector<std::byte> ref;
+  ASSERT_FALSE(PutRandom(r, rng, ref));
+  ASSERT_TRUE(devs_[1]->restart()) << devs_[1]->error();
+  // Writes until the allocation is whole again (and a few after).
+  int writes = 0, after_ok = 0;
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (after_ok < 20 && std::chrono::steady_clock::now() < deadline) {
+    const uint64_t off = rng() % (r.size - 64) & ~uint64_t{7};
+    switch (writes % 3) {
+      case 0: {
+        const uint64_t len = 1 + rng() % 3000;
+        auto data = Random(std::min<uint64_t>(len, r.size - off), rng);
+        ASSERT_FALSE(pool_->put(r.base + off, data, r.key)) << writes;
+        std::copy(data.begin(), data.end(), ref.begin() + static_cast<std::ptrdiff_t>(off));
+        break;
+      }
+      case 1: {
+        uint64_t old = 0;
+        std::memcpy(&old, ref.data() + off, 8);  // the words are little-endian (as this host)
+        auto got = pool_->atomic_fetch_add(r.base + off, 3, r.key);
+        ASSERT_TRUE(got) << got.error().to_string();
+        ASSERT_EQ(*got, old) << writes;
+        old += 3;
+        std::memcpy(ref.data() + off, &old, 8);
+        break;
+      }
+      default: {
+        const uint64_t src = rng() % (r.size - 2048);
+        const uint64_t dst = rng() % (r.size - 2048);
+        ASSERT_FALSE(pool_->copy(r.base + dst, r.base + src, 2048, r.key, r.key)) << writes;
+        std::memmove(ref.data() + dst, ref.data() + src, 2048);
+      }
+    }
+    ++writes;
+    if (after_ok || writes % 16 == 0) {
+      auto a = pool_->lookup("rep");
+      if (after_ok || (a && a->state == "ok")) ++after_ok;
+    }
+  }
+  ASSERT_EQ(after_ok, 20) << "not re-synced within 20 s\n" << mmu_.log();
+  const auto copies = ReadLiveCopies(r, 0, r.size);
+  ASSERT_EQ(copies.size(), 2u);
+  for (size_t c = 0; c < copies.size(); ++c) EXPECT_TRUE(copies[c] == ref) << "copy " << c;
+  devs_[0]->stop();
+  EXPECT_TRUE(WaitState("rep", "degraded"));  // the proxy sends nothing more to it
+  std::vector<std::byte> got(r.size);
+  Error e = pool_->get(r.base, got, r.key);
+  ASSERT_FALSE(e) << e.to_string() << "\n" << mmu_.log();
   EXPECT_TRUE(got == ref);
 }

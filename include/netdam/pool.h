@@ -11,8 +11,9 @@
 //   which splits them by stripe; Path::kDirect fetches the allocation's
 //   translation table (POOL_MAP) once and talks to the devices itself,
 //   with the devices' own 32-bit region keys that the table gives. Both
-//   give the same results. Direct atomics on replicated allocations are
-//   refused (the proxy serialises those to keep both copies equal).
+//   give the same results. On replicated allocations, direct atomics are
+//   refused and direct puts go through the proxy (which keeps both copies
+//   equal: a copy that misses a write is stale until it is re-synced).
 // - Errors: kNak with the proxy's status (NO_SUCH_ALLOCATION, BAD_KEY,
 //   OUT_OF_BOUNDS, DEVICE_LOST, UNAVAILABLE, NO_SPACE, ...), kTimeout,
 //   kRestarted (a device, or a proxy without persistent state, restarted).

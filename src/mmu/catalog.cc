@@ -244,6 +244,20 @@ void Catalog::mark_lost(uint64_t alloc_id, uint32_t slot) {
   if (store_) store_->set_extent(a->slots[slot]);
 }
 
+void Catalog::set_extent_boot(uint64_t alloc_id, uint32_t slot, uint32_t boot) {
+  Allocation* a = find(alloc_id);
+  if (!a || slot >= a->slots.size()) return;
+  a->slots[slot].boot = boot;
+  if (store_) store_->set_extent(a->slots[slot]);
+}
+
+void Catalog::mark_live(uint64_t alloc_id, uint32_t slot) {
+  Allocation* a = find(alloc_id);
+  if (!a || slot >= a->slots.size() || a->slots[slot].state != ExtentState::kLost) return;
+  a->slots[slot].state = ExtentState::kLive;
+  if (store_) store_->set_extent(a->slots[slot]);
+}
+
 AllocState Catalog::state(const Allocation& a) const {
   size_t lost = 0, down = 0;
   std::vector<bool> slot_ok(a.slots.size());

@@ -81,8 +81,13 @@ class Catalog {
   // are lost. Returns how many were marked.
   size_t device_restarted(uint32_t device_id, uint32_t boot);
   void set_device_seen(uint32_t device_id, uint32_t boot, uint64_t capacity);
-  // A replicated copy could not be written: that slot is lost for good.
+  // A replicated copy could not be written: that slot is lost until a
+  // re-sync copies the other copy back (mark_live).
   void mark_lost(uint64_t alloc_id, uint32_t slot);
+  // The re-sync of a lost slot: its region was made again on the device's
+  // incarnation `boot`; then, once every byte is copied back, it is live.
+  void set_extent_boot(uint64_t alloc_id, uint32_t slot, uint32_t boot);
+  void mark_live(uint64_t alloc_id, uint32_t slot);
 
   // The allocation's state now, given device health.
   pool::AllocState state(const Allocation& a) const;

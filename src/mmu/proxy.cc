@@ -12,6 +12,7 @@
 #include "core/endian.h"
 #include "core/engine.h"
 #include "core/optimizer.h"
+#include "mmu/proxy_internal.h"
 
 namespace netdam::mmu {
 
@@ -49,58 +50,6 @@ bool is_atomic(Opcode op) {
   return op == Opcode::kFetchAdd || op == Opcode::kCompareSwap || op == Opcode::kSwap;
 }
 }  // namespace
-
-// One device: the client the data path uses (bound to one incarnation of
-// the device, so a restart fails its operations instead of mixing data),
-// and the health bookkeeping.
-struct Proxy::Conn {
-  std::unique_ptr<Client> client;
-  int fd = -1;
-  uint32_t boot = 0;
-  transport::TimePoint last_answer{};
-  uint64_t answers_seen = 0;  // client->counters().answers at the last health tick
-  // Clients of earlier incarnations, polled until their operations failed.
-  struct Retired {
-    std::unique_ptr<Client> client;
-    int fd;
-    transport::TimePoint until;
-  };
-  std::vector<Retired> retired;
-};
-
-struct Proxy::Job {
-  Endpoint from;
-  core::Header req;
-  Arrival arrival;
-  uint64_t alloc_id = 0;
-  bool mutation = false;
-  std::vector<std::byte> buf;  // READ answer, WRITE/FILL data, atomic operands
-  struct Sub {
-    Op op;
-    uint64_t off = 0;  // allocation offset
-    uint32_t len = 0;
-    size_t buf_off = 0;
-    uint32_t copy = 0, slot = 0;
-    size_t piece = 0;
-    bool write = false;
-    bool handled = false;
-    Status status = Status::kOk;
-  };
-  std::vector<Sub> subs;
-  size_t pieces = 0;
-  Status status = Status::kOk;
-  // Atomics on a replicated allocation: phase 0 runs the atomic on one
-  // copy, phase 1 writes the resulting word to the other.
-  bool replicated_atomic = false;
-  bool started = false;
-  int phase = 0;
-  uint32_t primary = 0;
-  uint64_t old_value = 0;
-  std::array<std::byte, 8> word{};
-  // COPY: phase 0 reads the source (alloc_id) into buf, phase 1 writes it
-  // to the destination.
-  uint64_t copy_to = 0;  // the destination's allocation id
-};
 
 Result<std::unique_ptr<Proxy>> Proxy::create(const ProxyOptions& o) {
   if (o.device_admin_key == 0)
@@ -161,7 +110,7 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
     for (const auto& r : c->retired) fds.push_back({r.fd, POLLIN, 0});
   }
   // Device operations in flight need their retransmission timers run.
-  const int ms = jobs_.empty() ? static_cast<int>(timeout.count()) : 1;
+  const int ms = jobs_.empty() && !resync_ ? static_cast<int>(timeout.count()) : 1;
   ::poll(fds.data(), fds.size(), ms);
   // One clock reading per turn, and none without --metrics: every request
   // received in this turn arrived "now".
@@ -198,6 +147,8 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
     std::erase_if(c->retired, [&](const Conn::Retired& r) { return now >= r.until; });
   }
   progress();
+  resync_tick();
+  resync_progress();
   // Device operations the turn started, and its answers, leave now.
   for (auto& c : conns_)
     if (c->client) c->client->flush();
@@ -569,6 +520,7 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   if (Status st = check_access(a, shown_key(h), h.addr, len); st != Status::kOk) return fail(st);
   const uint64_t off = pool::offset_of(h.addr);
   if (by_devices && forward(from, h, payload, *a)) return;
+  resync_count_writer(*job);
   // A device it needs is not answering (lost data was refused above). A
   // mutation is refused without running anywhere; the rest is served here
   // (from the other copy, or UNAVAILABLE).
@@ -1066,6 +1018,7 @@ void Proxy::settle_pieces(Job& j, Allocation* a) {
 }
 
 void Proxy::finish(Job& j) {
+  resync_written(j);
   std::vector<std::byte> payload;
   if (j.status == Status::kOk) {
     if (j.req.opcode == Opcode::kRead || j.req.opcode == Opcode::kReducePayload) payload = std::move(j.buf);

@@ -144,6 +144,14 @@ class Proxy {
   void finish(Job& j);
   Status failure_status(const Error& e, uint64_t alloc_id) const;
 
+  // Re-sync of a replicated allocation's lost copy (resync.cc).
+  struct Resync;
+  void resync_tick();
+  bool start_resync(Allocation& a, uint32_t slot);
+  void resync_progress();
+  void resync_count_writer(Job& j);
+  void resync_written(const Job& j);
+
   // Devices.
   void health_tick();
   void health_receive();
@@ -161,6 +169,9 @@ class Proxy {
   std::vector<std::unique_ptr<Conn>> conns_;  // by device id
   std::list<std::unique_ptr<Job>> jobs_;
   std::deque<Job*> replicated_atomics_;  // run one at a time, in order
+  std::unique_ptr<Resync> resync_;       // one at a time
+  uint64_t resync_gen_ = 0;
+  transport::TimePoint next_resync_{};
   uint64_t health_seq_ = 0;
   transport::TimePoint next_health_{};
   std::vector<std::byte> rx_;

@@ -203,6 +203,10 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, boo
   auto mr = map_for(addr, key);
   if (!mr) return mr.error();
   Map& map = **mr;
+  // The proxy keeps a replicated allocation's copies equal (a copy that
+  // misses a write is marked stale, and re-synced later): writes to one go
+  // through it.
+  if (write && map.layout.copies > 1) return proxy_->write(addr, buf, key);
   const uint64_t off = pool::offset_of(addr);
   if (off > map.m.size || buf.size() > map.m.size - off)
     return Error::nak(Status::kOutOfBounds, fmt::format("direct: [{:#x}, +{}) is outside the allocation", addr, buf.size()));

@@ -1,0 +1,94 @@
+// The proxy's per-device connection and per-request job, shared by the
+// files that implement Proxy (proxy.cc, resync.cc). Not installed.
+#pragma once
+
+#include <array>
+#include <list>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "mmu/proxy.h"
+
+namespace netdam::mmu {
+
+// One device: the client the data path uses (bound to one incarnation of
+// the device, so a restart fails its operations instead of mixing data),
+// and the health bookkeeping.
+struct Proxy::Conn {
+  std::unique_ptr<Client> client;
+  int fd = -1;
+  uint32_t boot = 0;
+  transport::TimePoint last_answer{};
+  uint64_t answers_seen = 0;  // client->counters().answers at the last health tick
+  // Clients of earlier incarnations, polled until their operations failed.
+  struct Retired {
+    std::unique_ptr<Client> client;
+    int fd;
+    transport::TimePoint until;
+  };
+  std::vector<Retired> retired;
+};
+
+struct Proxy::Job {
+  transport::Endpoint from;
+  core::Header req;
+  Arrival arrival;
+  uint64_t alloc_id = 0;
+  bool mutation = false;
+  std::vector<std::byte> buf;  // READ answer, WRITE/FILL data, atomic operands
+  struct Sub {
+    Op op;
+    uint64_t off = 0;  // allocation offset
+    uint32_t len = 0;
+    size_t buf_off = 0;
+    uint32_t copy = 0, slot = 0;
+    size_t piece = 0;
+    bool write = false;
+    bool handled = false;
+    Status status = Status::kOk;
+  };
+  std::vector<Sub> subs;
+  size_t pieces = 0;
+  Status status = Status::kOk;
+  // Atomics on a replicated allocation: phase 0 runs the atomic on one
+  // copy, phase 1 writes the resulting word to the other.
+  bool replicated_atomic = false;
+  bool started = false;
+  int phase = 0;
+  uint32_t primary = 0;
+  uint64_t old_value = 0;
+  std::array<std::byte, 8> word{};
+  // COPY: phase 0 reads the source (alloc_id) into buf, phase 1 writes it
+  // to the destination.
+  uint64_t copy_to = 0;  // the destination's allocation id
+  // Counted by the re-sync of generation `resync_gen` (resync.cc): it
+  // changes the bytes of the allocation being re-synced.
+  uint64_t resync_gen = 0;
+};
+
+// The re-sync of one lost slot of a replicated allocation: every stripe
+// with a copy on that slot is read from its other copy and written back.
+// A job that changes the allocation's bytes while the slot is not yet live
+// writes only the other copy; it is a "writer": when it finishes, the
+// stripes it touched are copied again, and the slot becomes live only when
+// no writer is left and every stripe is copied after the last write to it.
+struct Proxy::Resync {
+  uint64_t gen = 0;
+  uint64_t alloc_id = 0;
+  uint32_t slot = 0;
+  std::set<uint64_t> pending;    // stripes still to copy
+  std::set<uint64_t> in_flight;  // stripes being copied (never two copies of one at once)
+  size_t writers = 0;
+  uint64_t copied = 0;  // bytes, for the log
+  struct Step {
+    uint64_t stripe = 0;
+    std::vector<std::byte> buf;
+    Op op;
+    bool writing = false;  // false: reading the other copy
+  };
+  std::list<Step> steps;
+  bool failed = false;
+};
+
+}  // namespace netdam::mmu

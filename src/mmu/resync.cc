@@ -1,0 +1,187 @@
+// Re-sync of a replicated allocation's lost copy (docs/POOL.md,
+// "Replication"): once the device that held it answers again, the proxy
+// copies the slot's stripes back from their other copies while serving
+// requests, then marks the slot live.
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+#include "mmu/proxy_internal.h"
+
+namespace netdam::mmu {
+
+using pool::AllocState;
+using pool::DeviceState;
+
+namespace {
+
+constexpr size_t kStripesInFlight = 16;
+
+// The opcodes that change an allocation's bytes.
+bool changes_bytes(Opcode op) {
+  switch (op) {
+    case Opcode::kWrite:
+    case Opcode::kFill:
+    case Opcode::kCopy:
+    case Opcode::kFetchAdd:
+    case Opcode::kCompareSwap:
+    case Opcode::kSwap:
+    case Opcode::kReduceMem:
+    case Opcode::kOptStep: return true;
+    default: return false;
+  }
+}
+
+// The copy of stripe `s` that lives on `slot`, if any.
+std::optional<uint32_t> copy_on(const pool::Layout& l, uint64_t s, uint32_t slot) {
+  for (uint32_t c = 0; c < l.copies; ++c)
+    if (pool::locate(l, s * l.stripe, c).slot == slot) return c;
+  return std::nullopt;
+}
+
+}  // namespace
+
+void Proxy::resync_tick() {
+  const auto now = health_->now();
+  if (resync_ || now < next_resync_) return;
+  next_resync_ = now + opts_.ping_interval;
+  std::vector<std::pair<uint64_t, uint32_t>> candidates;
+  for (const auto& [id, a] : catalog_.allocations()) {
+    if (a.layout.copies < 2 || catalog_.state(a) == AllocState::kLost) continue;
+    for (const ExtentRow& e : a.slots)
+      if (e.state == ExtentState::kLost && catalog_.devices()[e.device_id].state == DeviceState::kUp &&
+          conns_[e.device_id]->client)
+        candidates.emplace_back(id, e.slot);
+  }
+  for (const auto& [id, slot] : candidates)
+    if (Allocation* a = catalog_.find(id); a && start_resync(*a, slot)) return;
+}
+
+// True if the re-sync started: the device has the slot's region (made
+// again on a restarted device) and every stripe's other copy is usable.
+bool Proxy::start_resync(Allocation& a, uint32_t slot) {
+  const ExtentRow& e = a.slots[slot];
+  Conn& conn = *conns_[e.device_id];
+  std::set<uint64_t> stripes;
+  for (uint64_t s = 0; s < a.layout.stripes(); ++s) {
+    const auto c = copy_on(a.layout, s, slot);
+    if (!c) continue;
+    if (!usable(a, pool::locate(a.layout, s * a.layout.stripe, 1 - *c).slot)) return false;
+    stripes.insert(s);
+  }
+  if (conn.boot != e.boot) {
+    // A new incarnation: the region is gone with the memory. The extent's
+    // bytes are still reserved for this allocation in the catalog.
+    Error err = conn.client->region_add(opts_.device_admin_key, RegionInfo{e.base, e.length, e.key, 3});
+    if (err) {
+      spdlog::warn("re-sync of '{}' slot {}: REGION_ADD on device {} failed: {}", a.row.name, slot, e.device_id,
+                   err.to_string());
+      return false;
+    }
+    catalog_.set_extent_boot(a.row.id, slot, conn.boot);
+  }
+  auto r = std::make_unique<Resync>();
+  r->gen = ++resync_gen_;
+  r->alloc_id = a.row.id;
+  r->slot = slot;
+  r->pending = std::move(stripes);
+  // Jobs already under way write only the other copy: writers too.
+  for (auto& j : jobs_)
+    if (changes_bytes(j->req.opcode) && pool::allocation_of(j->req.addr) == a.row.id) {
+      j->resync_gen = r->gen;
+      ++r->writers;
+    }
+  spdlog::info("re-sync of '{}' slot {} (device {}): {} stripe(s) from the other copy", a.row.name, slot,
+               e.device_id, r->pending.size());
+  resync_ = std::move(r);
+  return true;
+}
+
+void Proxy::resync_count_writer(Job& j) {
+  if (!resync_ || !changes_bytes(j.req.opcode) || pool::allocation_of(j.req.addr) != resync_->alloc_id) return;
+  j.resync_gen = resync_->gen;
+  ++resync_->writers;
+}
+
+// A writer finished (whether it succeeded or not): its stripes again.
+void Proxy::resync_written(const Job& j) {
+  if (!resync_ || j.resync_gen != resync_->gen) return;
+  --resync_->writers;
+  const Allocation* a = catalog_.find(resync_->alloc_id);
+  if (!a) return;
+  const uint64_t off = pool::offset_of(j.req.addr);
+  const uint64_t len = std::max<uint64_t>(j.req.length, 8);  // atomics: the word
+  const uint64_t G = a->layout.stripe;
+  const uint64_t last = std::min(a->layout.stripes(), (std::min(off + len, a->layout.size) + G - 1) / G);
+  for (uint64_t s = off / G; s < last; ++s)
+    if (copy_on(a->layout, s, resync_->slot)) resync_->pending.insert(s);
+}
+
+void Proxy::resync_progress() {
+  if (!resync_) return;
+  Resync& r = *resync_;
+  Allocation* a = catalog_.find(r.alloc_id);
+  const ExtentRow* e = a ? &a->slots[r.slot] : nullptr;
+  const bool device_ok = e && catalog_.devices()[e->device_id].state == DeviceState::kUp &&
+                         conns_[e->device_id]->client && conns_[e->device_id]->boot == e->boot;
+  if (!a || !device_ok) r.failed = true;
+  // Steps whose operation finished: a read goes on to its write.
+  for (auto it = r.steps.begin(); it != r.steps.end();) {
+    if (!it->op.done()) {
+      ++it;
+      continue;
+    }
+    if (const Error& err = it->op.error(); err || r.failed) {
+      if (err && !r.failed)
+        spdlog::warn("re-sync of allocation {} slot {}: {}", r.alloc_id, r.slot, err.to_string());
+      r.failed = true;
+    } else if (!it->writing) {
+      const auto c = copy_on(a->layout, it->stripe, r.slot);
+      const pool::Place pl = pool::locate(a->layout, it->stripe * a->layout.stripe, *c);
+      it->op = client(e->device_id)->write_async(e->base + pl.extent_offset, it->buf, e->key);
+      it->writing = true;
+      ++it;
+      continue;
+    } else {
+      r.copied += it->buf.size();
+    }
+    r.in_flight.erase(it->stripe);
+    it = r.steps.erase(it);
+  }
+  if (r.failed) {
+    if (!r.steps.empty()) return;  // their buffers stay until the operations end
+    spdlog::warn("re-sync of allocation {} slot {} stopped; retried later", r.alloc_id, r.slot);
+    resync_.reset();
+    next_resync_ = health_->now() + 10 * opts_.ping_interval;
+    return;
+  }
+  // New steps: stripes not being copied now, from their other copy.
+  for (auto it = r.pending.begin(); it != r.pending.end() && r.steps.size() < kStripesInFlight;) {
+    const uint64_t s = *it;
+    if (r.in_flight.count(s)) {
+      ++it;
+      continue;
+    }
+    const auto c = copy_on(a->layout, s, r.slot);
+    const pool::Place from = pool::locate(a->layout, s * a->layout.stripe, 1 - *c);
+    if (!usable(*a, from.slot)) {
+      r.failed = true;  // the only other copy is gone too: nothing to copy from
+      return;
+    }
+    const ExtentRow& src = a->slots[from.slot];
+    Resync::Step step;
+    step.stripe = s;
+    step.buf.resize(std::min<uint64_t>(a->layout.stripe, a->layout.size - s * a->layout.stripe));
+    step.op = client(src.device_id)->read_async(src.base + from.extent_offset, step.buf, src.key);
+    r.steps.push_back(std::move(step));
+    r.in_flight.insert(s);
+    it = r.pending.erase(it);
+  }
+  if (r.pending.empty() && r.steps.empty() && r.writers == 0) {
+    catalog_.mark_live(r.alloc_id, r.slot);
+    spdlog::info("re-sync of '{}' slot {} done: {} B copied; the slot is live", a->row.name, r.slot, r.copied);
+    resync_.reset();
+  }
+}
+
+}  // namespace netdam::mmu
