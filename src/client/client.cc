@@ -1096,7 +1096,6 @@ void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std
                                                  "does not fit the request",
                                                  describe(p), n, h.addr, payload.size(), from.to_string())));
   ++counters_.direct_pieces;
-  if (p.covered.empty()) first_answer(p, p.sends == 1, h.depth);
   if (p.h.opcode == Opcode::kRead || p.h.opcode == Opcode::kReducePayload)
     std::memcpy(p.answer_to + off, payload.data(), n);
   else if (data && p.h.opcode != Opcode::kOptStep)
@@ -1112,7 +1111,14 @@ void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std
   }
   first = c.erase(first, last);
   c.insert(first, {lo, hi});
-  if (c.size() == 1 && c[0].first == 0 && c[0].second == p.h.length) finish(p, {});
+  if (c.size() == 1 && c[0].first == 0 && c[0].second == p.h.length) {
+    // The request is answered when its last piece is: a packet whose
+    // first piece came from a live device while another device holds the
+    // rest is not an answered request, and must not clear the tail rule's
+    // evidence that requests to a silent device are lost.
+    first_answer(p, p.sends == 1, h.depth);
+    finish(p, {});
+  }
 }
 
 std::string Client::describe(const Packet& p) const {
