@@ -586,3 +586,28 @@ TEST_F(PoolProxyTest, ReSyncAfterRestartUnderWrites) {
   ASSERT_FALSE(e) << e.to_string() << "\n" << mmu_.log();
   EXPECT_TRUE(got == ref);
 }
+
+// The re-sync's progress is the catalog's (the slot stays lost in the state
+// file until every byte is back): a proxy that crashes around a device's
+// restart, before, during or after the re-sync, comes back and finishes
+// it, and both copies equal the data.
+TEST_F(PoolProxyTest, ReSyncSurvivesProxyRestart) {
+  TempDir dir;
+  Start(2, {"--state", dir.file("pool.db")}, "16MiB");
+  AllocOptions rep;
+  rep.policy = PoolPolicy::kReplicated;
+  rep.stripe = 1024;
+  PoolAllocation r = Alloc("rep", 2u << 20, rep);
+  std::mt19937_64 rng(22);
+  std::vector<std::byte> ref;
+  ASSERT_FALSE(PutRandom(r, rng, ref));
+  for (auto delay : {0ms, 60ms, 150ms}) {
+    ASSERT_TRUE(devs_[1]->restart()) << devs_[1]->error();
+    std::this_thread::sleep_for(delay);
+    ASSERT_TRUE(mmu_.crash_and_restart()) << mmu_.error();
+    ASSERT_TRUE(WaitState("rep", "ok", 10s)) << delay.count() << "\n" << mmu_.log();
+    const auto copies = ReadLiveCopies(r, 0, r.size);
+    ASSERT_EQ(copies.size(), 2u) << delay.count();
+    for (size_t c = 0; c < copies.size(); ++c) EXPECT_TRUE(copies[c] == ref) << "copy " << c << " " << delay.count();
+  }
+}

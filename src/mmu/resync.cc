@@ -76,6 +76,7 @@ bool Proxy::start_resync(Allocation& a, uint32_t slot) {
     if (err) {
       spdlog::warn("re-sync of '{}' slot {}: REGION_ADD on device {} failed: {}", a.row.name, slot, e.device_id,
                    err.to_string());
+      next_resync_ = health_->now() + 10 * opts_.ping_interval;  // not every tick
       return false;
     }
     catalog_.set_extent_boot(a.row.id, slot, conn.boot);
