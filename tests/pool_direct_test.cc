@@ -452,3 +452,180 @@ TEST_F(PoolDirect, OptimizerStepsThroughTheProxy) {
     EXPECT_EQ(bad.error().status(), Status::kOutOfBounds);
   }
 }
+
+namespace {
+
+// f32 values i % 97 + k: small integers, so every sum below is exact.
+std::vector<std::byte> Floats(size_t bytes, int k) {
+  std::vector<std::byte> v(bytes);
+  for (size_t i = 0; i < bytes / 4; ++i) core::store_le<float>(v.data() + 4 * i, static_cast<float>(i % 97 + k));
+  return v;
+}
+
+}  // namespace
+
+// Chains on pool memory (PROTOCOL.md 17.6): every segment names a global
+// address and its allocation's key; the proxy translates each to its
+// device and forwards the chain, and the devices run it and answer the
+// client. A stripe of x, plus a stripe of y, plus one of a replicated r
+// (read from a live copy), stored into z: each chain crosses devices.
+TEST_F(PoolDirect, ChainsOnPoolMemory) {
+  Start(3);
+  const uint32_t G = 1024;
+  PoolAllocation x = AllocStriped("x", 8 * G, G), y = AllocStriped("y", 8 * G, G), z = AllocStriped("z", 8 * G, G);
+  AllocOptions rep;
+  rep.policy = PoolPolicy::kReplicated;
+  rep.stripe = G;
+  PoolAllocation r = Alloc("r", 8 * G, rep);
+  ASSERT_EQ(r.copies, 2);
+  const auto xs = Floats(8 * G, 1), ys = Floats(8 * G, 2), rs = Floats(8 * G, 3);
+  ASSERT_FALSE(pool_->put(x.base, xs, x.key));
+  ASSERT_FALSE(pool_->put(y.base, ys, y.key));
+  ASSERT_FALSE(pool_->put(r.base, rs, r.key));
+  Client& cl = pool_->proxy_client();
+  for (uint64_t k = 0; k < 8; ++k) {
+    const Hop hops[] = {pool_->hop(Opcode::kRead, x.base + k * G, x.key),
+                        pool_->hop(Opcode::kReducePayload, y.base + (k + 1) % 8 * G, y.key),
+                        pool_->hop(Opcode::kReducePayload, r.base + (k + 3) % 8 * G, r.key),
+                        pool_->hop(Opcode::kWrite, z.base + (k + 5) % 8 * G, z.key)};
+    Op op = cl.chain_async(hops, 0, DType::kF32, RedOp::kSum, G, {});
+    Error e = cl.wait(op);
+    ASSERT_FALSE(e) << k << ": " << e.to_string() << "\n" << mmu_.log();
+  }
+  std::vector<std::byte> zs(8 * G);
+  ASSERT_FALSE(pool_->get(z.base, zs, z.key));
+  for (uint64_t k = 0; k < 8; ++k)
+    for (uint64_t i = 0; i < G; i += 4) {
+      const auto f = [&](const std::vector<std::byte>& v, uint64_t s) { return core::load_le<float>(v.data() + s * G + i); };
+      ASSERT_EQ(f(zs, (k + 5) % 8), f(xs, k) + f(ys, (k + 1) % 8) + f(rs, (k + 3) % 8)) << k << " " << i;
+    }
+  // Ending in REDUCE_PAYLOAD, the sum comes back to the client; 8 KiB in
+  // one segment where the allocation lives on one device.
+  PoolAllocation one = Alloc("one", 8 * G, [] {
+    AllocOptions o;
+    o.policy = PoolPolicy::kSingle;
+    return o;
+  }());
+  ASSERT_FALSE(pool_->put(one.base, ys, one.key));
+  std::vector<std::byte> sum(8 * G);
+  const Hop two[] = {pool_->hop(Opcode::kReducePayload, one.base, one.key),
+                     pool_->hop(Opcode::kReducePayload, x.base + 2 * G, x.key)};
+  Op op = cl.chain_async(std::span(two).first(1), 0, DType::kF32, RedOp::kSum, 8 * G, xs, sum);
+  ASSERT_FALSE(cl.wait(op)) << op.error().to_string();
+  for (uint64_t i = 0; i < 8 * G; i += 4)
+    ASSERT_EQ(core::load_le<float>(sum.data() + i), core::load_le<float>(xs.data() + i) + core::load_le<float>(ys.data() + i));
+  std::vector<std::byte> part(G);
+  op = cl.chain_async(two, 0, DType::kF32, RedOp::kSum, G, std::span(xs).first(G), part);
+  ASSERT_FALSE(cl.wait(op)) << op.error().to_string();
+  for (uint64_t i = 0; i < G; i += 4)
+    ASSERT_EQ(core::load_le<float>(part.data() + i),
+              core::load_le<float>(xs.data() + i) + core::load_le<float>(ys.data() + i) +
+                  core::load_le<float>(xs.data() + 2 * G + i));
+  // An atomic segment runs on its device and answers the old value.
+  const Hop add[] = {pool_->hop(Opcode::kFetchAdd, z.base + 8, z.key)};
+  std::vector<std::byte> operand(8), old(8);
+  core::store_le<uint64_t>(operand.data(), 5);
+  uint64_t before = 0;
+  std::memcpy(&before, zs.data() + 8, 8);
+  op = cl.chain_async(add, 0, DType::kBytes, RedOp::kNone, 8, operand, old);
+  ASSERT_FALSE(cl.wait(op)) << op.error().to_string();
+  EXPECT_EQ(core::load_le<uint64_t>(old.data()), before);
+  EXPECT_EQ(Word(z, 8), before + 5);
+}
+
+// What the proxy refuses, before anything runs, with the refusing segment.
+TEST_F(PoolDirect, ChainRefusals) {
+  Start(2);
+  PoolAllocation x = AllocStriped("x", 8192, 1024);
+  AllocOptions rep;
+  rep.policy = PoolPolicy::kReplicated;
+  rep.stripe = 1024;
+  PoolAllocation r = Alloc("r", 8192, rep);
+  const auto xs = Floats(8192, 1);
+  ASSERT_FALSE(pool_->put(x.base, xs, x.key));
+  Client& cl = pool_->proxy_client();
+  const Hop ok = pool_->hop(Opcode::kRead, x.base, x.key);
+  auto refused = [&](Hop bad, uint32_t length, Status want) {
+    const Hop hops[] = {ok, bad};
+    Op op = cl.chain_async(hops, 0, DType::kF32, RedOp::kSum, length, {});
+    Error e = cl.wait(op);
+    ASSERT_TRUE(e) << "accepted";
+    EXPECT_EQ(e.code(), Error::Code::kNak) << e.to_string();
+    EXPECT_EQ(e.status(), want) << e.to_string();
+    EXPECT_EQ(op.failed_segment(), 1);
+  };
+  {
+    SCOPED_TRACE("across two devices");
+    refused(pool_->hop(Opcode::kWrite, x.base + 512, x.key), 1024, Status::kBadSegment);
+  }
+  {
+    SCOPED_TRACE("a write to a replicated allocation");
+    refused(pool_->hop(Opcode::kWrite, r.base, r.key), 1024, Status::kBadSegment);
+  }
+  {
+    SCOPED_TRACE("a generation-gated segment");
+    Hop h = pool_->hop(Opcode::kWrite, x.base + 1024, x.key);
+    h.flags = kSegGen;
+    refused(h, 1024, Status::kBadSegment);
+  }
+  {
+    SCOPED_TRACE("wrong key");
+    refused(pool_->hop(Opcode::kWrite, x.base + 1024, x.key ^ (1ull << 40)), 1024, Status::kBadKey);
+  }
+  {
+    SCOPED_TRACE("out of bounds");
+    refused(pool_->hop(Opcode::kWrite, x.base + 7680, x.key), 1024, Status::kOutOfBounds);
+  }
+  {
+    SCOPED_TRACE("no such allocation");
+    refused(pool_->hop(Opcode::kWrite, x.base + (40ull << 40), x.key), 1024, Status::kNoSuchAllocation);
+  }
+  {
+    SCOPED_TRACE("aggregation");
+    refused(pool_->hop(Opcode::kAggregate, x.base + 1024, x.key), 1024, Status::kBadSegment);
+  }
+  // Nothing ran: x is unchanged.
+  std::vector<std::byte> got(8192);
+  ASSERT_FALSE(pool_->get(x.base, got, x.key));
+  EXPECT_TRUE(got == xs);
+  // A reply-to other than the requester: refused (to the requester),
+  // nothing forwarded.
+  const Hop one[] = {ok};
+  Op op = cl.chain_async(one, 0, DType::kF32, RedOp::kSum, 1024, {}, {}, 0, 0x7F000001, 9);
+  Error e = cl.wait(op);
+  ASSERT_TRUE(e) << "accepted";
+  EXPECT_EQ(e.status(), Status::kNotPermitted) << e.to_string();
+}
+
+// Chains on pool memory under drops, duplicates and reordering at the proxy
+// and every device: 60 chains each adding a stripe of x into a stripe of z
+// on another device (REDUCE_MEM), each applied exactly once.
+TEST_F(PoolDirect, ChainsExactUnderFaults) {
+  const std::vector<std::string> faults = {"--inject-drop", "0.05", "--inject-dup", "0.05", "--inject-reorder", "0.1"};
+  std::vector<std::string> mmu_faults = faults;
+  mmu_faults.insert(mmu_faults.end(), {"--inject-seed", "8"});
+  Start(3, mmu_faults, "8MiB", faults);
+  const uint32_t G = 1024;
+  PoolAllocation x = AllocStriped("x", 3 * G, G), z = AllocStriped("z", 3 * G, G);
+  std::vector<std::byte> ones(3 * G);
+  for (size_t i = 0; i < ones.size(); i += 4) core::store_le<int32_t>(ones.data() + i, static_cast<int32_t>(i / 4 % 5));
+  ASSERT_FALSE(pool_->put(x.base, ones, x.key));
+  ASSERT_FALSE(pool_->put(z.base, std::vector<std::byte>(3 * G), z.key));
+  Client& cl = pool_->proxy_client();
+  for (int k = 0; k < 60; ++k) {
+    const uint64_t s = k % 3;
+    const Hop hops[] = {pool_->hop(Opcode::kRead, x.base + s * G, x.key),
+                        pool_->hop(Opcode::kReduceMem, z.base + (s + 1) % 3 * G, z.key)};
+    Op op = cl.chain_async(hops, 0, DType::kI32, RedOp::kSum, G, {});
+    Error e = cl.wait(op);
+    ASSERT_FALSE(e) << k << ": " << e.to_string();
+  }
+  std::vector<std::byte> got(3 * G);
+  ASSERT_FALSE(pool_->get(z.base, got, z.key));
+  for (uint64_t s = 0; s < 3; ++s)
+    for (uint64_t i = 0; i < G; i += 4)
+      ASSERT_EQ(core::load_le<int32_t>(got.data() + (s + 1) % 3 * G + i),
+                20 * core::load_le<int32_t>(ones.data() + s * G + i))
+          << s << " " << i;
+  EXPECT_GT(cl.counters().retransmits, 0u) << "no fault reached the client: the test tests nothing";
+}

@@ -112,6 +112,18 @@ class Pool {
   // overlap (the client cuts the rest).
   Error copy(uint64_t dst, uint64_t src, uint64_t len, uint64_t dst_key, uint64_t src_key);
 
+  // A chain segment on pool memory (PROTOCOL.md 17.6), for
+  // proxy_client().chain_async(): `op` on [addr, addr + the chain's length)
+  // of the allocation with `key` (8 bytes for an atomic). The proxy
+  // translates each segment to the device that holds its range (which must
+  // be contiguous on one device: inside one stripe, or stripes that follow
+  // each other there) and forwards the chain; the last device answers.
+  // READ and REDUCE_PAYLOAD on any allocation; WRITE, REDUCE_MEM, OPT_STEP
+  // and atomics on allocations with one copy. No segment flags.
+  Hop hop(Opcode op, uint64_t addr, uint64_t key) const {
+    return Hop{proxy_ip_, proxy_port_, op, 0, static_cast<uint32_t>(key), static_cast<uint32_t>(key >> 32), addr};
+  }
+
   // The client connected to the proxy (plain device protocol on global addresses).
   Client& proxy_client() { return *proxy_; }
   // Forgets cached translation tables (the next direct call fetches them).
@@ -119,13 +131,15 @@ class Pool {
 
  private:
   struct Map;
-  Pool(std::unique_ptr<Client> proxy, PoolOptions opts);
+  Pool(std::unique_ptr<Client> proxy, uint32_t proxy_ip, uint16_t proxy_port, PoolOptions opts);
   Result<Map*> map_for(uint64_t addr, uint64_t key);
   Result<Client*> device(uint32_t ip, uint16_t port, uint32_t boot);
   Error direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, bool write);
   Result<uint64_t> direct_atomic(Opcode op, uint64_t addr, uint64_t a, uint64_t b, uint64_t key);
 
   std::unique_ptr<Client> proxy_;
+  uint32_t proxy_ip_ = 0;  // the proxy's address, for hop()
+  uint16_t proxy_port_ = 0;
   PoolOptions opts_;
   std::map<uint64_t, std::unique_ptr<Map>> maps_;            // by allocation id
   std::map<uint64_t, std::unique_ptr<Client>> devices_;      // by endpoint key

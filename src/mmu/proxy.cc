@@ -169,7 +169,7 @@ void Proxy::reply(const Endpoint& to, const core::Header& req, Status s, std::ve
   h.flags = kFlagResponse;
   h.status = s;
   h.seg_count = 0;
-  h.seg_index = 0;
+  if (req.opcode != Opcode::kChain) h.seg_index = 0;  // a chain's NAK names its segment (PROTOCOL.md 10.4)
   if (s != Status::kOk) payload.clear();
   h.length = static_cast<uint32_t>(payload.size());
   h.boot = pool_id();
@@ -243,9 +243,9 @@ void Proxy::handle(std::span<std::byte> datagram, const Endpoint& from) {
   const core::Header& h = pkt.h;
   core::Stats::inc(stats_.requests[static_cast<uint8_t>(h.opcode)]);
   arrival_.opcode = static_cast<uint8_t>(h.opcode);
-  // The proxy does not route chains: a chain names devices, not global addresses.
-  if (h.seg_count != 0 || h.opcode == Opcode::kChain) return reply(from, h, Status::kBadSegment);
   if (h.flags & ~(kFlagAckReq | kFlagDirect)) return reply(from, h, Status::kBadFlags);
+  if (h.opcode == Opcode::kChain) return chain(from, pkt);
+  if (h.seg_count != 0) return reply(from, h, Status::kBadSegment);
   switch (h.opcode) {
     case Opcode::kPing: return answer_ping(from, h);
     case Opcode::kStats: return answer_stats(from, h);
@@ -417,6 +417,7 @@ Status Proxy::pool_free(std::span<const std::byte> payload) {
     if (err && !(err.code() == Error::Code::kNak && err.status() == Status::kBadKey)) releasing.push_back(e.slot);
   }
   const uint64_t id = a->row.id;
+  opt_configs_.erase(id);
   if (Error e = catalog_.free(id, releasing)) {
     spdlog::error("POOL_FREE '{}': {}", *name, e.message());
     return Status::kUnavailable;
@@ -715,6 +716,73 @@ bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const
   return true;
 }
 
+// A chain on pool memory (PROTOCOL.md 17.6): each segment names a global
+// address and its allocation's 64-bit key (rkey the low half, aux the
+// high). The proxy translates every segment to the device that holds its
+// range and forwards the chain to the first, the client its reply-to; the
+// devices run it as any chain and the last answers the client. Nothing is
+// kept here: each mutating segment runs once by its device's window, keyed
+// by the client and the segment index, so a retransmission through a
+// restarted proxy is answered from there. Translated whole or refused whole.
+void Proxy::chain(const Endpoint& from, const core::Packet& pkt) {
+  const core::Header& h = pkt.h;
+  auto refuse = [&](Status st, size_t seg) {
+    core::Header a = h;
+    a.seg_index = static_cast<uint8_t>(seg);
+    reply(from, a, st);
+  };
+  // The answer goes to the requester only: a proxy that sent it elsewhere
+  // would reflect traffic to a third party.
+  if (pkt.sr.reply_ip != 0 && (pkt.sr.reply_ip != from.ip || pkt.sr.reply_port != from.port))
+    return refuse(Status::kNotPermitted, 0);
+  std::vector<std::byte> segments(pkt.segments.size());
+  for (size_t i = 0; i < h.seg_count; ++i) {
+    const core::Segment sg = core::decode_segment(pkt.segments.data() + i * kSegmentSize);
+    const bool atomic = is_atomic(sg.opcode);
+    const bool reads = sg.opcode == Opcode::kRead || sg.opcode == Opcode::kReducePayload;
+    const bool writes = sg.opcode == Opcode::kWrite || sg.opcode == Opcode::kReduceMem ||
+                        sg.opcode == Opcode::kOptStep || atomic;
+    // Generations and stamps live in a device region, armed by its host:
+    // not in a pool allocation spread over devices.
+    if (sg.flags != 0 || !(reads || writes)) return refuse(Status::kBadSegment, i);
+    const uint64_t len = atomic ? 8 : h.length;
+    const Allocation* a = catalog_.find(pool::allocation_of(sg.addr));
+    if (Status st = check_access(a, uint64_t{sg.aux} << 32 | sg.rkey, sg.addr, len); st != Status::kOk)
+      return refuse(st, i);
+    // One device runs a segment on the whole payload: its range must be
+    // contiguous on one device, and a write must reach every copy.
+    const auto pieces = pool::split_merged(a->layout, pool::offset_of(sg.addr), len);
+    if (pieces.size() > 1 || (writes && a->layout.copies > 1)) return refuse(Status::kBadSegment, i);
+    std::optional<pool::Place> at;
+    for (uint32_t c = 0; c < a->layout.copies && !at; ++c)
+      if (const pool::Place pl = pool::locate(a->layout, pool::offset_of(sg.addr), c); usable(*a, pl.slot)) at = pl;
+    if (!at) return refuse(Status::kUnavailable, i);
+    const ExtentRow& e = a->slots[at->slot];
+    const Endpoint& dev = catalog_.devices()[e.device_id].endpoint;
+    core::encode_segment(core::Segment{dev.ip, dev.port, sg.opcode, 0, e.key, 0, e.base + at->extent_offset},
+                         segments.data() + i * kSegmentSize);
+  }
+  Answer& f = answers_.emplace_back();
+  const core::Segment first = core::decode_segment(segments.data());
+  f.to = Endpoint{first.ip, first.port};
+  f.arrival = arrival_;
+  f.head_size = kHeaderSize + kSrPreambleSize;
+  core::Header fh = h;
+  fh.seg_index = 0;
+  fh.flags = 0;  // ACK_REQ means nothing to a chain; DIRECT nothing to a device
+  fh.boot = 0;
+  core::encode_header(fh, f.head.data());
+  core::SrPreamble sr = pkt.sr;
+  sr.reply_ip = from.ip;
+  sr.reply_port = from.port;
+  core::encode_preamble(sr, f.head.data() + kHeaderSize);
+  f.payload = std::move(segments);
+  f.payload.insert(f.payload.end(), pkt.payload.begin(), pkt.payload.end());
+  core::Stats::inc(stats_.forwarded);
+  core::Stats::inc(stats_.tx_packets);
+  core::Stats::inc(stats_.tx_bytes, f.head_size + f.payload.size());
+}
+
 // A piece of a job's request on one device: [addr, addr + piece) of the
 // device, `piece` the job's bytes for it (data in, or the answer out).
 Op Proxy::device_op(const Job& j, Client& cl, uint64_t addr, std::span<std::byte> piece, uint32_t key) {
@@ -746,6 +814,8 @@ void Proxy::start_opt_config(std::unique_ptr<Job> job, const Allocation& a, std:
   }
   c.state1_offset /= a.layout.slots;
   c.state2_offset /= a.layout.slots;
+  opt_configs_[a.row.id] = c;
+  if (resync_ && resync_->alloc_id == a.row.id) resync_configure(c);
   for (uint32_t slot = 0; slot < a.slots.size(); ++slot) {
     const ExtentRow& e = a.slots[slot];
     if (e.state == ExtentState::kLost) continue;  // its data is gone: nothing to step there
@@ -755,7 +825,11 @@ void Proxy::start_opt_config(std::unique_ptr<Job> job, const Allocation& a, std:
     }
     Job::Sub sub;
     sub.slot = slot;
-    sub.piece = j.pieces++;
+    // Every slot of a single copy must take it. With two copies one is
+    // enough: a slot that fails is marked lost (settle_pieces) and its
+    // stripes served by their other copies, which took it; the re-sync
+    // gives it the config again.
+    sub.piece = a.layout.copies > 1 && j.pieces ? 0 : j.pieces++;
     sub.write = true;
     sub.op = client(e.device_id)->opt_config_async(c, e.key);
     j.subs.push_back(std::move(sub));

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <deque>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -115,6 +116,8 @@ class Proxy {
     uint32_t len;
   };
   bool plan_pieces(const core::Header& h, const Allocation& a, bool usable_only, std::vector<Target>& out);
+  // A chain on global addresses, translated and sent to its first device.
+  void chain(const transport::Endpoint& from, const core::Packet& pkt);
   bool served_by_devices(const core::Header& h, const Allocation& a);
   Op device_op(const Job& j, Client& cl, uint64_t addr, std::span<std::byte> piece, uint32_t key);
   void start_opt_config(std::unique_ptr<Job> job, const Allocation& a, std::span<const std::byte> payload);
@@ -151,6 +154,7 @@ class Proxy {
   void resync_progress();
   void resync_count_writer(Job& j);
   void resync_written(const Job& j);
+  void resync_configure(const OptimizerConfig& c);
 
   // Devices.
   void health_tick();
@@ -170,6 +174,12 @@ class Proxy {
   std::list<std::unique_ptr<Job>> jobs_;
   std::deque<Job*> replicated_atomics_;  // run one at a time, in order
   std::unique_ptr<Resync> resync_;       // one at a time
+  // The last OPT_CONFIG of each allocation, its distances translated (as
+  // every slot's region holds it): a region made again by a re-sync gets it
+  // before its slot is live. In memory only: clients send the config again
+  // before every step (PROTOCOL.md 6.11), and while a re-sync runs each new
+  // one reaches the re-synced region too.
+  std::map<uint64_t, OptimizerConfig> opt_configs_;
   uint64_t resync_gen_ = 0;
   transport::TimePoint next_resync_{};
   uint64_t health_seq_ = 0;

@@ -5,6 +5,7 @@
 #include <array>
 #include <list>
 #include <memory>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -88,6 +89,11 @@ struct Proxy::Resync {
     bool writing = false;  // false: reading the other copy
   };
   std::list<Step> steps;
+  // The allocation's optimizer config on the remade region: one OPT_CONFIG
+  // in flight at a time (two could arrive reordered), the latest next.
+  Op config_op;
+  bool config_sending = false;
+  std::optional<OptimizerConfig> config_next;
   bool failed = false;
 };
 
