@@ -589,6 +589,68 @@ TEST_F(PoolProxyTest, ReSyncAfterRestartUnderWrites) {
   EXPECT_TRUE(got == ref);
 }
 
+// A COPY whose source and destination lie on one device (an allocation on
+// one device; inside a stripe, for every copy of a replicated one) is moved
+// by that device: one device COPY per copy of the destination, none of the
+// bytes through the proxy, the result memmove's.
+TEST_F(PoolProxyTest, CopyOnOneDeviceRunsThere) {
+  Start(2, {}, "16MiB");
+  auto device_copies = [&] {
+    uint64_t n = 0;
+    for (const auto& d : devs_) {
+      auto c = Client::connect(d->endpoint());
+      EXPECT_TRUE(c) << c.error().to_string();
+      if (!c) return n;
+      auto st = (*c)->stats();
+      EXPECT_TRUE(st) << st.error().to_string();
+      if (!st) return n;
+      for (const auto& [name, v] : *st)
+        if (name == "op.COPY") n += v;
+    }
+    return n;
+  };
+  AllocOptions one;
+  one.policy = PoolPolicy::kSingle;
+  PoolAllocation a = Alloc("one", 4u << 20, one);
+  std::mt19937_64 rng(24);
+  std::vector<std::byte> ref;
+  ASSERT_FALSE(PutRandom(a, rng, ref));
+  uint64_t before = device_copies();
+  for (int i = 0; i < 20; ++i) {
+    const uint64_t len = 1 + rng() % (1u << 20);
+    const uint64_t src = rng() % (a.size - len + 1);
+    const uint64_t dst = i % 2 ? std::min<uint64_t>(src + 1 + rng() % 5000, a.size - len) : rng() % (a.size - len + 1);
+    ASSERT_FALSE(pool_->copy(a.base + dst, a.base + src, len, a.key, a.key)) << i;
+    std::memmove(ref.data() + dst, ref.data() + src, len);
+  }
+  EXPECT_EQ(device_copies() - before, 20u);
+  std::vector<std::byte> got(a.size);
+  ASSERT_FALSE(pool_->get(a.base, got, a.key));
+  EXPECT_TRUE(got == ref);
+  // Replicated, inside one 64 KiB stripe: both copies' devices copy.
+  AllocOptions rep;
+  rep.policy = PoolPolicy::kReplicated;
+  rep.stripe = 64 * 1024;
+  PoolAllocation r = Alloc("rep", 256 * 1024, rep);
+  ASSERT_EQ(r.copies, 2);
+  ASSERT_FALSE(PutRandom(r, rng, ref));
+  before = device_copies();
+  ASSERT_FALSE(pool_->copy(r.base + 65536 + 100, r.base + 65536 + 7, 60000, r.key, r.key));
+  std::memmove(ref.data() + 65536 + 100, ref.data() + 65536 + 7, 60000);
+  EXPECT_EQ(device_copies() - before, 2u);
+  const auto copies = ReadLiveCopies(r, 0, r.size);
+  ASSERT_EQ(copies.size(), 2u);
+  for (size_t c = 0; c < copies.size(); ++c) EXPECT_TRUE(copies[c] == ref) << "copy " << c;
+  // Across stripes on two devices: the proxy's buffer, no device COPY.
+  before = device_copies();
+  ASSERT_FALSE(pool_->copy(r.base + 1000, r.base + 60000, 10000, r.key, r.key));
+  std::memmove(ref.data() + 1000, ref.data() + 60000, 10000);
+  EXPECT_EQ(device_copies() - before, 0u);
+  std::vector<std::byte> rgot(r.size);
+  ASSERT_FALSE(pool_->get(r.base, rgot, r.key));
+  EXPECT_TRUE(rgot == ref);
+}
+
 // The re-sync's progress is the catalog's (the slot stays lost in the state
 // file until every byte is back): a proxy that crashes around a device's
 // restart, before, during or after the re-sync, comes back and finishes

@@ -237,6 +237,8 @@ class Client {
   // aimed elsewhere, as region_add's; the device checks the range).
   Op read_async(uint64_t addr, std::span<std::byte> out, uint64_t rkey = 0, const Hop* at = nullptr);
   Op write_async(uint64_t addr, std::span<const std::byte> data, uint64_t rkey = 0, const Hop* at = nullptr);
+  // copy() without waiting; the same limits.
+  Op copy_async(uint64_t dst, uint64_t src, uint64_t len, uint64_t src_key = 0, uint64_t rkey = 0);
   Op fetch_add_async(uint64_t addr, uint64_t add, uint64_t rkey = 0);
   Op compare_swap_async(uint64_t addr, uint64_t expected, uint64_t desired, uint64_t rkey = 0);
   Op swap_async(uint64_t addr, uint64_t value, uint64_t rkey = 0);

@@ -688,15 +688,21 @@ Error Client::fill(uint64_t addr, uint64_t len, std::span<const std::byte> patte
 }
 
 Error Client::copy(uint64_t dst, uint64_t src, uint64_t len, uint64_t src_key, uint64_t rkey) {
-  if (Error e = check_range(dst, len)) return e;
-  if (Error e = check_range(src, len)) return e;
-  if (Error e = check_key(key(src_key))) return e;
-  if (Error e = check_key(key(rkey))) return e;
-  const bool overlap = dst < src + len && src < dst + len;
-  if (overlap && len > kMaxRangePerRequest)
-    return Error::invalid("overlapping copies are limited to 16 MiB (one request)");
+  Op h = copy_async(dst, src, len, src_key, rkey);
+  return wait(h);
+}
+
+Op Client::copy_async(uint64_t dst, uint64_t src, uint64_t len, uint64_t src_key, uint64_t rkey) {
   auto op = std::make_shared<detail::OpState>();
   op->opcode = Opcode::kCopy;
+  if ((op->error = check_range(dst, len)) || (op->error = check_range(src, len)) ||
+      (op->error = check_key(key(src_key))) || (op->error = check_key(key(rkey))))
+    return start(std::move(op));
+  const bool overlap = dst < src + len && src < dst + len;
+  if (overlap && len > kMaxRangePerRequest) {
+    op->error = Error::invalid("overlapping copies are limited to 16 MiB (one request)");
+    return start(std::move(op));
+  }
   for (uint64_t off = 0; off < len; off += kMaxRangePerRequest) {
     const uint64_t n = std::min(kMaxRangePerRequest, len - off);
     Packet& p = new_packet(op, Opcode::kCopy, key(rkey), dst + off, static_cast<uint32_t>(n));
@@ -708,8 +714,7 @@ Error Client::copy(uint64_t dst, uint64_t src, uint64_t len, uint64_t src_key, u
     store_be<uint32_t>(p.owned.data() + 12, static_cast<uint32_t>(key(src_key) >> 32));
     p.payload = p.owned;
   }
-  Op h = start(std::move(op));
-  return wait(h);
+  return start(std::move(op));
 }
 
 Result<uint64_t> Client::fetch_add(uint64_t addr, uint64_t add, uint64_t rkey) {

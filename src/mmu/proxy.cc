@@ -537,7 +537,10 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
     else start_atomic(j);
     return;
   }
-  if (h.opcode == Opcode::kCopy) return start_copy(std::move(job), *src, payload);
+  if (h.opcode == Opcode::kCopy) {
+    if (start_device_copy(job, *src, *a, decode_copy_source(payload).addr)) return;
+    return start_copy(std::move(job), *src, payload);
+  }
   const bool write = h.opcode != Opcode::kRead && h.opcode != Opcode::kReducePayload;
   if (h.opcode == Opcode::kRead) {
     job->buf.resize(len);
@@ -590,6 +593,60 @@ void Proxy::start_copy(std::unique_ptr<Job> job, const Allocation& src, std::spa
       break;
     }
   jobs_.push_back(std::move(job));
+}
+
+// A COPY whose source and destination are each one run of bytes on one
+// device, the same device for every copy of the destination: each device
+// moves its bytes itself (memmove, as the proxy's buffer would), and they
+// never cross to the proxy and back (a copy inside an allocation on one
+// device, or inside a stripe). False, with nothing started, otherwise: the
+// proxy's buffer serves it.
+bool Proxy::start_device_copy(std::unique_ptr<Job>& job, const Allocation& src, const Allocation& dst,
+                              uint64_t src_addr) {
+  const uint32_t len = job->req.length;
+  const auto sp = pool::split_merged(src.layout, pool::offset_of(src_addr), len);
+  const auto dp = pool::split_merged(dst.layout, pool::offset_of(job->req.addr), len);
+  if (len == 0 || sp.size() != 1 || dp.size() != 1) return false;
+  struct Move {
+    uint32_t slot, copy, device;
+    uint64_t from, to;
+    uint32_t from_key, to_key;
+  };
+  std::vector<Move> moves;
+  for (uint32_t c = 0; c < dst.layout.copies; ++c) {
+    const pool::Place d = pool::locate(dst.layout, dp[0].offset, c);
+    if (!usable(dst, d.slot)) {
+      if (dst.slots[d.slot].state == ExtentState::kLost) continue;  // as start_piece: re-synced later
+      return false;
+    }
+    const ExtentRow& de = dst.slots[d.slot];
+    std::optional<Move> m;
+    for (uint32_t k = 0; k < src.layout.copies && !m; ++k) {
+      const pool::Place sl = pool::locate(src.layout, sp[0].offset, k);
+      const ExtentRow& se = src.slots[sl.slot];
+      if (se.device_id == de.device_id && usable(src, sl.slot))
+        m = Move{d.slot, c, de.device_id, se.base + sl.extent_offset, de.base + d.extent_offset, se.key, de.key};
+    }
+    if (!m) return false;
+    moves.push_back(*m);
+  }
+  if (moves.empty()) return false;
+  Job& j = *job;
+  j.phase = 1;  // nothing to read first
+  const size_t piece = j.pieces++;
+  for (const Move& m : moves) {
+    Job::Sub sub;
+    sub.off = dp[0].offset;
+    sub.len = len;
+    sub.copy = m.copy;
+    sub.slot = m.slot;
+    sub.piece = piece;
+    sub.write = true;
+    sub.op = client(m.device)->copy_async(m.to, m.from, len, m.from_key, m.to_key);
+    j.subs.push_back(std::move(sub));
+  }
+  jobs_.push_back(std::move(job));
+  return true;
 }
 
 // COPY's source is read: its destination pieces. True when the job is

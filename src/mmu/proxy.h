@@ -131,6 +131,7 @@ class Proxy {
   static CopySource decode_copy_source(std::span<const std::byte> payload);
   void start_copy(std::unique_ptr<Job> job, const Allocation& src, std::span<const std::byte> payload);
   bool start_copy_writes(Job& j);
+  bool start_device_copy(std::unique_ptr<Job>& job, const Allocation& src, const Allocation& dst, uint64_t src_addr);
 
   // Jobs.
   bool usable(const Allocation& a, uint32_t slot) const;
