@@ -128,6 +128,45 @@ class PoolTest(unittest.TestCase):
         finally:
             self.pool.free("t-repl")
 
+    def test_chains_on_pool_memory(self):
+        # A stripe of x plus a stripe of y (another device), stored into z
+        # and returned (PROTOCOL.md 17.6): the devices run the chain.
+        names = ["t-cx", "t-cy", "t-cz"]
+        x, y, z = (self.pool.alloc(n, 16384, stripe=4096) for n in names)
+        try:
+            xs = np.arange(4096, dtype=np.float32)
+            ys = np.full(4096, 0.5, dtype=np.float32)
+            self.pool.put(x.base, xs, x.key)
+            self.pool.put(y.base, ys, y.key)
+            c = netdam.Client(self.mmu.endpoint)
+            try:
+                hops = [self.pool.hop("read", x.base + 4096, x.key),
+                        self.pool.hop("reduce_payload", y.base, y.key),
+                        self.pool.hop("write", z.base + 8192, z.key)]
+                self.assertEqual(hops[0]["device"], self.mmu.endpoint)
+                self.assertIsNone(c.chain(hops, 4096, dtype="float32", op="sum"))
+                want = xs[1024:2048] + ys[:1024]
+                got = np.frombuffer(self.pool.get(z.base + 8192, 4096, z.key), np.float32)
+                np.testing.assert_array_equal(got, want)
+                out = c.chain(hops[:2], 4096, dtype="float32", op="sum")
+                np.testing.assert_array_equal(np.frombuffer(out, np.float32), want)
+                self.pool.put(z.base, (7).to_bytes(8, "little"), z.key)
+                old = c.chain([self.pool.hop("fetch_add", z.base, z.key)], 8, payload=(5).to_bytes(8, "little"))
+                self.assertEqual(old, (7).to_bytes(8, "little"))
+                self.assertEqual(self.pool.fetch_add(z.base, 0, z.key), 12)
+                # Refused by the proxy, naming the segment: over two devices.
+                with self.assertRaises(netdam.Nak) as cm:
+                    c.chain([hops[0], self.pool.hop("write", z.base + 2048, z.key)], 4096,
+                            dtype="float32", op="sum")
+                self.assertEqual(cm.exception.status, "BAD_SEGMENT")
+                with self.assertRaises(ValueError):
+                    c.chain([dict(hops[0], op="arm")], 4096)
+            finally:
+                c.close()
+        finally:
+            for n in names:
+                self.pool.free(n)
+
     def test_closed(self):
         p = netdam.Pool(self.mmu.endpoint)
         p.close()

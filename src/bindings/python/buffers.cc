@@ -3,6 +3,7 @@
 #include <string_view>
 
 #include "common.h"
+#include "transport/transport.h"
 
 namespace netdam::python {
 namespace {
@@ -119,6 +120,55 @@ RedOp parse_redop_arg(const std::string& op) {
   if (op == "min") return RedOp::kMin;
   if (op == "max") return RedOp::kMax;
   throw py::value_error("op: '" + op + "' is not a device reduction ('sum', 'min', 'max')");
+}
+
+namespace {
+constexpr std::pair<const char*, Opcode> kHopOps[] = {
+    {"read", Opcode::kRead},           {"write", Opcode::kWrite},         {"reduce_mem", Opcode::kReduceMem},
+    {"reduce_payload", Opcode::kReducePayload}, {"opt_step", Opcode::kOptStep}, {"fetch_add", Opcode::kFetchAdd},
+    {"compare_swap", Opcode::kCompareSwap},    {"swap", Opcode::kSwap}};
+}  // namespace
+
+Opcode hop_op_arg(const std::string& op) {
+  for (const auto& [name, code] : kHopOps)
+    if (op == name) return code;
+  throw py::value_error("op: '" + op +
+                        "' is not a chain segment ('read', 'write', 'reduce_mem', 'reduce_payload', 'opt_step', "
+                        "'fetch_add', 'compare_swap', 'swap')");
+}
+
+py::dict hop_dict(const Hop& h) {
+  py::dict d;
+  d["device"] = transport::Endpoint{h.ip, h.port}.to_string();
+  const char* op = "?";
+  for (const auto& [name, code] : kHopOps)
+    if (code == h.op) op = name;
+  d["op"] = op;
+  d["rkey"] = h.rkey;
+  d["aux"] = h.aux;
+  d["addr"] = h.addr;
+  d["flags"] = h.flags;
+  return d;
+}
+
+Hop hop_arg(py::handle h) {
+  if (!py::isinstance<py::dict>(h)) throw py::type_error("a hop is a dict (see Pool.hop)");
+  const py::dict d = py::reinterpret_borrow<py::dict>(h);
+  auto need = [&](const char* k) {
+    if (!d.contains(k)) throw py::value_error(std::string("a hop needs \"") + k + "\"");
+    return d[k];
+  };
+  const auto at = transport::parse_endpoint(py::str(need("device")).cast<std::string>());
+  if (!at) throw py::value_error("hop device: " + at.error().message());
+  Hop out;
+  out.ip = at->ip;
+  out.port = at->port;
+  out.op = hop_op_arg(py::str(need("op")));
+  out.rkey = need("rkey").cast<uint32_t>();
+  out.addr = need("addr").cast<uint64_t>();
+  out.aux = d.contains("aux") ? d["aux"].cast<uint32_t>() : 0;
+  out.flags = d.contains("flags") ? d["flags"].cast<uint8_t>() : 0;
+  return out;
 }
 
 Reduction parse_reduction_arg(const std::string& op) {

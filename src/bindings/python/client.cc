@@ -156,6 +156,39 @@ class PyClient {
     check(run([&](Client& c) { return c.reduce_fetch(addr, t, r, b.bytes(), rkey); }));
     return array;
   }
+  py::object chain(const py::list& hops, uint32_t length, const py::object& dtype, const std::string& op,
+                   const py::object& payload, uint32_t generation) {
+    std::vector<Hop> hs;
+    for (py::handle h : hops) hs.push_back(hop_arg(h));
+    if (hs.empty()) throw py::value_error("hops: a chain has at least one segment");
+    DType t = DType::kBytes;
+    if (!dtype.is_none()) {
+      const auto d = parse_dtype_name(dtype);
+      if (!d) throw py::type_error("dtype: not an element type netdam knows");
+      t = *d;
+    }
+    const RedOp r = op == "none" ? RedOp::kNone : parse_redop_arg(op);
+    std::optional<Buffer> in;
+    if (!payload.is_none()) in.emplace(payload, false, "payload");
+    // The last segment's result comes back: READ, REDUCE_PAYLOAD, OPT_STEP
+    // (the updated parameters) and the atomics' old value.
+    const Opcode last = hs.back().op;
+    const bool answers = last == Opcode::kRead || last == Opcode::kReducePayload || last == Opcode::kOptStep ||
+                         last == Opcode::kFetchAdd || last == Opcode::kCompareSwap || last == Opcode::kSwap;
+    py::bytes out;
+    std::span<std::byte> answer;
+    if (answers) {
+      out = py::reinterpret_steal<py::bytes>(PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(length)));
+      if (!out) throw py::error_already_set();
+      answer = {reinterpret_cast<std::byte*>(PyBytes_AS_STRING(out.ptr())), length};
+    }
+    check(run([&](Client& c) {
+      Op o = c.chain_async(hs, generation, t, r, length, in ? in->cbytes() : std::span<const std::byte>{}, answer);
+      return c.wait(o);
+    }));
+    if (!answers) return py::none();
+    return out;
+  }
   void region_add(uint32_t admin_key, uint64_t base, uint64_t size, uint32_t key, const py::object& perms) {
     RegionInfo region{base, size, key, perms_arg(perms)};
     check(run([&](Client& c) { return c.region_add(admin_key, region); }));
@@ -275,6 +308,17 @@ Every blocking call releases the GIL. A Client may be shared by threads
            "Returns the previous value of the word; the swap happened iff it equals `expected`.")
       .def("swap", &PyClient::swap, arg("addr"), arg("value"), arg("rkey") = 0,
            "swap(addr: int, value: int, rkey: int = 0) -> int\n\nStores value; returns the previous word.")
+      .def("chain", &PyClient::chain, arg("hops"), arg("length"), py::kw_only(), arg("dtype") = py::none(),
+           arg("op") = "none", arg("payload") = py::none(), arg("generation") = 0,
+           "chain(hops: list[dict], length: int, *, dtype=None, op: str = 'none', payload=None,\n"
+           "      generation: int = 0) -> bytes | None\n\n"
+           "Sends a chain (PROTOCOL.md 10) to hops[0]['device']: each hop a dict with 'device'\n"
+           "('HOST:PORT'), 'op' ('read', 'write', 'reduce_mem', 'reduce_payload', 'opt_step',\n"
+           "'fetch_add', 'compare_swap', 'swap'), 'rkey', 'addr' and optionally 'aux' and 'flags';\n"
+           "through a pool proxy, Pool.hop() makes them on global addresses (PROTOCOL.md 17.6).\n"
+           "`length` bytes of `payload` go with it (none for a chain that starts with a read),\n"
+           "reduced as `dtype` with `op` ('sum', 'min', 'max'). Returns the last segment's result\n"
+           "(`length` bytes; 8 for an atomic) if it has one, else None after the acknowledgement.")
       .def("reduce", &PyClient::reduce, arg("addr"), arg("array"), arg("op") = "sum", py::kw_only(),
            arg("dtype") = py::none(), arg("sparse") = "auto", arg("rkey") = 0,
            "reduce(addr: int, array, op: str = 'sum', *, dtype=None, sparse='auto', rkey: int = 0) -> None\n\n"

@@ -23,6 +23,7 @@
 #include <span>
 #include <string>
 
+#include "netdam/client.h"
 #include "netdam/error.h"
 #include "netdam/group.h"
 #include "netdam/types.h"
@@ -127,6 +128,13 @@ Congestion parse_congestion_arg(const std::string& c);  // fixed, depth, swift
 std::chrono::milliseconds seconds_arg(double seconds, const char* what);
 // A Python int as a 64-bit word: negative values wrap (two's complement).
 uint64_t word_arg(py::handle v, const char* what);
+// A chain segment as Python sees it: a dict with "device" ("HOST:PORT"),
+// "op" ("read", "write", "reduce_mem", "reduce_payload", "opt_step",
+// "fetch_add", "compare_swap", "swap"), "rkey", "addr", and optionally
+// "aux" and "flags" (0 if absent).
+py::dict hop_dict(const Hop& h);
+Hop hop_arg(py::handle h);
+Opcode hop_op_arg(const std::string& op);
 
 // --- registration (one per binding file) ------------------------------------
 void bind_client(py::module_& m);

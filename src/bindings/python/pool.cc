@@ -85,6 +85,10 @@ class PyPool {
     o.first_device = first_device;
     return unwrap(run([&](Pool& p) { return p.alloc(name, size, o); }));
   }
+  py::dict hop(const std::string& op, uint64_t addr, uint64_t key) {
+    const Opcode code = hop_op_arg(op);
+    return hop_dict(run([&](Pool& p) { return p.hop(code, addr, key); }));
+  }
   void free(const std::string& name) {
     check(run([&](Pool& p) { return p.free(name); }));
   }
@@ -225,6 +229,11 @@ table once and talks to the devices itself); both give the same bytes.
            "'interleaved', 'single' or 'replicated'. devices: how many to spread over (0: all that answer).\n"
            "first_device: pool device index to start at (-1: the proxy chooses). Raises netdam.Nak with\n"
            "status 'ALREADY_EXISTS' if the name is taken, 'NO_SPACE' if it does not fit.")
+      .def("hop", &PyPool::hop, arg("op"), arg("addr"), arg("key"),
+           "hop(op: str, addr: int, key: int) -> dict\n\n"
+           "A chain segment on pool memory for Client.chain() (a Client connected to this pool's\n"
+           "proxy): `op` on [addr, addr + the chain's length) of the allocation with `key`. The proxy\n"
+           "translates each segment to its device and forwards the chain (PROTOCOL.md 17.6).")
       .def("free", &PyPool::free, arg("name"), "free(name: str) -> None\n\nFrees the allocation `name`.")
       .def("lookup", &PyPool::lookup, arg("name"),
            "lookup(name: str) -> Allocation\n\nThe allocation `name` (netdam.Nak 'NO_SUCH_ALLOCATION' if none).")
