@@ -404,50 +404,35 @@ TEST_F(PoolDirect, OptimizerStepsThroughTheProxy) {
     Connect(Congestion::kFixed, direct);
     PoolAllocation a = AllocStriped(direct ? "adam" : "adam-proxied", 3 * S, 1024);
     std::mt19937_64 rng(9);
-    std::vector<std::byte> weights(S), state(2 * S), grad(S);
-    for (size_t i = 0; i < n; ++i) {
-      core::store_le<float>(weights.data() + 4 * i, static_cast<float>(rng() % 2000) / 1000.f - 1.f);
-      core::store_le<float>(grad.data() + 4 * i, static_cast<float>(rng() % 2000) / 500.f - 2.f);
-    }
-    ASSERT_FALSE(pool_->put(a.base, weights, a.key));
-    ASSERT_FALSE(pool_->put(a.base + S, state, a.key));
-    OptimizerConfig c;
-    c.kind = OptimizerKind::kAdam;
-    c.lr = 0.01;
-    c.state1_offset = S;
-    c.state2_offset = 2 * S;
-    std::vector<std::byte> ref = weights, m(S), v(S);
+    AdamOnPool p = PutAdam(a, n, rng);
+    OptimizerConfig& c = p.config;
     Client& cl = pool_->proxy_client();
     for (uint64_t t = 1; t <= 3; ++t) {
       c.step = t;
-      std::vector<std::byte> record(kOptConfigRecordSize);
-      core::encode_opt_config(c, record.data());
-      auto done = cl.call(Opcode::kOptConfig, a.key, a.base, record);
+      auto done = SendOptConfig(a, c);
       ASSERT_TRUE(done) << done.error().to_string();
       // Step 1: the first 3 stripes (one piece per device); steps 2, 3:
       // everything (four pieces per device).
       const size_t bytes = t == 1 ? 3072 : S;
-      ASSERT_FALSE(cl.opt_step(a.base, std::span(grad).first(bytes), a.key)) << t;
-      core::optimizer_step(c, std::span(grad).first(bytes), std::span(ref).first(bytes), std::span(m).first(bytes),
-                           std::span(v).first(bytes));
+      ASSERT_FALSE(cl.opt_step(a.base, std::span(p.grad).first(bytes), a.key)) << t;
+      core::optimizer_step(c, std::span(p.grad).first(bytes), std::span(p.ref).first(bytes),
+                           std::span(p.m).first(bytes), std::span(p.v).first(bytes));
     }
     std::vector<std::byte> got(S);
     ASSERT_FALSE(pool_->get(a.base, got, a.key));
-    EXPECT_TRUE(got == ref) << (direct ? "DIRECT" : "through the proxy");
+    EXPECT_TRUE(got == p.ref) << (direct ? "DIRECT" : "through the proxy");
     std::vector<std::byte> got_m(S);
     ASSERT_FALSE(pool_->get(a.base + S, got_m, a.key));
-    EXPECT_TRUE(got_m == m);
+    EXPECT_TRUE(got_m == p.m);
     if (direct) {
       EXPECT_GE(cl.counters().direct_pieces, 3u);
     }
     // A state distance that is not a multiple of stripe x slots is refused.
     c.state1_offset = 1024;
-    std::vector<std::byte> record(kOptConfigRecordSize);
-    core::encode_opt_config(c, record.data());
-    auto bad = cl.call(Opcode::kOptConfig, a.key, a.base, record);
+    auto bad = SendOptConfig(a, c);
     ASSERT_FALSE(bad);
     EXPECT_EQ(bad.error().status(), Status::kBadPayload);
-    bad = cl.call(Opcode::kOptConfig, a.key, a.base + 8, record);
+    bad = SendOptConfig(a, c, 8);
     ASSERT_FALSE(bad);
     EXPECT_EQ(bad.error().status(), Status::kOutOfBounds);
   }

@@ -14,6 +14,8 @@
 #include <random>
 #include <thread>
 
+#include "core/endian.h"
+#include "core/optimizer.h"
 #include "daemon_fixture.h"
 #include "netdam/pool.h"
 #include "pool/map_request.h"
@@ -178,6 +180,42 @@ class PoolTest : public ::testing::Test {
     }
     return out;
   }
+  // Adam on an allocation: n float32 weights at offset 0, their state at +S
+  // and +2S (S = 4n, which must be a multiple of stripe x slots), written;
+  // weights and gradient random from `rng`; the host's reference copies.
+  struct AdamOnPool {
+    uint64_t S = 0;
+    std::vector<std::byte> weights, grad, ref, m, v;
+    OptimizerConfig config;
+  };
+  AdamOnPool PutAdam(const PoolAllocation& a, size_t n, std::mt19937_64& rng) {
+    AdamOnPool p;
+    p.S = 4 * n;
+    p.weights.resize(p.S);
+    p.grad.resize(p.S);
+    for (size_t i = 0; i < n; ++i) {
+      core::store_le<float>(p.weights.data() + 4 * i, static_cast<float>(rng() % 2000) / 1000.f - 1.f);
+      core::store_le<float>(p.grad.data() + 4 * i, static_cast<float>(rng() % 2000) / 500.f - 2.f);
+    }
+    EXPECT_FALSE(pool_->put(a.base, p.weights, a.key));
+    EXPECT_FALSE(pool_->put(a.base + p.S, std::vector<std::byte>(2 * p.S), a.key));
+    p.config.kind = OptimizerKind::kAdam;
+    p.config.lr = 0.01;
+    p.config.state1_offset = p.S;
+    p.config.state2_offset = 2 * p.S;
+    p.ref = p.weights;
+    p.m.assign(p.S, std::byte{0});
+    p.v.assign(p.S, std::byte{0});
+    return p;
+  }
+  // OPT_CONFIG of `c` at a.base + `at` through the proxy (raw: the proxy
+  // translates the state distances).
+  Result<std::vector<std::byte>> SendOptConfig(const PoolAllocation& a, const OptimizerConfig& c, uint64_t at = 0) {
+    std::vector<std::byte> record(kOptConfigRecordSize);
+    core::encode_opt_config(c, record.data());
+    return pool_->proxy_client().call(Opcode::kOptConfig, a.key, a.base + at, record);
+  }
+
   // Waits until the proxy's view of the allocation is `state`.
   bool WaitState(const std::string& name, const std::string& state, std::chrono::milliseconds limit = std::chrono::milliseconds(3000)) {
     const auto deadline = std::chrono::steady_clock::now() + limit;

@@ -8,7 +8,6 @@
 #include <thread>
 
 #include "core/endian.h"
-#include "core/optimizer.h"
 #include "core/wire.h"
 #include "netdam/pool.h"
 #include "pool/pool_wire.h"
@@ -685,35 +684,21 @@ TEST_F(PoolProxyTest, ReSyncRestoresOptimizerConfig) {
   AllocOptions rep;
   rep.policy = PoolPolicy::kReplicated;
   rep.stripe = 1024;
-  const size_t n = 3072;  // floats
-  const uint64_t S = n * 4;  // a multiple of stripe x slots
-  PoolAllocation r = Alloc("adam", 3 * S, rep);
+  const size_t n = 3072;  // floats: S = 12 KiB, a multiple of stripe x slots
+  PoolAllocation r = Alloc("adam", 3 * 4 * n, rep);
   ASSERT_EQ(r.copies, 2);
   std::mt19937_64 rng(23);
-  std::vector<std::byte> weights(S), grad(S), state(2 * S);
-  for (size_t i = 0; i < n; ++i) {
-    core::store_le<float>(weights.data() + 4 * i, static_cast<float>(rng() % 2000) / 1000.f - 1.f);
-    core::store_le<float>(grad.data() + 4 * i, static_cast<float>(rng() % 2000) / 500.f - 2.f);
-  }
-  ASSERT_FALSE(pool_->put(r.base, weights, r.key));
-  ASSERT_FALSE(pool_->put(r.base + S, state, r.key));
+  AdamOnPool p = PutAdam(r, n, rng);
+  const uint64_t S = p.S;
   Client& cl = pool_->proxy_client();
-  OptimizerConfig c;
-  c.kind = OptimizerKind::kAdam;
-  c.lr = 0.01;
-  c.state1_offset = S;
-  c.state2_offset = 2 * S;
-  std::vector<std::byte> ref = weights, m(S), v(S);
   auto configure = [&](uint64_t t) {
-    c.step = t;
-    std::vector<std::byte> record(kOptConfigRecordSize);
-    core::encode_opt_config(c, record.data());
-    auto done = cl.call(Opcode::kOptConfig, r.key, r.base, record);
+    p.config.step = t;
+    auto done = SendOptConfig(r, p.config);
     ASSERT_TRUE(done) << t << ": " << done.error().to_string();
   };
   auto step = [&](uint64_t t) {
-    ASSERT_FALSE(cl.opt_step(r.base, grad, r.key)) << t;
-    core::optimizer_step(c, grad, ref, m, v);
+    ASSERT_FALSE(cl.opt_step(r.base, p.grad, r.key)) << t;
+    core::optimizer_step(p.config, p.grad, p.ref, p.m, p.v);
   };
   configure(1);
   step(1);
@@ -724,8 +709,8 @@ TEST_F(PoolProxyTest, ReSyncRestoresOptimizerConfig) {
   const auto copies = ReadLiveCopies(r, 0, 3 * S);
   ASSERT_EQ(copies.size(), 2u) << "a copy was given up by the step\n" << mmu_.log();
   for (size_t k = 0; k < copies.size(); ++k) {
-    EXPECT_TRUE(std::equal(ref.begin(), ref.end(), copies[k].begin())) << "weights, copy " << k;
-    EXPECT_TRUE(std::equal(m.begin(), m.end(), copies[k].begin() + S)) << "first moment, copy " << k;
-    EXPECT_TRUE(std::equal(v.begin(), v.end(), copies[k].begin() + 2 * S)) << "second moment, copy " << k;
+    EXPECT_TRUE(std::equal(p.ref.begin(), p.ref.end(), copies[k].begin())) << "weights, copy " << k;
+    EXPECT_TRUE(std::equal(p.m.begin(), p.m.end(), copies[k].begin() + S)) << "first moment, copy " << k;
+    EXPECT_TRUE(std::equal(p.v.begin(), p.v.end(), copies[k].begin() + 2 * S)) << "second moment, copy " << k;
   }
 }

@@ -176,6 +176,8 @@ class Client {
   const DeviceInfo& device_info() const { return info_; }
   const ClientOptions& options() const { return opts_; }
   std::string device_address() const;
+  // This client's device as a chain's hop: its ip and port, the rest to fill.
+  Hop device_hop() const;
 
   // --- synchronous calls -------------------------------------------------
   Result<DeviceInfo> ping();

@@ -121,7 +121,12 @@ class Pool {
   // READ and REDUCE_PAYLOAD on any allocation; WRITE, REDUCE_MEM, OPT_STEP
   // and atomics on allocations with one copy. No segment flags.
   Hop hop(Opcode op, uint64_t addr, uint64_t key) const {
-    return Hop{proxy_ip_, proxy_port_, op, 0, static_cast<uint32_t>(key), static_cast<uint32_t>(key >> 32), addr};
+    Hop h = proxy_->device_hop();
+    h.op = op;
+    h.rkey = static_cast<uint32_t>(key);
+    h.aux = static_cast<uint32_t>(key >> 32);
+    h.addr = addr;
+    return h;
   }
 
   // The client connected to the proxy (plain device protocol on global addresses).
@@ -131,15 +136,13 @@ class Pool {
 
  private:
   struct Map;
-  Pool(std::unique_ptr<Client> proxy, uint32_t proxy_ip, uint16_t proxy_port, PoolOptions opts);
+  Pool(std::unique_ptr<Client> proxy, PoolOptions opts);
   Result<Map*> map_for(uint64_t addr, uint64_t key);
   Result<Client*> device(uint32_t ip, uint16_t port, uint32_t boot);
   Error direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, bool write);
   Result<uint64_t> direct_atomic(Opcode op, uint64_t addr, uint64_t a, uint64_t b, uint64_t key);
 
   std::unique_ptr<Client> proxy_;
-  uint32_t proxy_ip_ = 0;  // the proxy's address, for hop()
-  uint16_t proxy_port_ = 0;
   PoolOptions opts_;
   std::map<uint64_t, std::unique_ptr<Map>> maps_;            // by allocation id
   std::map<uint64_t, std::unique_ptr<Client>> devices_;      // by endpoint key

@@ -259,6 +259,13 @@ Error Client::handshake() {
 
 std::string Client::device_address() const { return device_->to_string(); }
 
+Hop Client::device_hop() const {
+  Hop h;
+  h.ip = device_->ip;
+  h.port = device_->port;
+  return h;
+}
+
 size_t Client::chunk_size(DType t) const {
   const size_t e = dtype_size(t);
   return opts_.max_payload / e * e;

@@ -513,8 +513,9 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   }
   // COPY's source first, as a device checks it (PROTOCOL.md 6.6).
   const Allocation* src = nullptr;
+  CopySource cs{};
   if (h.opcode == Opcode::kCopy) {
-    const CopySource cs = decode_copy_source(payload);
+    cs = decode_copy_source(payload);
     src = catalog_.find(pool::allocation_of(cs.addr));
     if (Status st = check_access(src, cs.key, cs.addr, len); st != Status::kOk) return fail(st);
   }
@@ -538,7 +539,7 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
     return;
   }
   if (h.opcode == Opcode::kCopy) {
-    if (start_device_copy(job, *src, *a, decode_copy_source(payload).addr)) return;
+    if (start_device_copy(job, *src, *a, cs.addr)) return;
     return start_copy(std::move(job), *src, payload);
   }
   const bool write = h.opcode != Opcode::kRead && h.opcode != Opcode::kReducePayload;
@@ -670,15 +671,21 @@ bool Proxy::start_copy_writes(Job& j) {
   return j.subs.empty();
 }
 
+// Where byte `off` of `a` is: its first copy on a usable slot
+// (`usable_only`), or copy 0 (the layout alone); none if no copy is usable.
+std::optional<pool::Place> Proxy::first_copy(const Allocation& a, uint64_t off, bool usable_only) const {
+  for (uint32_t c = 0; c < a.layout.copies; ++c)
+    if (const pool::Place pl = pool::locate(a.layout, off, c); !usable_only || usable(a, pl.slot)) return pl;
+  return std::nullopt;
+}
+
 // The pieces of a request and the device of each: the first usable copy
 // (`usable_only`), or copy 0 (the layout alone). False if some piece has
 // no usable copy.
 bool Proxy::plan_pieces(const core::Header& h, const Allocation& a, bool usable_only, std::vector<Target>& out) {
   const bool atomic = is_atomic(h.opcode);
   for (const pool::Piece& pc : pool::split_merged(a.layout, pool::offset_of(h.addr), atomic ? 8 : h.length)) {
-    std::optional<pool::Place> at;
-    for (uint32_t c = 0; c < a.layout.copies && !at; ++c)
-      if (const pool::Place pl = pool::locate(a.layout, pc.offset, c); !usable_only || usable(a, pl.slot)) at = pl;
+    const std::optional<pool::Place> at = first_copy(a, pc.offset, usable_only);
     if (!at) return false;
     const ExtentRow& e = a.slots[at->slot];
     // A device answers at most its own payload: larger pieces go in parts.
@@ -741,11 +748,7 @@ bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const
   std::vector<Target> targets;
   if (!plan_pieces(h, a, true, targets)) return false;
   for (const Target& t : targets) {
-    Answer& f = answers_.emplace_back();
-    f.to = catalog_.devices()[t.device].endpoint;
-    f.arrival = arrival_;
-    if (&t != &targets.front()) f.arrival.opcode = -1;  // the request is timed once
-    f.head_size = core::payload_offset(1);
+    const Endpoint& dev = catalog_.devices()[t.device].endpoint;
     core::Header fh;
     fh.opcode = Opcode::kChain;
     fh.dtype = h.dtype;
@@ -757,18 +760,12 @@ bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const
     fh.rkey = t.len;
     fh.addr = h.addr + (t.off - off);
     fh.length = t.len;
-    core::encode_header(fh, f.head.data());
-    core::SrPreamble sr;
-    sr.reply_ip = from.ip;
-    sr.reply_port = from.port;
-    core::encode_preamble(sr, f.head.data() + kHeaderSize);
-    core::encode_segment(core::Segment{f.to.ip, f.to.port, h.opcode, 0, t.key, 0, t.device_addr},
-                         f.head.data() + kHeaderSize + kSrPreambleSize);
-    if (atomic) f.payload.assign(payload.begin(), payload.end());
-    if (carries) f.payload.assign(payload.begin() + (t.off - off), payload.begin() + (t.off - off) + t.len);
-    core::Stats::inc(stats_.forwarded);
-    core::Stats::inc(stats_.tx_packets);
-    core::Stats::inc(stats_.tx_bytes, f.head_size + f.payload.size());
+    std::vector<std::byte> body(kSegmentSize);
+    body.reserve(kSegmentSize + (carries ? t.len : payload.size()));
+    core::encode_segment(core::Segment{dev.ip, dev.port, h.opcode, 0, t.key, 0, t.device_addr}, body.data());
+    if (atomic) body.insert(body.end(), payload.begin(), payload.end());
+    if (carries) body.insert(body.end(), payload.begin() + (t.off - off), payload.begin() + (t.off - off) + t.len);
+    send_chain(dev, fh, {}, from, std::move(body), &t == &targets.front());  // the request is timed once
   }
   return true;
 }
@@ -792,7 +789,9 @@ void Proxy::chain(const Endpoint& from, const core::Packet& pkt) {
   // would reflect traffic to a third party.
   if (pkt.sr.reply_ip != 0 && (pkt.sr.reply_ip != from.ip || pkt.sr.reply_port != from.port))
     return refuse(Status::kNotPermitted, 0);
-  std::vector<std::byte> segments(pkt.segments.size());
+  std::vector<std::byte> body(pkt.segments.size());
+  body.reserve(pkt.segments.size() + pkt.payload.size());
+  Endpoint first{};
   for (size_t i = 0; i < h.seg_count; ++i) {
     const core::Segment sg = core::decode_segment(pkt.segments.data() + i * kSegmentSize);
     const bool atomic = is_atomic(sg.opcode);
@@ -808,33 +807,41 @@ void Proxy::chain(const Endpoint& from, const core::Packet& pkt) {
       return refuse(st, i);
     // One device runs a segment on the whole payload: its range must be
     // contiguous on one device, and a write must reach every copy.
-    const auto pieces = pool::split_merged(a->layout, pool::offset_of(sg.addr), len);
-    if (pieces.size() > 1 || (writes && a->layout.copies > 1)) return refuse(Status::kBadSegment, i);
-    std::optional<pool::Place> at;
-    for (uint32_t c = 0; c < a->layout.copies && !at; ++c)
-      if (const pool::Place pl = pool::locate(a->layout, pool::offset_of(sg.addr), c); usable(*a, pl.slot)) at = pl;
+    const uint64_t off = pool::offset_of(sg.addr);
+    if (pool::split_merged(a->layout, off, len).size() > 1 || (writes && a->layout.copies > 1))
+      return refuse(Status::kBadSegment, i);
+    const std::optional<pool::Place> at = first_copy(*a, off, true);
     if (!at) return refuse(Status::kUnavailable, i);
     const ExtentRow& e = a->slots[at->slot];
     const Endpoint& dev = catalog_.devices()[e.device_id].endpoint;
+    if (i == 0) first = dev;
     core::encode_segment(core::Segment{dev.ip, dev.port, sg.opcode, 0, e.key, 0, e.base + at->extent_offset},
-                         segments.data() + i * kSegmentSize);
+                         body.data() + i * kSegmentSize);
   }
-  Answer& f = answers_.emplace_back();
-  const core::Segment first = core::decode_segment(segments.data());
-  f.to = Endpoint{first.ip, first.port};
-  f.arrival = arrival_;
-  f.head_size = kHeaderSize + kSrPreambleSize;
+  body.insert(body.end(), pkt.payload.begin(), pkt.payload.end());
   core::Header fh = h;
   fh.seg_index = 0;
   fh.flags = 0;  // ACK_REQ means nothing to a chain; DIRECT nothing to a device
   fh.boot = 0;
+  send_chain(first, fh, pkt.sr, from, std::move(body), true);
+}
+
+// Queues a chain for a device (DIRECT's pieces, chains on pool memory):
+// header `fh`, the preamble `sr` with `reply_to` as the chain's reply-to,
+// then `body`, the encoded segments and the payload. `timed`: this is the
+// datagram the request's latency is charged to.
+void Proxy::send_chain(const Endpoint& to, const core::Header& fh, core::SrPreamble sr, const Endpoint& reply_to,
+                       std::vector<std::byte> body, bool timed) {
+  Answer& f = answers_.emplace_back();
+  f.to = to;
+  f.arrival = arrival_;
+  if (!timed) f.arrival.opcode = -1;
+  f.head_size = kHeaderSize + kSrPreambleSize;
   core::encode_header(fh, f.head.data());
-  core::SrPreamble sr = pkt.sr;
-  sr.reply_ip = from.ip;
-  sr.reply_port = from.port;
+  sr.reply_ip = reply_to.ip;
+  sr.reply_port = reply_to.port;
   core::encode_preamble(sr, f.head.data() + kHeaderSize);
-  f.payload = std::move(segments);
-  f.payload.insert(f.payload.end(), pkt.payload.begin(), pkt.payload.end());
+  f.payload = std::move(body);
   core::Stats::inc(stats_.forwarded);
   core::Stats::inc(stats_.tx_packets);
   core::Stats::inc(stats_.tx_bytes, f.head_size + f.payload.size());

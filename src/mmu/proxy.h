@@ -116,8 +116,11 @@ class Proxy {
     uint32_t len;
   };
   bool plan_pieces(const core::Header& h, const Allocation& a, bool usable_only, std::vector<Target>& out);
+  std::optional<pool::Place> first_copy(const Allocation& a, uint64_t off, bool usable_only) const;
   // A chain on global addresses, translated and sent to its first device.
   void chain(const transport::Endpoint& from, const core::Packet& pkt);
+  void send_chain(const transport::Endpoint& to, const core::Header& fh, core::SrPreamble sr,
+                  const transport::Endpoint& reply_to, std::vector<std::byte> body, bool timed);
   bool served_by_devices(const core::Header& h, const Allocation& a);
   Op device_op(const Job& j, Client& cl, uint64_t addr, std::span<std::byte> piece, uint32_t key);
   void start_opt_config(std::unique_ptr<Job> job, const Allocation& a, std::span<const std::byte> payload);
@@ -194,10 +197,10 @@ class Proxy {
   };
   Arrival arrival_;
   // An answer to a client, or a request forwarded to a device (a chain:
-  // header, preamble, one segment).
+  // header and preamble in `head`, the segments and the data in `payload`).
   struct Answer {
     transport::Endpoint to;
-    std::array<std::byte, core::payload_offset(1)> head;
+    std::array<std::byte, kHeaderSize + kSrPreambleSize> head;
     size_t head_size = kHeaderSize;
     std::vector<std::byte> payload;
     Arrival arrival;

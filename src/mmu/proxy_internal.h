@@ -90,9 +90,9 @@ struct Proxy::Resync {
   };
   std::list<Step> steps;
   // The allocation's optimizer config on the remade region: one OPT_CONFIG
-  // in flight at a time (two could arrive reordered), the latest next.
+  // in flight at a time (two could arrive reordered; valid() while one is),
+  // the latest next.
   Op config_op;
-  bool config_sending = false;
   std::optional<OptimizerConfig> config_next;
   bool failed = false;
 };

@@ -103,13 +103,12 @@ bool Proxy::start_resync(Allocation& a, uint32_t slot) {
 // one sent, and each one the clients send while the re-sync runs.
 void Proxy::resync_configure(const OptimizerConfig& c) {
   Resync& r = *resync_;
-  if (r.config_sending) {
+  if (r.config_op.valid()) {
     r.config_next = c;
     return;
   }
   const ExtentRow& e = catalog_.find(r.alloc_id)->slots[r.slot];
   r.config_op = client(e.device_id)->opt_config_async(c, e.key);
-  r.config_sending = true;
 }
 
 void Proxy::resync_count_writer(Job& j) {
@@ -163,12 +162,12 @@ void Proxy::resync_progress() {
     r.in_flight.erase(it->stripe);
     it = r.steps.erase(it);
   }
-  if (r.config_sending && r.config_op.done()) {
+  if (r.config_op.valid() && r.config_op.done()) {
     if (const Error& err = r.config_op.error(); err && !r.failed) {
       spdlog::warn("re-sync of allocation {} slot {}: OPT_CONFIG: {}", r.alloc_id, r.slot, err.to_string());
       r.failed = true;
     }
-    r.config_sending = false;
+    r.config_op = Op{};
     if (r.config_next && !r.failed) {
       const OptimizerConfig next = *r.config_next;
       r.config_next.reset();
@@ -176,7 +175,7 @@ void Proxy::resync_progress() {
     }
   }
   if (r.failed) {
-    if (!r.steps.empty() || r.config_sending) return;  // their buffers stay until the operations end
+    if (!r.steps.empty() || r.config_op.valid()) return;  // their buffers stay until the operations end
     spdlog::warn("re-sync of allocation {} slot {} stopped; retried later", r.alloc_id, r.slot);
     resync_.reset();
     next_resync_ = health_->now() + 10 * opts_.ping_interval;
@@ -204,7 +203,7 @@ void Proxy::resync_progress() {
     r.in_flight.insert(s);
     it = r.pending.erase(it);
   }
-  if (r.pending.empty() && r.steps.empty() && r.writers == 0 && !r.config_sending) {
+  if (r.pending.empty() && r.steps.empty() && r.writers == 0 && !r.config_op.valid()) {
     catalog_.mark_live(r.alloc_id, r.slot);
     spdlog::info("re-sync of '{}' slot {} done: {} B copied; the slot is live", a->row.name, r.slot, r.copied);
     resync_.reset();

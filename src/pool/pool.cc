@@ -53,16 +53,13 @@ Result<std::unique_ptr<Pool>> Pool::connect(std::string_view proxy, PoolOptions 
   if (!c) return c.error();
   if (!(*c)->device_info().pool_proxy)
     return Error::invalid(fmt::format("{} is a device, not a pool proxy (netdam-mmu)", proxy));
-  auto at = transport::parse_endpoint(proxy);  // parsed by connect() already
-  if (!at) return at.error();
-  return std::unique_ptr<Pool>(new Pool(std::move(*c), at->ip, at->port, opts));
+  return std::unique_ptr<Pool>(new Pool(std::move(*c), opts));
 }
 
 // Control requests go through the proxy's Client (Client::call): its
 // retransmission, restart detection and counters, and the proxy's replay
 // window makes POOL_ALLOC and POOL_FREE exactly-once.
-Pool::Pool(std::unique_ptr<Client> proxy, uint32_t proxy_ip, uint16_t proxy_port, PoolOptions opts)
-    : proxy_(std::move(proxy)), proxy_ip_(proxy_ip), proxy_port_(proxy_port), opts_(opts) {}
+Pool::Pool(std::unique_ptr<Client> proxy, PoolOptions opts) : proxy_(std::move(proxy)), opts_(opts) {}
 
 Pool::~Pool() = default;
 
