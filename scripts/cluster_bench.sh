@@ -328,9 +328,11 @@ mpi_run() {
 
 netdam_aggregate() {  # netdam_aggregate NAME ADDRS
   local name=$1 addrs=$2
+  # One number for this run's ranks, new for each run (GroupOptions::job).
+  job=$(od -An -N6 -tu8 /dev/urandom | tr -d ' ')
   rank_cmd() {
     # shellcheck disable=SC2206
-    c=("$bench" allreduce --ranks "$P" --rank "$1" --aggregators "$addrs" --algo aggregate
+    c=("$bench" allreduce --ranks "$P" --rank "$1" --aggregators "$addrs" --algo aggregate --job "$job"
        -b "$min" -e "$max" -f "$factor" -n "$iters" -w 2 --min-iters 2 --admin-key 0xAD ${NETDAM_ARGS:-})
     (($1 == 0)) && c+=(--csv "$out/$name.csv")
   }

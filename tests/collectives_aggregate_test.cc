@@ -53,19 +53,27 @@ struct AggCluster {
     // regions of higher ranks' aggregators must exist before rank 0
     // finishes: create them in reverse, every rank a thread would be the
     // real thing, here the fabric is driven by whoever waits).
+    opts = o;
+    this->mapped = mapped;
     groups.resize(static_cast<size_t>(p));
     for (int r = p - 1; r >= 0; --r) {
-      o.rank = r;
-      // mapped: rank r shares the memory of its aggregator r % m, as the
-      // ranks of one host share their device.
-      std::span<std::byte> local;
-      if (mapped) local = devices[static_cast<size_t>(r % m)]->memory;
-      auto g = Group::create(o, fabric.attach({0x0B000000u + static_cast<uint32_t>(r), 5000}), local);
-      EXPECT_TRUE(g.ok()) << g.error().to_string();
-      if (!g.ok()) return;
-      groups[static_cast<size_t>(r)] = std::move(g.value());
+      groups[static_cast<size_t>(r)] = make(r);
+      if (!groups[static_cast<size_t>(r)]) return;
     }
     idle = fabric.attach({0x0C000001, 1});
+  }
+  // Rank r's Group, its client on port `port` of the rank's host.
+  std::unique_ptr<Group> make(int r, uint16_t port = 5000) {
+    GroupOptions o = opts;
+    o.rank = r;
+    // mapped: rank r shares the memory of its aggregator r % m, as the
+    // ranks of one host share their device.
+    std::span<std::byte> local;
+    if (mapped) local = devices[static_cast<size_t>(r) % devices.size()]->memory;
+    auto g = Group::create(o, fabric.attach({0x0B000000u + static_cast<uint32_t>(r), port}), local);
+    EXPECT_TRUE(g.ok()) << g.error().to_string();
+    if (!g.ok()) return nullptr;
+    return std::move(g.value());
   }
   static transport::Endpoint agg_addr(int a) { return {0x0A100000u + static_cast<uint32_t>(a), 7000}; }
 
@@ -78,6 +86,8 @@ struct AggCluster {
   }
 
   transport::Fabric fabric;
+  GroupOptions opts;
+  bool mapped = false;
   std::vector<std::unique_ptr<testing::FabricDevice>> devices;
   std::vector<std::unique_ptr<Group>> groups;
   std::unique_ptr<transport::Transport> idle;
@@ -626,6 +636,68 @@ TEST(AggregateGroup, LateRankIsWaitedFor) {
   for (int r = 0; r < 3; ++r) {
     ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
     EXPECT_EQ(out[static_cast<size_t>(r)], want);
+  }
+}
+
+// A run on the aggregators of an earlier one (GroupOptions::job): until
+// rank 0 has replaced aggregator 0's regions, the other ranks'
+// contributions reach the earlier run's. Whether its generations are ahead
+// of the new run's (refused STALE_GENERATION, sent again as to a region not
+// there yet) or behind (held there, then asked again in the new region),
+// none is taken for an earlier run's and the result is exact. Without jobs
+// both runs start at generation 1, and the old regions answer the new
+// contributions with the old results.
+TEST(AggregateGroup, ARunAfterAnotherIsNotAnsweredByItsRegions) {
+  using collectives::aggregate_generation_base;
+  for (bool behind : {true, false}) {
+    // Jobs whose first generations are behind (or ahead of) the old run's
+    // last, with the same inputs in both runs: an old answer would pass.
+    const uint64_t old_job = 1;
+    uint64_t job = 2;
+    auto ahead = [&](uint64_t j) {
+      return static_cast<int32_t>(aggregate_generation_base(j) + 1 - (aggregate_generation_base(old_job) + 2)) > 0;
+    };
+    while (ahead(job) == behind) ++job;
+    AggCluster c(3, 1, {}, 64u << 10, 5s, 2, true, false, [&](GroupOptions& o) { o.job = old_job; });
+    std::vector<std::vector<std::byte>> in, out;
+    for (int r = 0; r < 3; ++r) {
+      in.push_back(random_elements(DType::kF32, 4000, static_cast<uint64_t>(r + 21)));
+      out.emplace_back(in.back().size());
+    }
+    for (int round = 0; round < 4; ++round) {  // both slots' blocks at their second generation
+      std::vector<Work> works = start_allreduce(c.groups, in, out, 3);
+      c.run(works);
+      for (auto& w : works) ASSERT_TRUE(w.error().is_ok()) << w.error().to_string();
+    }
+    c.groups.clear();
+    // The next run: ranks 2 and 1 start (new sockets) while rank 0, which
+    // registers aggregator 0, is not there yet.
+    c.opts.job = job;
+    c.groups.resize(3);
+    for (int r = 2; r >= 1; --r) c.groups[static_cast<size_t>(r)] = c.make(r, 5001);
+    ASSERT_TRUE(c.groups[1] && c.groups[2]);
+    for (auto& o : out) std::fill(o.begin(), o.end(), std::byte{0xEE});
+    std::vector<Work> works(3);
+    for (int r = 1; r < 3; ++r)
+      works[static_cast<size_t>(r)] = c.groups[static_cast<size_t>(r)]->allreduce_async(
+          in[static_cast<size_t>(r)], out[static_cast<size_t>(r)], DType::kF32, Reduction::kSum);
+    for (int i = 0; i < 10; ++i) {  // 100 ms of virtual time without rank 0
+      for (int r = 1; r < 3; ++r) c.groups[static_cast<size_t>(r)]->progress();
+      c.wait(10ms);
+    }
+    EXPECT_EQ(c.stat(0, "nak.STALE_GENERATION") > 0, behind);
+    for (int r = 1; r < 3; ++r)
+      ASSERT_FALSE(works[static_cast<size_t>(r)].done()) << "behind " << behind << ": "
+                                                        << works[static_cast<size_t>(r)].error().to_string();
+    c.groups[0] = c.make(0, 5001);
+    ASSERT_TRUE(c.groups[0]);
+    works[0] = c.groups[0]->allreduce_async(in[0], out[0], DType::kF32, Reduction::kSum);
+    c.run(works);
+    const auto want = reference(in, DType::kF32, RedOp::kSum);
+    for (int r = 0; r < 3; ++r) {
+      ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
+      EXPECT_EQ(out[static_cast<size_t>(r)], want);
+    }
   }
 }
 

@@ -45,6 +45,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <random>
 
 #include "common/units.h"
 #include "collectives_bench.h"
@@ -155,6 +156,9 @@ int collectives_main(int argc, char** argv) {
                "--local: each rank maps only its own device's memory, as ranks on separate hosts would "
                "(default: every rank maps every device, as ranks of one host can)");
   app.add_option("--admin-key", admin_s, "devices' admin key, registers the slots (default 0xAD; 0: already there)");
+  app.add_option("--job", c.job,
+                 "this run's number, the same on every rank and new for every run on the same devices "
+                 "(GroupOptions::job; default 0: none, a run alone on its devices; --local: a random one)");
   app.add_option("--slots", c.slots, "collectives slots (default 2)")->check(CLI::Range(1, 64));
   app.add_option("--timeout", timeout_ms, "group and client timeout in ms (default 5000)");
   app.add_option("--window", c.window, "packets (chains) in flight per rank's client (default: the client's, 64)");
@@ -263,6 +267,7 @@ int collectives_main(int argc, char** argv) {
   if (!devices.empty()) return usage_error("--local and --devices exclude each other");
   if (c.root < 0 || c.root >= local) return usage_error("--root out of range");
   if (c.admin_key == 0) return usage_error("--local needs a nonzero --admin-key");
+  if (c.job == 0) c.job = std::random_device{}() | uint64_t{std::random_device{}()} << 32 | 1;
   if (local_devices == 0) local_devices = local;
   if (local_devices > local) return usage_error("--local-devices is at most --local");
   const bool shared = local_devices < local;

@@ -324,6 +324,7 @@ int run_rank(const BenchConfig& c) {
   o.shm = c.shm;
   o.aggregator_shm = c.aggregator_shm;
   o.admin_key = c.admin_key;
+  o.job = c.job;
   o.capacity = group_capacity(c);
   o.slots = c.slots;
   o.timeout = c.timeout;

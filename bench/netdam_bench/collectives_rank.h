@@ -46,6 +46,7 @@ struct BenchConfig {
   std::vector<std::string> aggregator_shm;  // GroupOptions::aggregator_shm
   std::string result_multicast;             // GroupOptions::result_multicast
   uint32_t admin_key = 0xAD;
+  uint64_t job = 0;  // GroupOptions::job
   int slots = 2;
   std::chrono::milliseconds timeout{5000};
   size_t window = 0;           // ClientOptions::window_packets (0: the client's default)

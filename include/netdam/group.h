@@ -123,6 +123,15 @@ struct GroupOptions {
   // --local use when every device is mapped.
   uint32_t aggregate_stride = 0;
   uint32_t admin_key = 0;      // registers the slots on this rank's device (0: already there)
+  // This group's run: the same on every rank, and different from the
+  // runs before it on the same devices (a random number the launcher hands
+  // every rank; the torch backend agrees on one through its store). Its
+  // aggregation generations start from it: until rank a has replaced
+  // aggregator a's regions, another rank's contribution may reach the
+  // regions an earlier run left there, which must not take it for one of
+  // theirs (COLLECTIVES.md 11, "A run after another"). 0: start at 1, as
+  // a run alone on its devices may.
+  uint64_t job = 0;
   uint64_t capacity = 64ull << 20;  // largest collective buffer, bytes
   uint64_t base = 0;           // device address of the first slot, the same on every device
   int slots = 2;
@@ -333,6 +342,7 @@ class Group {
   bool start(detail::WorkState& w);
   void configure_or_arm(detail::WorkState& w);
   bool stamps_complete(detail::WorkState& w);
+  bool aggregator_answered(Slot& slot, const Hop& at, bool mark);
   void send_phase(detail::WorkState& w);
   // Phases of step(), one function each.
   void start_chains(detail::WorkState& w);

@@ -258,6 +258,10 @@ def create_process_group(store, rank, size, timeout):
         # The places this rank's device has taken by live groups: a new
         # group takes one that is free on every member's device.
         mine["used"] = sorted(k for k, ref in _places.items() if ref() is not None)
+        # This group's run number (GroupOptions::job): rank 0's, new for
+        # every group, so that an earlier run's regions on these devices
+        # never take this one's contributions for theirs.
+        mine["job"] = int.from_bytes(os.urandom(6), "little") | 1
     except (RuntimeError, ValueError, OSError) as e:
         mine = {"error": str(e)}
     facts = _exchange(store, "device", rank, size, mine)
@@ -333,7 +337,7 @@ def create_process_group(store, rank, size, timeout):
                             slots=settings.slots, timeout=settings.timeout, device=device, base=base,
                             key_base=key_base, liveness=settings.liveness, mailbox=mailbox,
                             algorithm=settings.algorithm, congestion=settings.congestion,
-                            aggregator_shm=aggregator_shm, spin_us=settings.spin_us)
+                            aggregator_shm=aggregator_shm, spin_us=settings.spin_us, job=facts[0]["job"])
     _groups.add(pg)
     if place0:
         _place0 = weakref.ref(pg)

@@ -399,6 +399,8 @@ Error Group::setup_aggregation() {
     auto& slot = *slots_[static_cast<size_t>(s)];
     slot.aggregators = aggs;
     for (auto& h : slot.aggregators) h.rkey = key;
+    slot.agg_answered.assign(aggs.size(), false);
+    slot.agg_unanswered = aggs.size();
     if (opts_.admin_key == 0) continue;
     for (size_t a = static_cast<size_t>(opts_.rank); a < aggs.size(); a += p) {
       // A fresh region: its blocks start at generation 0 (an earlier
@@ -1031,7 +1033,7 @@ bool Group::step_stamps(detail::WorkState& w) {
 bool Group::start_aggregate(detail::WorkState& w) {
   if (w.slot->owner != nullptr) return false;
   w.slot->owner = &w;
-  w.generation = ++w.slot->generation;
+  w.generation = collectives::aggregate_generation_base(opts_.job) + ++w.slot->generation;
   if (w.config) {
     // An optimizer step on the aggregators: every rank sets step t's config
     // on every aggregator before it contributes, so the config is there
@@ -1107,7 +1109,7 @@ bool Group::skip_zero_everywhere(detail::WorkState& w) {
   w.nonzero.clear();
   w.anywhere.clear();
   if (kept.empty()) return false;
-  w.generation = ++w.slot->generation;
+  w.generation = collectives::aggregate_generation_base(opts_.job) + ++w.slot->generation;
   for (auto& r : kept) r.generation = w.generation;
   w.requests = std::move(kept);
   begin_aggregating(w);
@@ -1154,6 +1156,21 @@ void Group::stage_locally(detail::WorkState& w) {
   LocalMemory::publish();
 }
 
+// Whether aggregator `at` of the slot has answered this group before; with
+// `mark`, records that it has now.
+bool Group::aggregator_answered(Slot& slot, const Hop& at, bool mark) {
+  for (size_t a = 0; a < slot.aggregators.size(); ++a) {
+    if (slot.aggregators[a].ip != at.ip || slot.aggregators[a].port != at.port) continue;
+    const bool was = slot.agg_answered[a];
+    if (mark && !was) {
+      slot.agg_answered[a] = true;
+      --slot.agg_unanswered;
+    }
+    return was;
+  }
+  return true;
+}
+
 // Contributions go out in block order, at most aggregate_window at a time,
 // those issued together in one batch (a run to one aggregator is a train).
 void Group::issue_aggregates(detail::WorkState& w) {
@@ -1189,6 +1206,15 @@ bool Group::step_aggregate(detail::WorkState& w) {
       w.retry.emplace_back(client_->now() + 1ms, i);  // its rank has not registered the region yet
       continue;
     }
+    // A STALE_GENERATION from an aggregator that has never answered this
+    // group on this slot comes from an earlier group's region under the same
+    // key, which its rank is about to replace (setup_aggregation): as BAD_KEY.
+    if (e.code() == Error::Code::kNak && e.status() == Status::kStaleGeneration && opts_.admin_key != 0 &&
+        client_->now() < w.deadline && !aggregator_answered(*w.slot, w.requests[i].device, false)) {
+      w.retry.emplace_back(client_->now() + 1ms, i);
+      continue;
+    }
+    if (!e && w.slot->agg_unanswered > 0) aggregator_answered(*w.slot, w.requests[i].device, true);
     --w.aggregates_open;
     if (!e && !w.mapped_results[i].second.empty()) {
       const auto& [from, to] = w.mapped_results[i];

@@ -18,6 +18,11 @@ namespace netdam {
 struct Group::Slot {
   collectives::SlotLayout layout;
   std::vector<Hop> aggregators;  // every aggregator, with this slot's aggregation key
+  // Aggregators that have answered this group on this slot. Until one has,
+  // its region may still be an earlier group's with the same key (its rank
+  // has not replaced it yet), which refuses our generations as stale.
+  std::vector<bool> agg_answered;
+  size_t agg_unanswered = 0;
   uint32_t generation = 0;
   detail::WorkState* owner = nullptr;  // the collective using the slot
 };

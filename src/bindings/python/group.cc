@@ -27,11 +27,12 @@ class PyGroup {
   PyGroup(int rank, std::vector<std::string> devices, uint32_t admin_key, uint64_t capacity, uint64_t base,
           int slots, uint32_t key_base, double timeout, const std::string& algorithm, const std::string& shm,
           const std::string& multicast, bool sparse, std::vector<int> torus_dims, double client_timeout,
-          const std::string& congestion) {
+          const std::string& congestion, uint64_t job) {
     GroupOptions o;
     o.rank = rank;
     o.devices = std::move(devices);
     o.admin_key = admin_key;
+    o.job = job;
     o.capacity = capacity;
     o.base = base;
     o.slots = slots;
@@ -180,13 +181,17 @@ void bind_group(py::module_& m) {
 Group(rank: int, devices: list[str], *, admin_key: int = 0, capacity: int = 64 << 20,
       base: int = 0, slots: int = 2, key_base: int = 0x4E440100, timeout: float = 5.0,
       algorithm: str = 'auto', shm: str = '', multicast: str = '', sparse: bool = False,
-      torus_dims: list[int] = [], client_timeout: float = 2.0, congestion: str = 'fixed')
+      torus_dims: list[int] = [], client_timeout: float = 2.0, congestion: str = 'fixed',
+      job: int = 0)
 
 Collectives executed by the devices (docs/COLLECTIVES.md). Rank r owns
 devices[r]; every rank creates a Group with the same devices and options
 and calls the same collectives in the same order. Construction connects
 to this rank's device, registers the slots there (if admin_key) and waits
-until every device has them.
+until every device has them. job: this run's number, the same on every
+rank and new for each run on the same devices (a random one from the
+launcher; GroupOptions::job), so that an earlier run's state there is
+never taken for this one's.
 
 Arrays are numpy arrays, CPU torch tensors or any contiguous buffer; the
 element type comes from the array (float32, float16, float64, int32,
@@ -200,11 +205,12 @@ like.
 )doc")
       .def(py::init<int, std::vector<std::string>, uint32_t, uint64_t, uint64_t, int, uint32_t, double,
                     const std::string&, const std::string&, const std::string&, bool, std::vector<int>, double,
-                    const std::string&>(),
+                    const std::string&, uint64_t>(),
            arg("rank"), arg("devices"), py::kw_only(), arg("admin_key") = 0, arg("capacity") = 64ull << 20,
            arg("base") = 0, arg("slots") = 2, arg("key_base") = 0x4E440100u, arg("timeout") = 5.0,
            arg("algorithm") = "auto", arg("shm") = "", arg("multicast") = "", arg("sparse") = false,
            arg("torus_dims") = std::vector<int>{}, arg("client_timeout") = 2.0, arg("congestion") = "fixed",
+           arg("job") = 0,
            "__init__(rank: int, devices: list[str], *, ...) -> None\n\n"
            "Connects to devices[rank], registers the slots (if admin_key) and waits until every device has\n"
            "them; see the class docstring for the options.")
