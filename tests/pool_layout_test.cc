@@ -136,6 +136,49 @@ TEST(PoolLayout, SplitMerged) {
     }
 }
 
+// gather(): every byte of the request once, each gather's bytes where its
+// runs' bytes live (the device request is right), one gather per slot
+// touched when nothing caps them, and none above the cap but a lone piece.
+TEST(PoolLayout, GatherIsOneDeviceRequestPerSlot) {
+  EXPECT_EQ(gather(Layout{64 * 1024, 4096, 2, 1}, 0, 64 * 1024, 0, UINT64_MAX).size(), 2u);  // the 64 KiB value
+  for (uint32_t d = 1; d <= 4; ++d)
+    for (uint32_t copies = 1; copies <= 2; ++copies) {
+      if (copies == 2 && d < 2) continue;
+      Layout l{40 * 64 + 5, 64, d, copies};
+      for (uint64_t most : {uint64_t{UINT64_MAX}, uint64_t{200}, uint64_t{64}, uint64_t{10}})
+        for (uint64_t off = 0; off < l.size; off += 23)
+          for (uint64_t len : {uint64_t{1}, uint64_t{64}, uint64_t{65}, uint64_t{300}, uint64_t{2000}}) {
+            len = std::min(len, l.size - off);
+            for (uint32_t c = 0; c < copies; ++c) {
+              const auto gs = gather(l, off, len, c, most);
+              std::vector<int> seen(len, 0);
+              std::set<uint32_t> slots;
+              uint64_t first = 0;
+              for (const Gather& g : gs) {
+                ASSERT_FALSE(g.runs.empty());
+                ASSERT_GE(g.runs.front().offset, first);  // in the order of their first byte
+                first = g.runs.front().offset;
+                uint64_t k = 0;
+                for (const pool::Run& r : g.runs)
+                  for (uint64_t i = 0; i < r.length; ++i, ++k) {
+                    ASSERT_GE(r.offset + i, off);
+                    ASSERT_LT(r.offset + i, off + len);
+                    ++seen[r.offset + i - off];
+                    const Place at = locate(l, r.offset + i, c);
+                    ASSERT_EQ(at.slot, g.slot);
+                    ASSERT_EQ(at.extent_offset, g.extent_offset + k);
+                  }
+                ASSERT_EQ(k, g.length);
+                if (g.runs.size() > 1 || g.runs[0].length > l.stripe) ASSERT_LE(g.length, most);
+                slots.insert(g.slot);
+              }
+              for (uint64_t i = 0; i < len; ++i) ASSERT_EQ(seen[i], 1) << "byte " << off + i;
+              if (most == UINT64_MAX) ASSERT_EQ(gs.size(), slots.size());
+            }
+          }
+    }
+}
+
 TEST(PoolLayout, ExtentBytes) {
   Layout l{10 * 4096 + 1, 4096, 3, 2};
   EXPECT_EQ(l.stripes(), 11u);

@@ -332,6 +332,11 @@ TEST_F(PoolProxyTest, DeviceKilled) {
   EXPECT_TRUE(std::equal(got.begin() + 16, got.end(), more.begin() + 16));
   EXPECT_TRUE(WaitState("rep", "degraded"));
   EXPECT_TRUE(WaitState("plain", "unavailable"));
+  // Straight to the devices: copy 0 of every other stripe is on the dead
+  // device, so those are read from their other copy.
+  std::fill(got.begin(), got.end(), std::byte{0xEE});
+  ASSERT_FALSE(pool_->get(r.base + 16, std::span(got).subspan(16), r.key, Path::kDirect));
+  EXPECT_TRUE(std::equal(got.begin() + 16, got.end(), more.begin() + 16));
   auto st = pool_->stat();
   ASSERT_TRUE(st);
   EXPECT_EQ(st->devices[1].state, "down");

@@ -4,6 +4,7 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "pool/layout.h"
 #include "pool/map_request.h"
@@ -77,6 +78,17 @@ Result<std::unique_ptr<PoolIo>> PoolIo::open(Pool& pool, const PoolAllocation& a
 
 void PoolIo::fail_now(uint64_t tag, Error e) { immediate_.push_back({tag, std::move(e)}); }
 
+PoolIo::Bounce PoolIo::take_bounce(size_t bytes) {
+  // The most recently returned first: it is the one most likely in cache.
+  for (size_t i = spare_.size(); i-- > 0;)
+    if (spare_[i].capacity >= bytes) {
+      Bounce b = std::move(spare_[i]);
+      spare_.erase(spare_.begin() + static_cast<ptrdiff_t>(i));
+      return b;
+    }
+  return Bounce{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes};
+}
+
 void PoolIo::read(uint64_t off, std::span<std::byte> out, uint64_t tag) { start(off, out, tag, false); }
 
 void PoolIo::write(uint64_t off, std::span<const std::byte> data, uint64_t tag) {
@@ -102,32 +114,72 @@ void PoolIo::start(uint64_t off, std::span<std::byte> buf, uint64_t tag, bool wr
   const uint64_t key = path_ == Pool::Path::kProxy ? alloc_.key : 0;
   auto issue = [&](Device& d, uint64_t addr, std::span<std::byte> piece) {
     Op op = write ? d.client->write_async(addr, piece, key) : d.client->read_async(addr, piece, key);
-    ops_.push_back(Piece{&d, std::move(op), req});
+    ops_.push_back(Piece{&d, std::move(op), req, {}, {}, {}, 0});
     ++d.in_flight;
     ++r.pieces_left;
   };
   if (path_ == Pool::Path::kProxy) {
     issue(*devices_[0], alloc_.base + off, buf);
   } else {
-    for (const auto& pc : pool::split_merged(map_->layout, off, buf.size())) {
-      auto piece = buf.subspan(pc.offset - off, pc.length);
-      bool started = false;
-      Error why;
-      for (uint32_t copy = 0; copy < map_->layout.copies; ++copy) {
-        const pool::Place pl = pool::locate(map_->layout, pc.offset, copy);
-        Device& d = *devices_[pl.slot];
+    const pool::Layout& l = map_->layout;
+    // [o, o + n) piece by piece, each on its first usable copy (a read) or
+    // on every live copy (a write).
+    auto per_piece = [&](uint64_t o, uint64_t n) {
+      for (const auto& pc : pool::split_merged(l, o, n)) {
+        auto piece = buf.subspan(pc.offset - off, pc.length);
+        bool started = false;
+        Error why;
+        for (uint32_t copy = 0; copy < l.copies; ++copy) {
+          const pool::Place pl = pool::locate(l, pc.offset, copy);
+          Device& d = *devices_[pl.slot];
+          if (!d.client || d.broken) {
+            // A copy the map says is not live is skipped (the proxy marked it
+            // stale or down); a live one we cannot use fails a write.
+            if (!why) why = d.broken;
+            if (write && d.live) r.error = d.broken;
+            continue;
+          }
+          issue(d, map_->m.slots[pl.slot].base + pl.extent_offset, piece);
+          started = true;
+          if (!write) break;
+        }
+        if (!started && !r.error) r.error = why ? why : Error::nak(Status::kUnavailable, "no live copy of these bytes");
+      }
+    };
+    if (write && l.copies > 1) {
+      per_piece(off, buf.size());
+    } else {
+      // Copy 0, one request per device; a gather whose device cannot serve
+      // goes piece by piece (a read then finds the other copy).
+      for (const pool::Gather& g : pool::gather(l, off, buf.size(), 0, pool::kGatherMost)) {
+        Device& d = *devices_[g.slot];
         if (!d.client || d.broken) {
-          // A copy the map says is not live is skipped (the proxy marked it
-          // stale or down); a live one we cannot use fails a write.
-          if (!why) why = d.broken;
-          if (write && d.live) r.error = d.broken;
+          for (const pool::Run& run : g.runs) per_piece(run.offset, run.length);
           continue;
         }
-        issue(d, map_->m.slots[pl.slot].base + pl.extent_offset, piece);
-        started = true;
-        if (!write) break;
+        const uint64_t addr = map_->m.slots[g.slot].base + g.extent_offset;
+        if (g.runs.size() == 1) {
+          issue(d, addr, buf.subspan(g.runs[0].offset - off, g.length));
+          continue;
+        }
+        Bounce b = take_bounce(g.length);
+        const std::span<std::byte> bytes(b.bytes.get(), g.length);
+        if (write) {
+          size_t at = 0;
+          for (const pool::Run& run : g.runs) {
+            std::memcpy(bytes.data() + at, buf.data() + (run.offset - off), run.length);
+            at += run.length;
+          }
+        }
+        issue(d, addr, bytes);
+        Piece& p = ops_.back();
+        p.bounce = std::move(b);
+        if (!write) {
+          p.runs = g.runs;
+          p.user = buf;
+          p.user_off = off;
+        }
       }
-      if (!started && !r.error) r.error = why ? why : Error::nak(Status::kUnavailable, "no live copy of these bytes");
     }
   }
   if (r.pieces_left == 0) {
@@ -145,6 +197,14 @@ void PoolIo::reap(std::vector<Completion>& done) {
     }
     Request& r = requests_[p.request];
     if (p.op.error() && !r.error) r.error = p.op.error();
+    if (!p.op.error() && !p.runs.empty()) {  // a gathered read: its bytes to their places
+      size_t at = 0;
+      for (const pool::Run& run : p.runs) {
+        std::memcpy(p.user.data() + (run.offset - p.user_off), p.bounce.bytes.get() + at, run.length);
+        at += run.length;
+      }
+    }
+    if (p.bounce.bytes) spare_.push_back(std::move(p.bounce));
     --p.dev->in_flight;
     if (--r.pieces_left == 0) {
       done.push_back({r.tag, std::move(r.error)});

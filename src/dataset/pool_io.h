@@ -7,8 +7,10 @@
 // kProxy: operations go to Pool::proxy_client() on global addresses.
 // kDirect: POOL_MAP is fetched once; one Client per slot device (each on its
 // own socket, so a poll(2) over all of them wakes on the first answer);
-// each operation is split at stripe boundaries (merged where contiguous on a
-// device), reads go to the first live copy, writes to every live copy. The
+// each operation becomes one request per device where its stripes there are
+// contiguous (pool::gather: a 64 KiB value in 4 KiB stripes over 2 devices
+// is 2 device requests, not 16), reads go to the first live copy, writes to
+// every live copy. The
 // device incarnations must be those the map names, else DEVICE_LOST.
 //
 // read() and write() only queue their packets (Client::defer_sends, also on
@@ -26,6 +28,7 @@
 #include "netdam/client.h"
 #include "netdam/error.h"
 #include "netdam/pool.h"
+#include "pool/layout.h"
 
 namespace netdam::dataset {
 
@@ -60,10 +63,23 @@ class PoolIo {
 
  private:
   struct Device;
+  // A gathered device request (pool::gather) moves its bytes through a
+  // bounce buffer: a write's runs are copied in, a read's copied out to
+  // `runs` of `user` (whose first byte is allocation offset `user_off`)
+  // when it is answered. Buffers are kept for reuse: a fresh one would
+  // cost a page fault per 4 KiB on first touch.
+  struct Bounce {
+    std::unique_ptr<std::byte[]> bytes;
+    size_t capacity = 0;
+  };
   struct Piece {
     Device* dev;
     Op op;
     size_t request;  // index into requests_
+    Bounce bounce;
+    std::vector<pool::Run> runs;  // a gathered read: where the bytes go
+    std::span<std::byte> user;
+    uint64_t user_off = 0;
   };
   struct Request {
     uint64_t tag;
@@ -73,6 +89,7 @@ class PoolIo {
   PoolIo(Pool& pool, const PoolAllocation& a, Pool::Path path);
   void start(uint64_t off, std::span<std::byte> buf, uint64_t tag, bool write);
   void fail_now(uint64_t tag, Error e);
+  Bounce take_bounce(size_t bytes);
   void reap(std::vector<Completion>& done);
 
   Pool& pool_;
@@ -85,6 +102,7 @@ class PoolIo {
   std::vector<Request> requests_;                 // slots reused via free_
   std::vector<size_t> free_;
   std::vector<Completion> immediate_;
+  std::vector<Bounce> spare_;  // bounce buffers for reuse
 };
 
 }  // namespace netdam::dataset

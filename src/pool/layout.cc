@@ -43,6 +43,27 @@ std::vector<Piece> split_merged(const Layout& l, uint64_t off, uint64_t len) {
   return out;
 }
 
+std::vector<Gather> gather(const Layout& l, uint64_t off, uint64_t len, uint32_t copy, uint64_t most) {
+  std::vector<Gather> out;
+  std::vector<size_t> open(l.slots, SIZE_MAX);  // each slot's gather still growing
+  for (const Piece& p : split(l, off, len)) {
+    const Place at = locate(l, p.offset, copy);
+    size_t& g = open[at.slot];
+    if (g == SIZE_MAX || out[g].extent_offset + out[g].length != at.extent_offset ||
+        out[g].length + p.length > most) {
+      g = out.size();
+      out.push_back(Gather{at.slot, at.extent_offset, 0, {}});
+    }
+    Gather& x = out[g];
+    if (!x.runs.empty() && x.runs.back().offset + x.runs.back().length == p.offset)
+      x.runs.back().length += p.length;  // one device, D = 1: the request's bytes run on
+    else
+      x.runs.push_back(Run{p.offset, p.length});
+    x.length += p.length;
+  }
+  return out;
+}
+
 Place locate(const Layout& l, uint64_t off, uint32_t copy) {
   const uint64_t g = l.stripe;
   const uint64_t s = off / g;

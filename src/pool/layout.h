@@ -71,6 +71,33 @@ std::vector<Piece> split(const Layout& l, uint64_t off, uint64_t len);
 // `stripe` is its first one.
 std::vector<Piece> split_merged(const Layout& l, uint64_t off, uint64_t len);
 
+// One device request of a gathered request (gather() below): `length`
+// bytes at `extent_offset` of `slot`'s extent, which are the request's
+// `runs` (allocation offsets and lengths, in order) laid end to end.
+struct Run {
+  uint64_t offset = 0;  // allocation offset
+  uint64_t length = 0;
+};
+struct Gather {
+  uint32_t slot = 0;
+  uint64_t extent_offset = 0;
+  uint64_t length = 0;
+  std::vector<Run> runs;
+};
+
+// Copy `copy` of [off, off + len) as one device request per slot where
+// its stripes there are contiguous in the slot's extent: stripes s, s + D,
+// s + 2D, ... sit end to end on slot s mod D, so an interleaved request of
+// k stripes over D devices is D device requests instead of k (a 64 KiB
+// value in 4 KiB stripes over 2 devices: 2 instead of 16). Each gather
+// holds at most `most` bytes (> 0; a device request larger than that is
+// cut, unless one stripe's piece alone is larger). Gathers come in the order
+// of their first byte.
+std::vector<Gather> gather(const Layout& l, uint64_t off, uint64_t len, uint32_t copy, uint64_t most);
+// The `most` of the direct clients (Pool, dataset::PoolIo): the bounce
+// buffer one gathered request moves its bytes through.
+inline constexpr uint64_t kGatherMost = 256 << 10;
+
 // Copy `copy` of allocation offset `off`: its slot and the offset within that
 // slot's extent (add the slot's device base for the device address).
 struct Place {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "pool/layout.h"
 #include "pool/map_request.h"
@@ -213,38 +214,81 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, boo
   struct Pending {
     Client* c;
     Op op;
+    std::vector<pool::Run> runs;  // a gathered read: where its bytes go
+    std::vector<std::byte> bounce;
   };
   std::vector<Pending> ops;
   Error first;
-  for (const auto& pc : pool::split_merged(map.layout, off, buf.size())) {
-    auto piece = buf.subspan(pc.offset - off, pc.length);
-    bool started = false;
-    for (uint32_t copy = 0; copy < map.layout.copies; ++copy) {
-      const pool::Place pl = pool::locate(map.layout, pc.offset, copy);
-      if (!slot_live(map.m, pl.slot)) continue;
-      const pool::MapSlot& s = map.m.slots[pl.slot];
-      auto c = device(s.ip, s.port, s.boot);
-      if (!c) {
-        if (!first) first = c.error();
-        continue;
-      }
-      if ((*c)->device_info().boot_id != s.boot) {
-        // The device restarted since the allocation was made: its data is gone.
-        if (!first) first = Error::nak(Status::kDeviceLost, "direct: device " + (*c)->device_address() + " restarted");
-        continue;
-      }
-      const uint64_t daddr = s.base + pl.extent_offset;
-      ops.push_back({*c, write ? (*c)->write_async(daddr, piece, s.rkey) : (*c)->read_async(daddr, piece, s.rkey)});
-      started = true;
-      if (!write) break;
+  // The device of `slot`, if it serves the map's incarnation.
+  auto device_of = [&](uint32_t slot) -> Client* {
+    if (!slot_live(map.m, slot)) return nullptr;
+    const pool::MapSlot& s = map.m.slots[slot];
+    auto c = device(s.ip, s.port, s.boot);
+    if (!c) {
+      if (!first) first = c.error();
+      return nullptr;
     }
-    if (!started) {
+    if ((*c)->device_info().boot_id != s.boot) {
+      // The device restarted since the allocation was made: its data is gone.
+      if (!first) first = Error::nak(Status::kDeviceLost, "direct: device " + (*c)->device_address() + " restarted");
+      return nullptr;
+    }
+    return *c;
+  };
+  // Copy 0 as one request per device where its stripes there are
+  // contiguous (pool::gather); a piece whose device cannot serve is read
+  // from its other copy.
+  for (const pool::Gather& g : pool::gather(map.layout, off, buf.size(), 0, pool::kGatherMost)) {
+    const uint64_t daddr = map.m.slots[g.slot].base + g.extent_offset;
+    if (Client* c = device_of(g.slot)) {
+      Pending p{c, {}, {}, {}};
+      std::span<std::byte> bytes = buf.subspan(g.runs[0].offset - off, g.length);
+      if (g.runs.size() > 1) {
+        p.bounce.resize(g.length);
+        bytes = p.bounce;
+        if (write) {
+          size_t at = 0;
+          for (const pool::Run& r : g.runs) {
+            std::memcpy(bytes.data() + at, buf.data() + (r.offset - off), r.length);
+            at += r.length;
+          }
+        } else {
+          p.runs = g.runs;
+        }
+      }
+      p.op = write ? c->write_async(daddr, bytes, map.m.slots[g.slot].rkey) : c->read_async(daddr, bytes, map.m.slots[g.slot].rkey);
+      ops.push_back(std::move(p));
+      continue;
+    }
+    bool served = false;
+    for (uint32_t copy = 1; !write && copy < map.layout.copies; ++copy) {
+      served = true;
+      for (const pool::Run& r : g.runs)
+        for (const auto& pc : pool::split_merged(map.layout, r.offset, r.length)) {
+          const pool::Place pl = pool::locate(map.layout, pc.offset, copy);
+          Client* c = device_of(pl.slot);
+          if (!c) {
+            served = false;
+            break;
+          }
+          auto piece = buf.subspan(pc.offset - off, pc.length);
+          ops.push_back({c, c->read_async(map.m.slots[pl.slot].base + pl.extent_offset, piece, map.m.slots[pl.slot].rkey), {}, {}});
+        }
+      if (served) break;
+    }
+    if (!served) {
       if (!first) first = map_refusal(map.m);
       break;
     }
   }
-  for (auto& p : ops)
+  for (auto& p : ops) {
     if (Error e = p.c->wait(p.op); e && !first) first = e;
+    size_t at = 0;
+    for (const pool::Run& r : p.runs) {  // a gathered read's bytes to their places
+      std::memcpy(buf.data() + (r.offset - off), p.bounce.data() + at, r.length);
+      at += r.length;
+    }
+  }
   if (first) maps_.erase(pool::allocation_of(addr));  // health may have changed: ask again next time
   return first;
 }
