@@ -1,6 +1,7 @@
 // netdam-mmu: the pool proxy. One UDP address in front of many netdamd
 // devices; global addresses, allocations, striping, replication, health
 // (docs/POOL.md).
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 
@@ -64,6 +65,13 @@ std::vector<metrics::Sample> pool_samples(const mmu::Proxy::View& v) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The proxy's buffers come and go by the thousand per second (a piece's
+  // datagram, a job's answer): keep the heap it grew instead of giving it
+  // back to the kernel at every lull, which made glibc grow it again and
+  // every new page fault (a fifth of the proxy's time under 64 KiB writes,
+  // docs/BENCHMARKS.md).
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
+  mallopt(M_TOP_PAD, 16 << 20);
   CLI::App app{"netdam-mmu: the NetDAM memory pool proxy (one address in front of many devices)"};
   app.set_config("--config", "", "TOML/INI file with these options (flags override it)");
   std::string listen = "127.0.0.1:7100", device_admin_key, admin_key, state, port_file, log_level = "info",
