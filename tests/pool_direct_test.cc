@@ -187,6 +187,59 @@ TEST_F(PoolDirect, PiecesOnTheWire) {
   EXPECT_EQ(got[0].h.status, Status::kBadFlags);
 }
 
+// GATHER (PROTOCOL.md 17.5): a READ of [512, 2560) over stripes 0, 1, 2 of
+// slots 0, 1, 0 is two parts, one per device: slot 0's bytes [512, 1024)
+// and [2048, 2560) end to end, and slot 1's [1024, 2048); `rkey` says the
+// length, the stripe (1024) and the slots (2). A WRITE is gathered alike.
+TEST_F(PoolDirect, GatheredPartsOnTheWire) {
+  Start(2);
+  PoolAllocation a = AllocStriped("gather", 8192, 1024);
+  std::mt19937_64 rng(4);
+  std::vector<std::byte> data;
+  ASSERT_FALSE(PutRandom(a, rng, data));
+  OpenSocket();
+  const uint8_t gather = kFlagDirect | kFlagGather;
+  Send(Request(Opcode::kRead, 200, a.base + 512, 2048, a.key, gather));
+  std::map<uint64_t, Answer> parts;
+  for (Answer& r : Receive()) parts[r.h.addr] = std::move(r);
+  ASSERT_EQ(parts.size(), 2u);
+  ASSERT_TRUE(parts.count(a.base + 512) && parts.count(a.base + 1024));
+  // 1024 | (log2(1024) - 6) << 19 | (2 - 1) << 24
+  EXPECT_EQ(parts[a.base + 512].h.rkey, 0x01200400u);
+  EXPECT_EQ(parts[a.base + 1024].h.rkey, 0x01200400u);
+  std::vector<std::byte> want0(data.begin() + 512, data.begin() + 1024);
+  want0.insert(want0.end(), data.begin() + 2048, data.begin() + 2560);
+  EXPECT_EQ(parts[a.base + 512].payload, want0);
+  EXPECT_EQ(parts[a.base + 1024].payload, std::vector<std::byte>(data.begin() + 1024, data.begin() + 2048));
+  EXPECT_FALSE(parts[a.base + 512].from == parts[a.base + 1024].from);
+  for (auto& [at, r] : parts) {
+    EXPECT_EQ(r.h.opcode, Opcode::kChain);
+    EXPECT_EQ(r.h.txn, 200u);
+    EXPECT_EQ(r.h.length, 1024u);
+  }
+
+  std::vector<std::byte> fresh(2048);
+  for (auto& b : fresh) b = static_cast<std::byte>(rng());
+  Send(Request(Opcode::kWrite, 201, a.base + 512, 2048, a.key, gather | kFlagAckReq), fresh);
+  parts.clear();
+  for (Answer& r : Receive()) parts[r.h.addr] = std::move(r);
+  ASSERT_EQ(parts.size(), 2u);
+  for (auto& [at, r] : parts) {
+    EXPECT_EQ(r.h.status, Status::kOk);
+    EXPECT_EQ(r.h.rkey, 0x01200400u);
+    EXPECT_TRUE(r.payload.empty());
+  }
+  std::vector<std::byte> back(2048);
+  ASSERT_FALSE(pool_->get(a.base + 512, back, a.key));
+  EXPECT_EQ(back, fresh);
+
+  // GATHER is DIRECT's: alone it is refused.
+  Send(Request(Opcode::kRead, 202, a.base + 512, 2048, a.key, kFlagGather));
+  auto got = Receive();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].h.status, Status::kBadFlags);
+}
+
 // Faults at the proxy and at every device (drops, duplicates, reordering of
 // everything they send: forwarded pieces, the devices' answers): random
 // reads and writes that split over three devices stay exact against a

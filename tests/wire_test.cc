@@ -728,5 +728,26 @@ TEST(WireGolden, TrailersOfTheProtocolDocExamples) {
   }
 }
 
+// The rkey of a gathered DIRECT part (PROTOCOL.md 17.5), and its runs.
+TEST(Wire, GatheredPartGolden) {
+  EXPECT_EQ(encode_gathered({1024, 1024, 2}), 0x01200400u);
+  EXPECT_EQ(encode_gathered({65536 - 100, 4096, 3}), 0x0230FF9Cu);
+  EXPECT_EQ(encode_gathered({1, 64, 256}), 0xFF000001u);
+  EXPECT_EQ(encode_gathered({0, 64, 1}), 0u);          // empty
+  EXPECT_EQ(encode_gathered({1u << 19, 64, 1}), 0u);  // too long
+  EXPECT_EQ(encode_gathered({8, 96, 1}), 0u);         // not a power of two
+  EXPECT_EQ(encode_gathered({8, 64, 257}), 0u);       // too many slots
+  const GatheredPart g = decode_gathered(0x0230FF9Cu);
+  EXPECT_EQ(g.length, 65536u - 100);
+  EXPECT_EQ(g.stripe, 4096u);
+  EXPECT_EQ(g.slots, 3u);
+  // 2500 bytes from offset 1000 of a stripe of 1024 on 3 slots: 24, then
+  // 1024 three stripes on, then 1024, then 428.
+  std::vector<std::pair<uint64_t, uint32_t>> runs;
+  for_each_gathered_run(1000, {2500, 1024, 3}, [&](uint64_t at, uint32_t n) { runs.push_back({at, n}); });
+  const std::vector<std::pair<uint64_t, uint32_t>> want = {{1000, 24}, {3072, 1024}, {6144, 1024}, {9216, 428}};
+  EXPECT_EQ(runs, want);
+}
+
 }  // namespace
 }  // namespace netdam::core

@@ -363,6 +363,8 @@ class Client {
   Error deliver(Packet& p, std::span<const std::byte> payload);
   // Whether a request to a pool proxy asks for its answer from the devices.
   bool wants_direct(const Packet& p) const;
+  // Merges [lo, hi) into a DIRECT request's answered parts.
+  void cover(Packet& p, uint64_t lo, uint64_t hi);
   // An answer to a DIRECT request from one of the devices: a part of it.
   void receive_piece(Packet& p, const core::Header& h, std::span<const std::byte> payload,
                      const transport::Endpoint& from);

@@ -75,6 +75,10 @@ inline constexpr uint8_t kFlagsKnown = kFlagResponse | kFlagAckReq | kFlagSparse
 // To a pool proxy only (devices refuse it as an unknown flag): the sender
 // takes its answer in pieces, straight from the devices (PROTOCOL.md 17.5).
 inline constexpr uint8_t kFlagDirect = 0x10;
+// With DIRECT, to a pool proxy only: the sender also takes a READ's or an
+// acknowledged WRITE's answer in gathered parts, each the bytes of one
+// device's stripes of the request (PROTOCOL.md 17.5).
+inline constexpr uint8_t kFlagGather = 0x20;
 
 // Flags byte of a segment (see docs/COLLECTIVES.md).
 inline constexpr uint8_t kSegGen = 0x01;        // run only if the region is armed at the chain's generation

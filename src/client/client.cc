@@ -880,6 +880,7 @@ void Client::send_queued() {
     if (wants_direct(*p)) {
       p->direct = true;
       p->h.flags |= kFlagDirect;
+      if (p->h.opcode == Opcode::kRead || p->h.opcode == Opcode::kWrite) p->h.flags |= kFlagGather;
     }
     core::encode_header(p->h, p->is_chain() ? p->chain_head.data() : p->wire.data());
     cc.on_send(now, std::max<size_t>(p->window_cost(), kHeaderSize));
@@ -1091,7 +1092,7 @@ void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std
     p.direct = false;
     p.proxied = true;
     p.covered.clear();
-    p.h.flags &= static_cast<uint8_t>(~kFlagDirect);
+    p.h.flags &= static_cast<uint8_t>(~(kFlagDirect | kFlagGather));
     core::encode_header(p.h, p.wire.data());
     send_now(p, transport_->now());
     ++counters_.direct_fallbacks;
@@ -1101,19 +1102,52 @@ void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std
   // value), OPT_STEP (the updated parameters, which a chain hands on: not
   // asked for here, and ignored).
   const bool data = p.h.opcode != Opcode::kWrite && p.h.opcode != Opcode::kReduceMem;
-  const uint64_t off = h.addr - p.h.addr, n = h.rkey;
-  if (h.addr < p.h.addr || off >= p.h.length || n == 0 || n > p.h.length - off || h.length != payload.size() ||
-      payload.size() != (data ? n : 0))
+  // A gathered part (GATHER): its runs, else the one range [addr, addr + rkey).
+  const bool gathered = p.h.flags & kFlagGather;
+  const core::GatheredPart g = gathered ? core::decode_gathered(h.rkey) : core::GatheredPart{h.rkey, 0, 0};
+  const uint64_t n = g.length;
+  bool fits = h.addr >= p.h.addr && h.addr - p.h.addr < p.h.length && n > 0 && h.length == payload.size() &&
+              payload.size() == (data ? n : 0);
+  const uint64_t end = p.h.addr + p.h.length;
+  if (fits && gathered)
+    core::for_each_gathered_run(h.addr, g, [&](uint64_t at, uint32_t len) { fits = fits && at < end && len <= end - at; });
+  else if (fits)
+    fits = n <= end - h.addr;
+  if (!fits)
     return finish(p, Error::protocol(fmt::format("{}: a device's part ({} bytes at {:#x}, {} answered, from {}) "
                                                  "does not fit the request",
                                                  describe(p), n, h.addr, payload.size(), from.to_string())));
   ++counters_.direct_pieces;
-  if (p.h.opcode == Opcode::kRead || p.h.opcode == Opcode::kReducePayload)
-    std::memcpy(p.answer_to + off, payload.data(), n);
-  else if (data && p.h.opcode != Opcode::kOptStep)
+  if (data && p.h.opcode != Opcode::kRead && p.h.opcode != Opcode::kReducePayload && p.h.opcode != Opcode::kOptStep)
     p.op->value = load_le<uint64_t>(payload.data());  // an atomic's old value
-  // Merge [off, off + n) into the covered intervals.
-  uint64_t lo = off, hi = off + n;
+  auto take = [&](uint64_t at, uint64_t len, uint64_t from_byte) {
+    const uint64_t off = at - p.h.addr;
+    if (p.h.opcode == Opcode::kRead || p.h.opcode == Opcode::kReducePayload)
+      std::memcpy(p.answer_to + off, payload.data() + from_byte, len);
+    cover(p, off, off + len);
+  };
+  if (gathered) {
+    uint64_t at_byte = 0;
+    core::for_each_gathered_run(h.addr, g, [&](uint64_t at, uint32_t len) {
+      take(at, len, at_byte);
+      at_byte += len;
+    });
+  } else {
+    take(h.addr, n, 0);
+  }
+  auto& c = p.covered;
+  if (c.size() == 1 && c[0].first == 0 && c[0].second == p.h.length) {
+    // The request is answered when its last piece is: a packet whose
+    // first piece came from a live device while another device holds the
+    // rest is not an answered request, and must not clear the tail rule's
+    // evidence that requests to a silent device are lost.
+    first_answer(p, p.sends == 1, h.depth);
+    finish(p, {});
+  }
+}
+
+// Merges [lo, hi) of a DIRECT request into the parts answered so far.
+void Client::cover(Packet& p, uint64_t lo, uint64_t hi) {
   auto& c = p.covered;
   auto first = std::lower_bound(c.begin(), c.end(), lo, [](const auto& iv, uint64_t x) { return iv.second < x; });
   auto last = first;
@@ -1123,14 +1157,6 @@ void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std
   }
   first = c.erase(first, last);
   c.insert(first, {lo, hi});
-  if (c.size() == 1 && c[0].first == 0 && c[0].second == p.h.length) {
-    // The request is answered when its last piece is: a packet whose
-    // first piece came from a live device while another device holds the
-    // rest is not an answered request, and must not clear the tail rule's
-    // evidence that requests to a silent device are lost.
-    first_answer(p, p.sends == 1, h.depth);
-    finish(p, {});
-  }
 }
 
 std::string Client::describe(const Packet& p) const {

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <bit>
 #include <cstring>
 
 #include "core/endian.h"
@@ -150,6 +151,23 @@ void encode_region_record(const RegionInfo& r, std::byte* out) {
 
 RegionInfo decode_region_record(const std::byte* in) {
   return {load_be<uint64_t>(in), load_be<uint64_t>(in + 8), load_be<uint32_t>(in + 16), load_be<uint32_t>(in + 20)};
+}
+
+uint32_t encode_gathered(const GatheredPart& g) {
+  if (g.length == 0 || g.length > kGatheredMaxLength || g.slots == 0 || g.slots > 256 || g.stripe < 64 ||
+      (g.stripe & (g.stripe - 1)) != 0)
+    return 0;
+  const uint32_t shift = static_cast<uint32_t>(std::countr_zero(g.stripe)) - 6;
+  if (shift > 31 - 6) return 0;
+  return g.length | shift << 19 | (g.slots - 1) << 24;
+}
+
+GatheredPart decode_gathered(uint32_t rkey) {
+  GatheredPart g;
+  g.length = rkey & kGatheredMaxLength;
+  g.stripe = uint32_t{1} << (((rkey >> 19) & 0x1F) + 6);
+  g.slots = (rkey >> 24) + 1;
+  return g;
 }
 
 }  // namespace netdam::core

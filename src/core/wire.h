@@ -126,6 +126,37 @@ void encode_region_record(const RegionInfo& r, std::byte* out);  // kRegionRecor
 RegionInfo decode_region_record(const std::byte* in);            // kRegionRecordSize bytes
 
 // Byte offset of the payload for a header with `seg_count` segments.
+// A gathered part of a DIRECT request (PROTOCOL.md 17.5, flag GATHER):
+// `length` bytes of the request from the part's first byte, taken stripe by
+// stripe of one device: a run to the end of that byte's stripe (of
+// `stripe` bytes), then whole stripes `slots` apart, the last one cut. Its
+// `rkey` carries the three: length | (log2(stripe) - 6) << 19 |
+// (slots - 1) << 24.
+struct GatheredPart {
+  uint32_t length = 0;  // < 2^19
+  uint32_t stripe = 0;  // a power of two, 64 B .. 2 GiB
+  uint32_t slots = 0;   // 1 .. 256
+};
+inline constexpr uint32_t kGatheredMaxLength = (1u << 19) - 1;
+// 0 if the part cannot be said so (a length, stripe or slot count out of range).
+uint32_t encode_gathered(const GatheredPart& g);
+GatheredPart decode_gathered(uint32_t rkey);
+// The part's runs, first byte at address `first` (any address whose
+// alignment to the stripe is the allocation offset's): fn(address, length).
+template <class F>
+void for_each_gathered_run(uint64_t first, const GatheredPart& g, F&& fn) {
+  uint64_t at = first;
+  uint64_t left = g.length;
+  uint64_t room = g.stripe - at % g.stripe;
+  while (left > 0) {
+    const uint64_t n = left < room ? left : room;
+    fn(at, static_cast<uint32_t>(n));
+    left -= n;
+    at += n + uint64_t{g.slots - 1} * g.stripe;  // the device's next stripe
+    room = g.stripe;
+  }
+}
+
 constexpr size_t payload_offset(size_t seg_count) {
   return kHeaderSize + (seg_count ? kSrPreambleSize + seg_count * kSegmentSize : 0);
 }

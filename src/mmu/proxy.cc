@@ -243,7 +243,8 @@ void Proxy::handle(std::span<std::byte> datagram, const Endpoint& from) {
   const core::Header& h = pkt.h;
   core::Stats::inc(stats_.requests[static_cast<uint8_t>(h.opcode)]);
   arrival_.opcode = static_cast<uint8_t>(h.opcode);
-  if (h.flags & ~(kFlagAckReq | kFlagDirect)) return reply(from, h, Status::kBadFlags);
+  if ((h.flags & ~(kFlagAckReq | kFlagDirect | kFlagGather)) || ((h.flags & kFlagGather) && !(h.flags & kFlagDirect)))
+    return reply(from, h, Status::kBadFlags);
   if (h.opcode == Opcode::kChain) return chain(from, pkt);
   if (h.seg_count != 0) return reply(from, h, Status::kBadSegment);
   switch (h.opcode) {
@@ -745,6 +746,8 @@ bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const
   const bool carries = h.opcode == Opcode::kWrite || h.opcode == Opcode::kReduceMem ||
                        h.opcode == Opcode::kReducePayload || h.opcode == Opcode::kOptStep;
   const uint64_t off = pool::offset_of(h.addr);
+  if ((h.flags & kFlagGather) && (h.opcode == Opcode::kRead || h.opcode == Opcode::kWrite) && a.layout.copies == 1)
+    return forward_gathered(from, h, payload, a);
   std::vector<Target> targets;
   if (!plan_pieces(h, a, true, targets)) return false;
   for (const Target& t : targets) {
@@ -766,6 +769,59 @@ bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const
     if (atomic) body.insert(body.end(), payload.begin(), payload.end());
     if (carries) body.insert(body.end(), payload.begin() + (t.off - off), payload.begin() + (t.off - off) + t.len);
     send_chain(dev, fh, {}, from, std::move(body), &t == &targets.front());  // the request is timed once
+  }
+  return true;
+}
+
+// DIRECT with GATHER (PROTOCOL.md 17.5): one part per device where the
+// request's stripes there are contiguous (pool::gather), cut at the
+// smallest max_payload of the allocation's devices: a 64 KiB value in 4 KiB
+// stripes over 2 devices is 2 parts, not 16. A part names its first byte in
+// `addr` and its length, stripe and slot count in `rkey`, from which the
+// client finds its runs.
+bool Proxy::forward_gathered(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
+                             const Allocation& a) {
+  const uint64_t off = pool::offset_of(h.addr);
+  uint64_t limit = core::kGatheredMaxLength;
+  for (uint32_t slot = 0; slot < a.slots.size(); ++slot) {
+    if (!usable(a, slot)) return false;  // served here: UNAVAILABLE or DEVICE_LOST, named
+    const Client* cl = conns_[a.slots[slot].device_id]->client.get();
+    if (cl) limit = std::min<uint64_t>(limit, std::max<uint32_t>(cl->device_info().max_payload, 64));
+  }
+  bool first = true;
+  for (const pool::Gather& g : pool::gather(a.layout, off, h.length, 0, limit)) {
+    const ExtentRow& e = a.slots[g.slot];
+    const Endpoint& dev = catalog_.devices()[e.device_id].endpoint;
+    // A lone piece above the limit (a stripe larger than a datagram) goes
+    // in contiguous parts.
+    for (uint64_t done = 0; done < g.length; done += limit) {
+      const uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(limit, g.length - done));
+      const uint64_t first_off = g.runs[0].offset + (g.runs.size() == 1 ? done : 0);
+      core::Header fh;
+      fh.opcode = Opcode::kChain;
+      fh.seg_count = 1;
+      fh.txn = h.txn;
+      fh.rkey = core::encode_gathered({n, a.layout.stripe, a.layout.slots});
+      fh.addr = h.addr + (first_off - off);
+      fh.length = n;
+      std::vector<std::byte> body(kSegmentSize);
+      core::encode_segment(core::Segment{dev.ip, dev.port, h.opcode, 0, e.key, 0, e.base + g.extent_offset + done},
+                           body.data());
+      if (h.opcode == Opcode::kWrite) {
+        body.reserve(kSegmentSize + n);
+        if (g.runs.size() == 1) {
+          const auto at = payload.begin() + static_cast<ptrdiff_t>(first_off - off);
+          body.insert(body.end(), at, at + n);
+        } else {
+          for (const pool::Run& r : g.runs) {
+            const auto at = payload.begin() + static_cast<ptrdiff_t>(r.offset - off);
+            body.insert(body.end(), at, at + static_cast<ptrdiff_t>(r.length));
+          }
+        }
+      }
+      send_chain(dev, fh, {}, from, std::move(body), first);  // the request is timed once
+      first = false;
+    }
   }
   return true;
 }

@@ -109,6 +109,8 @@ class Proxy {
   // False if some piece has no usable device: the proxy then serves it.
   bool forward(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
                const Allocation& a);
+  bool forward_gathered(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
+                        const Allocation& a);
   struct Target {  // a piece of a request on one device
     uint32_t device;
     uint32_t key;
