@@ -783,13 +783,14 @@ bool Proxy::forward_gathered(const Endpoint& from, const core::Header& h, std::s
                              const Allocation& a) {
   const uint64_t off = pool::offset_of(h.addr);
   uint64_t limit = core::kGatheredMaxLength;
-  for (uint32_t slot = 0; slot < a.slots.size(); ++slot) {
-    if (!usable(a, slot)) return false;  // served here: UNAVAILABLE or DEVICE_LOST, named
-    const Client* cl = conns_[a.slots[slot].device_id]->client.get();
-    if (cl) limit = std::min<uint64_t>(limit, std::max<uint32_t>(cl->device_info().max_payload, 64));
-  }
+  for (const ExtentRow& e : a.slots)
+    if (const Client* cl = conns_[e.device_id]->client.get())
+      limit = std::min<uint64_t>(limit, std::max<uint32_t>(cl->device_info().max_payload, 64));
+  const std::vector<pool::Gather> parts = pool::gather(a.layout, off, h.length, 0, limit);
+  for (const pool::Gather& g : parts)
+    if (!usable(a, g.slot)) return false;  // served here: UNAVAILABLE or DEVICE_LOST, named
   bool first = true;
-  for (const pool::Gather& g : pool::gather(a.layout, off, h.length, 0, limit)) {
+  for (const pool::Gather& g : parts) {
     const ExtentRow& e = a.slots[g.slot];
     const Endpoint& dev = catalog_.devices()[e.device_id].endpoint;
     // A lone piece above the limit (a stripe larger than a datagram) goes
