@@ -288,20 +288,7 @@ TEST_F(DatasetPoolTest, DirectRequestsAreGatheredPerDevice) {
   auto direct = dataset::PoolIo::open(*pool_, *a, Pool::Path::kDirect);
   auto proxy = dataset::PoolIo::open(*pool_, *a, Pool::Path::kProxy);
   ASSERT_TRUE(direct && proxy);
-  auto device_ops = [&] {
-    uint64_t n = 0;
-    for (const auto& d : devs_) {
-      auto c = Client::connect(d->endpoint());
-      EXPECT_TRUE(c) << c.error().to_string();
-      if (!c) return n;
-      auto st = (*c)->stats();
-      EXPECT_TRUE(st) << st.error().to_string();
-      if (!st) return n;
-      for (const auto& [name, v] : *st)
-        if (name == "op.READ" || name == "op.WRITE") n += v;
-    }
-    return n;
-  };
+  auto device_ops = [&] { return device_stats(devs_, {"op.READ", "op.WRITE"}); };
   std::mt19937_64 rng(31);
   std::vector<std::byte> ref(1u << 20);
   for (auto& b : ref) b = static_cast<std::byte>(rng());

@@ -69,6 +69,16 @@ class PoolDirect : public PoolTest {
       out.push_back(std::move(a));
     }
   }
+  // Two devices, an 8 KiB allocation in 1 KiB stripes filled with random
+  // bytes (`data`), and the raw socket: the wire tests' start.
+  PoolAllocation StartOnTheWire(const std::string& name, uint64_t seed, std::vector<std::byte>& data) {
+    Start(2);
+    PoolAllocation a = AllocStriped(name, 8192, 1024);
+    std::mt19937_64 rng(seed);
+    EXPECT_FALSE(PutRandom(a, rng, data));
+    OpenSocket();
+    return a;
+  }
   uint64_t Word(const PoolAllocation& a, uint64_t off) {
     auto v = pool_->atomic_fetch_add(a.base + off, 0, a.key);
     EXPECT_TRUE(v) << v.error().to_string();
@@ -87,12 +97,9 @@ class PoolDirect : public PoolTest {
 // old value; a WRITE without ACK_REQ served silently by the proxy; and
 // without DIRECT one answer from the proxy, as before.
 TEST_F(PoolDirect, PiecesOnTheWire) {
-  Start(2);
-  PoolAllocation a = AllocStriped("wire", 8192, 1024);
-  std::mt19937_64 rng(3);
   std::vector<std::byte> data;
-  ASSERT_FALSE(PutRandom(a, rng, data));
-  OpenSocket();
+  PoolAllocation a = StartOnTheWire("wire", 3, data);
+  ASSERT_FALSE(HasFailure());
   std::vector<transport::Endpoint> devices;
   for (const auto& d : devs_) devices.push_back(*transport::parse_endpoint(d->endpoint()));
   auto from_a_device = [&](const transport::Endpoint& e) {
@@ -192,12 +199,10 @@ TEST_F(PoolDirect, PiecesOnTheWire) {
 // and [2048, 2560) end to end, and slot 1's [1024, 2048); `rkey` says the
 // length, the stripe (1024) and the slots (2). A WRITE is gathered alike.
 TEST_F(PoolDirect, GatheredPartsOnTheWire) {
-  Start(2);
-  PoolAllocation a = AllocStriped("gather", 8192, 1024);
-  std::mt19937_64 rng(4);
   std::vector<std::byte> data;
-  ASSERT_FALSE(PutRandom(a, rng, data));
-  OpenSocket();
+  PoolAllocation a = StartOnTheWire("gather", 4, data);
+  ASSERT_FALSE(HasFailure());
+  std::mt19937_64 rng(5);
   const uint8_t gather = kFlagDirect | kFlagGather;
   Send(Request(Opcode::kRead, 200, a.base + 512, 2048, a.key, gather));
   std::map<uint64_t, Answer> parts;

@@ -5,11 +5,13 @@
 #include <algorithm>
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <thread>
@@ -86,6 +88,24 @@ class TestMmu {
   pid_t pid_ = 0;
   std::string endpoint_, error_;
 };
+
+// The sum of the named STATS counters over the devices (0 and a test
+// failure if one cannot be asked).
+inline uint64_t device_stats(const std::vector<std::unique_ptr<TestDaemon>>& devs,
+                             std::initializer_list<std::string_view> names) {
+  uint64_t n = 0;
+  for (const auto& d : devs) {
+    auto c = Client::connect(d->endpoint());
+    EXPECT_TRUE(c) << c.error().to_string();
+    if (!c) return n;
+    auto st = (*c)->stats();
+    EXPECT_TRUE(st) << st.error().to_string();
+    if (!st) return n;
+    for (const auto& [name, v] : *st)
+      if (std::find(names.begin(), names.end(), name) != names.end()) n += v;
+  }
+  return n;
+}
 
 // `n` devices with the admin key the proxy uses, and the --device flags
 // that name them.

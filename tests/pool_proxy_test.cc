@@ -599,20 +599,7 @@ TEST_F(PoolProxyTest, ReSyncAfterRestartUnderWrites) {
 // bytes through the proxy, the result memmove's.
 TEST_F(PoolProxyTest, CopyOnOneDeviceRunsThere) {
   Start(2, {}, "16MiB");
-  auto device_copies = [&] {
-    uint64_t n = 0;
-    for (const auto& d : devs_) {
-      auto c = Client::connect(d->endpoint());
-      EXPECT_TRUE(c) << c.error().to_string();
-      if (!c) return n;
-      auto st = (*c)->stats();
-      EXPECT_TRUE(st) << st.error().to_string();
-      if (!st) return n;
-      for (const auto& [name, v] : *st)
-        if (name == "op.COPY") n += v;
-    }
-    return n;
-  };
+  auto device_copies = [&] { return device_stats(devs_, {"op.COPY"}); };
   AllocOptions one;
   one.policy = PoolPolicy::kSingle;
   PoolAllocation a = Alloc("one", 4u << 20, one);

@@ -342,7 +342,9 @@ class Group {
   bool start(detail::WorkState& w);
   void configure_or_arm(detail::WorkState& w);
   bool stamps_complete(detail::WorkState& w);
-  bool aggregator_answered(Slot& slot, const Hop& at, bool mark);
+  uint32_t next_aggregate_generation(Slot& slot);
+  static bool has_answered(const Slot& slot, const Hop& at);
+  static void note_answer(Slot& slot, const Hop& at);
   void send_phase(detail::WorkState& w);
   // Phases of step(), one function each.
   void start_chains(detail::WorkState& w);
@@ -376,6 +378,7 @@ class Group {
   uint64_t slots_end_ = 0;
   std::vector<Hop> aggregators_;  // ip/port of every aggregating device (empty: none set up)
   uint32_t agg_stride_ = 0;
+  uint32_t agg_generation_base_ = 0;  // collectives::aggregate_generation_base(opts_.job)
   uint64_t agg_region_bytes_ = 0;
   uint64_t agg_base_ = 0;
   uint64_t agg_capacity_ = 0;  // largest buffer aggregated

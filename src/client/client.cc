@@ -1106,35 +1106,31 @@ void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std
   const bool gathered = p.h.flags & kFlagGather;
   const core::GatheredPart g = gathered ? core::decode_gathered(h.rkey) : core::GatheredPart{h.rkey, 0, 0};
   const uint64_t n = g.length;
+  auto each_run = [&](auto&& fn) {
+    if (gathered)
+      core::for_each_gathered_run(h.addr, g, fn);
+    else
+      fn(h.addr, g.length);
+  };
   bool fits = h.addr >= p.h.addr && h.addr - p.h.addr < p.h.length && n > 0 && h.length == payload.size() &&
               payload.size() == (data ? n : 0);
   const uint64_t end = p.h.addr + p.h.length;
-  if (fits && gathered)
-    core::for_each_gathered_run(h.addr, g, [&](uint64_t at, uint32_t len) { fits = fits && at < end && len <= end - at; });
-  else if (fits)
-    fits = n <= end - h.addr;
+  if (fits) each_run([&](uint64_t at, uint32_t len) { fits = fits && at < end && len <= end - at; });
   if (!fits)
     return finish(p, Error::protocol(fmt::format("{}: a device's part ({} bytes at {:#x}, {} answered, from {}) "
                                                  "does not fit the request",
                                                  describe(p), n, h.addr, payload.size(), from.to_string())));
   ++counters_.direct_pieces;
-  if (data && p.h.opcode != Opcode::kRead && p.h.opcode != Opcode::kReducePayload && p.h.opcode != Opcode::kOptStep)
+  const bool bytes = p.h.opcode == Opcode::kRead || p.h.opcode == Opcode::kReducePayload;
+  if (data && !bytes && p.h.opcode != Opcode::kOptStep)
     p.op->value = load_le<uint64_t>(payload.data());  // an atomic's old value
-  auto take = [&](uint64_t at, uint64_t len, uint64_t from_byte) {
+  uint64_t from_byte = 0;
+  each_run([&](uint64_t at, uint32_t len) {
     const uint64_t off = at - p.h.addr;
-    if (p.h.opcode == Opcode::kRead || p.h.opcode == Opcode::kReducePayload)
-      std::memcpy(p.answer_to + off, payload.data() + from_byte, len);
+    if (bytes) std::memcpy(p.answer_to + off, payload.data() + from_byte, len);
+    from_byte += len;
     cover(p, off, off + len);
-  };
-  if (gathered) {
-    uint64_t at_byte = 0;
-    core::for_each_gathered_run(h.addr, g, [&](uint64_t at, uint32_t len) {
-      take(at, len, at_byte);
-      at_byte += len;
-    });
-  } else {
-    take(h.addr, n, 0);
-  }
+  });
   auto& c = p.covered;
   if (c.size() == 1 && c[0].first == 0 && c[0].second == p.h.length) {
     // The request is answered when its last piece is: a packet whose

@@ -379,6 +379,7 @@ Error Group::setup_aggregation() {
   if (opts_.probe_devices)
     for (const Hop& a : aggs) (void)client_->learn_cookie(a);
   agg_stride_ = aggregate_stride(max_payload);
+  agg_generation_base_ = collectives::aggregate_generation_base(opts_.job);
   if (agg_stride_ == 0)
     return Error::invalid(fmt::format("device max payload {} too small for aggregation", max_payload));
   const uint32_t travels = agg_stride_;  // the largest block a datagram carries
@@ -1033,7 +1034,7 @@ bool Group::step_stamps(detail::WorkState& w) {
 bool Group::start_aggregate(detail::WorkState& w) {
   if (w.slot->owner != nullptr) return false;
   w.slot->owner = &w;
-  w.generation = collectives::aggregate_generation_base(opts_.job) + ++w.slot->generation;
+  w.generation = next_aggregate_generation(*w.slot);
   if (w.config) {
     // An optimizer step on the aggregators: every rank sets step t's config
     // on every aggregator before it contributes, so the config is there
@@ -1109,7 +1110,7 @@ bool Group::skip_zero_everywhere(detail::WorkState& w) {
   w.nonzero.clear();
   w.anywhere.clear();
   if (kept.empty()) return false;
-  w.generation = collectives::aggregate_generation_base(opts_.job) + ++w.slot->generation;
+  w.generation = next_aggregate_generation(*w.slot);
   for (auto& r : kept) r.generation = w.generation;
   w.requests = std::move(kept);
   begin_aggregating(w);
@@ -1156,19 +1157,29 @@ void Group::stage_locally(detail::WorkState& w) {
   LocalMemory::publish();
 }
 
-// Whether aggregator `at` of the slot has answered this group before; with
-// `mark`, records that it has now.
-bool Group::aggregator_answered(Slot& slot, const Hop& at, bool mark) {
-  for (size_t a = 0; a < slot.aggregators.size(); ++a) {
-    if (slot.aggregators[a].ip != at.ip || slot.aggregators[a].port != at.port) continue;
-    const bool was = slot.agg_answered[a];
-    if (mark && !was) {
-      slot.agg_answered[a] = true;
-      --slot.agg_unanswered;
-    }
-    return was;
-  }
-  return true;
+// A slot's aggregation generations run on from this group's base
+// (GroupOptions::job; the chains' share the counter, without the base).
+uint32_t Group::next_aggregate_generation(Slot& slot) { return agg_generation_base_ + ++slot.generation; }
+
+// Whether aggregator `at` of the slot has answered this group (a hop that
+// is none of them counts as answered), and recording that it has.
+namespace {
+size_t index_of(const Group::Slot& slot, const Hop& at) {
+  size_t a = 0;
+  while (a < slot.aggregators.size() && !(slot.aggregators[a].ip == at.ip && slot.aggregators[a].port == at.port)) ++a;
+  return a;
+}
+}  // namespace
+bool Group::has_answered(const Slot& slot, const Hop& at) {
+  const size_t a = index_of(slot, at);
+  return a == slot.aggregators.size() || slot.agg_answered[a];
+}
+void Group::note_answer(Slot& slot, const Hop& at) {
+  if (slot.agg_unanswered == 0) return;
+  const size_t a = index_of(slot, at);
+  if (a == slot.aggregators.size() || slot.agg_answered[a]) return;
+  slot.agg_answered[a] = true;
+  --slot.agg_unanswered;
 }
 
 // Contributions go out in block order, at most aggregate_window at a time,
@@ -1210,11 +1221,11 @@ bool Group::step_aggregate(detail::WorkState& w) {
     // group on this slot comes from an earlier group's region under the same
     // key, which its rank is about to replace (setup_aggregation): as BAD_KEY.
     if (e.code() == Error::Code::kNak && e.status() == Status::kStaleGeneration && opts_.admin_key != 0 &&
-        client_->now() < w.deadline && !aggregator_answered(*w.slot, w.requests[i].device, false)) {
+        client_->now() < w.deadline && !has_answered(*w.slot, w.requests[i].device)) {
       w.retry.emplace_back(client_->now() + 1ms, i);
       continue;
     }
-    if (!e && w.slot->agg_unanswered > 0) aggregator_answered(*w.slot, w.requests[i].device, true);
+    if (!e) note_answer(*w.slot, w.requests[i].device);
     --w.aggregates_open;
     if (!e && !w.mapped_results[i].second.empty()) {
       const auto& [from, to] = w.mapped_results[i];

@@ -125,7 +125,6 @@ inline constexpr size_t kRegionRecordSize = 24;
 void encode_region_record(const RegionInfo& r, std::byte* out);  // kRegionRecordSize bytes
 RegionInfo decode_region_record(const std::byte* in);            // kRegionRecordSize bytes
 
-// Byte offset of the payload for a header with `seg_count` segments.
 // A gathered part of a DIRECT request (PROTOCOL.md 17.5, flag GATHER):
 // `length` bytes of the request from the part's first byte, taken stripe by
 // stripe of one device: a run to the end of that byte's stripe (of
@@ -157,6 +156,7 @@ void for_each_gathered_run(uint64_t first, const GatheredPart& g, F&& fn) {
   }
 }
 
+// Byte offset of the payload for a header with `seg_count` segments.
 constexpr size_t payload_offset(size_t seg_count) {
   return kHeaderSize + (seg_count ? kSrPreambleSize + seg_count * kSegmentSize : 0);
 }

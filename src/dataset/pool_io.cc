@@ -4,7 +4,6 @@
 #include <poll.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "pool/layout.h"
 #include "pool/map_request.h"
@@ -163,15 +162,8 @@ void PoolIo::start(uint64_t off, std::span<std::byte> buf, uint64_t tag, bool wr
           continue;
         }
         Bounce b = take_bounce(g.length);
-        const std::span<std::byte> bytes(b.bytes.get(), g.length);
-        if (write) {
-          size_t at = 0;
-          for (const pool::Run& run : g.runs) {
-            std::memcpy(bytes.data() + at, buf.data() + (run.offset - off), run.length);
-            at += run.length;
-          }
-        }
-        issue(d, addr, bytes);
+        if (write) pool::gather_bytes(g.runs, buf, off, b.bytes.get());
+        issue(d, addr, std::span(b.bytes.get(), g.length));
         Piece& p = ops_.back();
         p.bounce = std::move(b);
         if (!write) {
@@ -197,13 +189,8 @@ void PoolIo::reap(std::vector<Completion>& done) {
     }
     Request& r = requests_[p.request];
     if (p.op.error() && !r.error) r.error = p.op.error();
-    if (!p.op.error() && !p.runs.empty()) {  // a gathered read: its bytes to their places
-      size_t at = 0;
-      for (const pool::Run& run : p.runs) {
-        std::memcpy(p.user.data() + (run.offset - p.user_off), p.bounce.bytes.get() + at, run.length);
-        at += run.length;
-      }
-    }
+    if (!p.op.error() && !p.runs.empty())  // a gathered read: its bytes to their places
+      pool::scatter_bytes(p.runs, p.bounce.bytes.get(), p.user, p.user_off);
     if (p.bounce.bytes) spare_.push_back(std::move(p.bounce));
     --p.dev->in_flight;
     if (--r.pieces_left == 0) {

@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <utility>
 #include <cstring>
 #include <random>
 
@@ -789,40 +790,22 @@ bool Proxy::forward_gathered(const Endpoint& from, const core::Header& h, std::s
   const std::vector<pool::Gather> parts = pool::gather(a.layout, off, h.length, 0, limit);
   for (const pool::Gather& g : parts)
     if (!usable(a, g.slot)) return false;  // served here: UNAVAILABLE or DEVICE_LOST, named
-  bool first = true;
+  bool first = true;  // the request is timed once
   for (const pool::Gather& g : parts) {
     const ExtentRow& e = a.slots[g.slot];
     const Endpoint& dev = catalog_.devices()[e.device_id].endpoint;
-    // A lone piece above the limit (a stripe larger than a datagram) goes
-    // in contiguous parts.
-    for (uint64_t done = 0; done < g.length; done += limit) {
-      const uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(limit, g.length - done));
-      const uint64_t first_off = g.runs[0].offset + (g.runs.size() == 1 ? done : 0);
-      core::Header fh;
-      fh.opcode = Opcode::kChain;
-      fh.seg_count = 1;
-      fh.txn = h.txn;
-      fh.rkey = core::encode_gathered({n, a.layout.stripe, a.layout.slots});
-      fh.addr = h.addr + (first_off - off);
-      fh.length = n;
-      std::vector<std::byte> body(kSegmentSize);
-      core::encode_segment(core::Segment{dev.ip, dev.port, h.opcode, 0, e.key, 0, e.base + g.extent_offset + done},
-                           body.data());
-      if (h.opcode == Opcode::kWrite) {
-        body.reserve(kSegmentSize + n);
-        if (g.runs.size() == 1) {
-          const auto at = payload.begin() + static_cast<ptrdiff_t>(first_off - off);
-          body.insert(body.end(), at, at + n);
-        } else {
-          for (const pool::Run& r : g.runs) {
-            const auto at = payload.begin() + static_cast<ptrdiff_t>(r.offset - off);
-            body.insert(body.end(), at, at + static_cast<ptrdiff_t>(r.length));
-          }
-        }
-      }
-      send_chain(dev, fh, {}, from, std::move(body), first);  // the request is timed once
-      first = false;
-    }
+    const auto n = static_cast<uint32_t>(g.length);
+    core::Header fh;
+    fh.opcode = Opcode::kChain;
+    fh.seg_count = 1;
+    fh.txn = h.txn;
+    fh.rkey = core::encode_gathered({n, a.layout.stripe, a.layout.slots});
+    fh.addr = h.addr + (g.runs[0].offset - off);
+    fh.length = n;
+    std::vector<std::byte> body(kSegmentSize + (h.opcode == Opcode::kWrite ? n : 0));
+    core::encode_segment(core::Segment{dev.ip, dev.port, h.opcode, 0, e.key, 0, e.base + g.extent_offset}, body.data());
+    if (h.opcode == Opcode::kWrite) pool::gather_bytes(g.runs, payload, off, body.data() + kSegmentSize);
+    send_chain(dev, fh, {}, from, std::move(body), std::exchange(first, false));
   }
   return true;
 }

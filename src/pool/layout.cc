@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstring>
 
 namespace netdam::pool {
 
@@ -46,22 +47,41 @@ std::vector<Piece> split_merged(const Layout& l, uint64_t off, uint64_t len) {
 std::vector<Gather> gather(const Layout& l, uint64_t off, uint64_t len, uint32_t copy, uint64_t most) {
   std::vector<Gather> out;
   std::vector<size_t> open(l.slots, SIZE_MAX);  // each slot's gather still growing
-  for (const Piece& p : split(l, off, len)) {
-    const Place at = locate(l, p.offset, copy);
-    size_t& g = open[at.slot];
-    if (g == SIZE_MAX || out[g].extent_offset + out[g].length != at.extent_offset ||
-        out[g].length + p.length > most) {
-      g = out.size();
-      out.push_back(Gather{at.slot, at.extent_offset, 0, {}});
+  for (const Piece& whole : split(l, off, len)) {
+    // A piece longer than `most` (a stripe larger than a datagram) in parts.
+    for (uint64_t done = 0; done < whole.length;) {
+      const uint64_t at_off = whole.offset + done;
+      const uint64_t n = std::min<uint64_t>(whole.length - done, most);
+      done += n;
+      const Place at = locate(l, at_off, copy);
+      size_t& g = open[at.slot];
+      if (g == SIZE_MAX || out[g].extent_offset + out[g].length != at.extent_offset || out[g].length + n > most) {
+        g = out.size();
+        out.push_back(Gather{at.slot, at.extent_offset, 0, {}});
+      }
+      Gather& x = out[g];
+      if (!x.runs.empty() && x.runs.back().offset + x.runs.back().length == at_off)
+        x.runs.back().length += n;  // one device, D = 1: the request's bytes run on
+      else
+        x.runs.push_back(Run{at_off, n});
+      x.length += n;
     }
-    Gather& x = out[g];
-    if (!x.runs.empty() && x.runs.back().offset + x.runs.back().length == p.offset)
-      x.runs.back().length += p.length;  // one device, D = 1: the request's bytes run on
-    else
-      x.runs.push_back(Run{p.offset, p.length});
-    x.length += p.length;
   }
   return out;
+}
+
+void gather_bytes(std::span<const Run> runs, std::span<const std::byte> request, uint64_t off, std::byte* out) {
+  for (const Run& r : runs) {
+    std::memcpy(out, request.data() + (r.offset - off), r.length);
+    out += r.length;
+  }
+}
+
+void scatter_bytes(std::span<const Run> runs, const std::byte* in, std::span<std::byte> request, uint64_t off) {
+  for (const Run& r : runs) {
+    std::memcpy(request.data() + (r.offset - off), in, r.length);
+    in += r.length;
+  }
 }
 
 Place locate(const Layout& l, uint64_t off, uint32_t copy) {

@@ -91,12 +91,17 @@ struct Gather {
 // k stripes over D devices is D device requests instead of k (a 64 KiB
 // value in 4 KiB stripes over 2 devices: 2 instead of 16). Each gather
 // holds at most `most` bytes (> 0; a device request larger than that is
-// cut, unless one stripe's piece alone is larger). Gathers come in the order
+// cut, a stripe larger than it too). Gathers come in the order
 // of their first byte.
 std::vector<Gather> gather(const Layout& l, uint64_t off, uint64_t len, uint32_t copy, uint64_t most);
 // The `most` of the direct clients (Pool, dataset::PoolIo): the bounce
 // buffer one gathered request moves its bytes through.
 inline constexpr uint64_t kGatherMost = 256 << 10;
+// The bytes of `runs` of a request whose first byte is allocation offset
+// `off`, laid end to end into `out` (a gathered WRITE's payload), and back
+// (a gathered READ's answer to its places).
+void gather_bytes(std::span<const Run> runs, std::span<const std::byte> request, uint64_t off, std::byte* out);
+void scatter_bytes(std::span<const Run> runs, const std::byte* in, std::span<std::byte> request, uint64_t off);
 
 // Copy `copy` of allocation offset `off`: its slot and the offset within that
 // slot's extent (add the slot's device base for the device address).

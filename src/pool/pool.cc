@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "pool/layout.h"
 #include "pool/map_request.h"
@@ -235,6 +234,18 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, boo
     }
     return *c;
   };
+  // A piece whose first copy's device cannot serve, read from another.
+  auto read_other_copy = [&](const pool::Piece& pc) {
+    for (uint32_t copy = 1; copy < map.layout.copies; ++copy) {
+      const pool::Place pl = pool::locate(map.layout, pc.offset, copy);
+      if (Client* c = device_of(pl.slot)) {
+        const pool::MapSlot& s = map.m.slots[pl.slot];
+        ops.push_back({c, c->read_async(s.base + pl.extent_offset, buf.subspan(pc.offset - off, pc.length), s.rkey), {}, {}});
+        return true;
+      }
+    }
+    return false;
+  };
   // Copy 0 as one request per device where its stripes there are
   // contiguous (pool::gather); a piece whose device cannot serve is read
   // from its other copy.
@@ -246,48 +257,29 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, boo
       if (g.runs.size() > 1) {
         p.bounce.resize(g.length);
         bytes = p.bounce;
-        if (write) {
-          size_t at = 0;
-          for (const pool::Run& r : g.runs) {
-            std::memcpy(bytes.data() + at, buf.data() + (r.offset - off), r.length);
-            at += r.length;
-          }
-        } else {
+        if (write)
+          pool::gather_bytes(g.runs, buf, off, bytes.data());
+        else
           p.runs = g.runs;
-        }
       }
       p.op = write ? c->write_async(daddr, bytes, map.m.slots[g.slot].rkey) : c->read_async(daddr, bytes, map.m.slots[g.slot].rkey);
       ops.push_back(std::move(p));
       continue;
     }
-    bool served = false;
-    for (uint32_t copy = 1; !write && copy < map.layout.copies; ++copy) {
-      served = true;
-      for (const pool::Run& r : g.runs)
-        for (const auto& pc : pool::split_merged(map.layout, r.offset, r.length)) {
-          const pool::Place pl = pool::locate(map.layout, pc.offset, copy);
-          Client* c = device_of(pl.slot);
-          if (!c) {
-            served = false;
-            break;
-          }
-          auto piece = buf.subspan(pc.offset - off, pc.length);
-          ops.push_back({c, c->read_async(map.m.slots[pl.slot].base + pl.extent_offset, piece, map.m.slots[pl.slot].rkey), {}, {}});
-        }
-      if (served) break;
-    }
+    bool served = !write;  // (a write needs its one copy)
+    for (const pool::Run& r : g.runs)
+      for (const auto& pc : pool::split_merged(map.layout, r.offset, r.length))
+        served = served && read_other_copy(pc);
     if (!served) {
       if (!first) first = map_refusal(map.m);
       break;
     }
   }
   for (auto& p : ops) {
-    if (Error e = p.c->wait(p.op); e && !first) first = e;
-    size_t at = 0;
-    for (const pool::Run& r : p.runs) {  // a gathered read's bytes to their places
-      std::memcpy(buf.data() + (r.offset - off), p.bounce.data() + at, r.length);
-      at += r.length;
-    }
+    if (Error e = p.c->wait(p.op))
+      first = first ? first : e;
+    else
+      pool::scatter_bytes(p.runs, p.bounce.data(), buf, off);  // a gathered read's bytes to their places
   }
   if (first) maps_.erase(pool::allocation_of(addr));  // health may have changed: ask again next time
   return first;
