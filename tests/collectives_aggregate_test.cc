@@ -648,14 +648,14 @@ TEST(AggregateGroup, LateRankIsWaitedFor) {
 // both runs start at generation 1, and the old regions answer the new
 // contributions with the old results.
 TEST(AggregateGroup, ARunAfterAnotherIsNotAnsweredByItsRegions) {
-  using collectives::aggregate_generation_base;
+  using collectives::generation_base;
   for (bool behind : {true, false}) {
     // Jobs whose first generations are behind (or ahead of) the old run's
     // last, with the same inputs in both runs: an old answer would pass.
     const uint64_t old_job = 1;
     uint64_t job = 2;
     auto ahead = [&](uint64_t j) {
-      return static_cast<int32_t>(aggregate_generation_base(j) + 1 - (aggregate_generation_base(old_job) + 2)) > 0;
+      return static_cast<int32_t>(generation_base(j) + 1 - (generation_base(old_job) + 2)) > 0;
     };
     while (ahead(job) == behind) ++job;
     AggCluster c(3, 1, {}, 64u << 10, 5s, 2, true, false, [&](GroupOptions& o) { o.job = old_job; });

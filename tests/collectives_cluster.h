@@ -76,6 +76,8 @@ struct ClusterSpec {
   // Called for each device once its regions are registered, before any
   // Group exists (e.g. to join it to a fabric multicast group).
   std::function<void(transport::Fabric&, int rank)> on_device{};
+  // Last changes to the ranks' options (e.g. GroupOptions::job).
+  std::function<void(GroupOptions&)> tweak{};
 };
 
 struct CollectivesCluster {
@@ -107,16 +109,27 @@ struct CollectivesCluster {
             core::Region{slot * s, slot, kKeyBase + static_cast<uint32_t>(s), core::kPermAll});
       if (spec.on_device) spec.on_device(fabric, r);
     }
+    if (spec.tweak) spec.tweak(o);
+    opts = o;
     for (int r = 0; r < p; ++r) {
-      o.rank = r;
-      auto g = Group::create(o, fabric.attach({0x0B000000u + r, 5000}), devices[r]->memory);
-      EXPECT_TRUE(g.ok()) << g.error().to_string();
-      if (!g.ok()) return;
-      groups.push_back(std::move(g.value()));
+      groups.push_back(make(r));
+      if (!groups.back()) return;
     }
     idle = fabric.attach({0x0C000001, 1});
   }
   static transport::Endpoint device_addr(int r) { return {0x0A000000u + static_cast<uint32_t>(r), 7000}; }
+
+  // Rank r's Group over `opts`, its client on port `port` of the rank's
+  // host (a new port: a new process of the rank); null on failure.
+  std::unique_ptr<Group> make(int r, uint16_t port = 5000) {
+    GroupOptions o = opts;
+    o.rank = r;
+    auto g = Group::create(o, fabric.attach({0x0B000000u + static_cast<uint32_t>(r), port}),
+                           devices[static_cast<size_t>(r)]->memory);
+    EXPECT_TRUE(g.ok()) << g.error().to_string();
+    if (!g.ok()) return nullptr;
+    return std::move(g.value());
+  }
 
   // Drives every rank until all `works` are done (or virtual time runs out).
   void run(std::vector<Work>& works) { drive(groups, works, fabric, *idle, std::chrono::seconds(60)); }
@@ -124,6 +137,7 @@ struct CollectivesCluster {
   void wait(std::chrono::microseconds t) { idle_wait(*idle, t); }
 
   transport::Fabric fabric;
+  GroupOptions opts;  // every rank's, but for GroupOptions::rank
   std::vector<std::unique_ptr<FabricDevice>> devices;
   std::vector<std::unique_ptr<Group>> groups;
   std::unique_ptr<transport::Transport> idle;

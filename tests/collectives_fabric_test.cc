@@ -353,5 +353,67 @@ TEST(Collectives, LateRankIsWaitedFor) {
   }
 }
 
+// A run after another on the same devices (COLLECTIVES.md 11, "A run after
+// another"): the next run's ranks 2 and 1 start while rank 0, which
+// replaces the slot regions on its device, is not there yet. Their chains
+// meet the earlier run's regions there, whose generations are far from
+// theirs (another job's): refused NOT_READY and sent again, not skipped as
+// stale nor taken for this run's. Once rank 0 replaces its regions every
+// rank finishes, exactly. Without jobs both runs number from 1 and the old
+// regions are ahead: the chains skip device 0 and rank 0 times out.
+TEST(Collectives, ARunAfterAnotherWaitsForEachRanksRegions) {
+  constexpr uint32_t kAdmin = 0xAD317;
+  for (Algorithm algorithm : {Algorithm::kRing, Algorithm::kDirect}) {
+    for (bool behind : {true, false}) {
+      SCOPED_TRACE(std::string(to_string(algorithm)) + (behind ? " behind" : " ahead"));
+      // Jobs whose first generation is behind (or ahead of) the generation
+      // the old run left its regions armed at.
+      const uint64_t old_job = 1;
+      uint64_t job = 2;
+      auto ahead = [&](uint64_t j) {
+        return static_cast<int32_t>(collectives::generation_base(j) + 1 - (collectives::generation_base(old_job) + 2)) > 0;
+      };
+      while (ahead(job) == behind) ++job;
+      testing::CollectivesCluster cl({.p = 3,
+                                      .capacity = 1 << 16,
+                                      .algorithm = algorithm,
+                                      .admin_key = kAdmin,
+                                      .tweak = [&](GroupOptions& o) { o.job = old_job; }});
+      ASSERT_EQ(cl.groups.size(), 3u);
+      std::vector<std::vector<std::byte>> in, out(3, std::vector<std::byte>(40000));
+      for (int r = 0; r < 3; ++r) in.push_back(random_elements(DType::kF32, 10000, static_cast<uint64_t>(r + 40)));
+      for (int round = 0; round < 4; ++round) {  // both slots armed at their second generation
+        std::vector<Work> works;
+        for (int r = 0; r < 3; ++r) works.push_back(cl.groups[r]->allreduce_async(in[r], out[r], DType::kF32, Reduction::kSum));
+        cl.run(works);
+        for (auto& w : works) ASSERT_FALSE(w.error()) << w.error().to_string();
+      }
+      cl.groups.clear();
+      cl.opts.job = job;
+      cl.groups.resize(3);
+      for (int r = 2; r >= 1; --r) cl.groups[static_cast<size_t>(r)] = cl.make(r, 5001);
+      ASSERT_TRUE(cl.groups[1] && cl.groups[2]);
+      for (auto& o : out) std::fill(o.begin(), o.end(), std::byte{0xEE});
+      std::vector<Work> works(3);
+      for (int r = 1; r < 3; ++r)
+        works[r] = cl.groups[r]->allreduce_async(in[r], out[r], DType::kF32, Reduction::kSum);
+      for (int i = 0; i < 10; ++i) {  // 100 ms of virtual time without rank 0
+        for (int r = 1; r < 3; ++r) cl.groups[r]->progress();
+        cl.wait(10ms);
+      }
+      for (int r = 1; r < 3; ++r) ASSERT_FALSE(works[r].done()) << works[r].error().to_string();
+      cl.groups[0] = cl.make(0, 5001);
+      ASSERT_TRUE(cl.groups[0]);
+      works[0] = cl.groups[0]->allreduce_async(in[0], out[0], DType::kF32, Reduction::kSum);
+      cl.run(works);
+      const auto want = reference(in, DType::kF32, RedOp::kSum, algorithm);
+      for (int r = 0; r < 3; ++r) {
+        ASSERT_FALSE(works[r].error()) << "rank " << r << ": " << works[r].error().to_string();
+        EXPECT_EQ(out[r], want) << "rank " << r;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace netdam

@@ -1,6 +1,7 @@
 // The instruction engine's segment routing (engine_fixture.h): chains, hop
 // errors, ARM and generations, stamps and AWAIT, parking, and a device's
 // threads on a chain hop and ARM at once.
+#include "core/generation.h"
 #include "engine_fixture.h"
 
 namespace netdam::core {
@@ -591,6 +592,36 @@ TEST_F(EngineTest, GenerationCheckedHops) {
                                             {s}, Le64(1)))
                 .status(),
             Status::kBadKey);
+}
+
+// A region (or a stamp) more than kGenerationWindow generations from the
+// packet's either way is another run's, one its host has not replaced yet
+// (COLLECTIVES.md 11): NOT_READY, neither parked nor skipped as stale.
+TEST_F(EngineTest, AnotherRunsGenerationIsNotReadyNeverStaleNorParked) {
+  Arm(n(), kKeyRW, 1000);
+  auto chain = [&](uint32_t generation, uint8_t seg_flags, uint64_t txn) {
+    Segment s = Seg(kDev0, Opcode::kWrite, 0x100);
+    s.flags = seg_flags;
+    SrPreamble sr;
+    sr.generation = generation;
+    return ChainDatagram(ChainHeader(txn, DType::kBytes, RedOp::kNone, 8), sr, {s}, Le64(0x66));
+  };
+  const Bytes snap = mem();
+  const uint32_t w = static_cast<uint32_t>(kGenerationWindow);
+  // At the window's edges: stale, and behind (parked).
+  EXPECT_EQ(n().Send(kClient, chain(1000 - w, kSegGen, 1)).status(), Status::kStaleGeneration);
+  EXPECT_TRUE(n().Send(kClient, chain(1000 + w, kSegGen, 2)).none());
+  EXPECT_EQ(n().Stat("parked"), 1u);
+  // Beyond them, either way, with SKIP_STALE too: NOT_READY, nothing written.
+  for (uint32_t g : {1000 - w - 1, 1000 + w + 1, 1000u + 0x80000000u, 0u}) {
+    for (uint8_t flags : {kSegGen, static_cast<uint8_t>(kSegGen | kSegSkipStale)}) {
+      SCOPED_TRACE(::testing::Message() << "generation " << g << " flags " << int{flags});
+      EXPECT_EQ(n().Send(kClient, chain(g, flags, 3)).status(), Status::kNotReady);
+    }
+  }
+  EXPECT_TRUE(mem() == snap);
+  EXPECT_EQ(n().Stat("parked"), 1u);
+  EXPECT_EQ(n().Stat("skipped"), 0u);
 }
 
 TEST_F(EngineTest, ParkedChainsRunAfterTheNextArm) {

@@ -126,11 +126,12 @@ struct GroupOptions {
   // This group's run: the same on every rank, and different from the
   // runs before it on the same devices (a random number the launcher hands
   // every rank; the torch backend agrees on one through its store). Its
-  // aggregation generations start from it: until rank a has replaced
-  // aggregator a's regions, another rank's contribution may reach the
-  // regions an earlier run left there, which must not take it for one of
-  // theirs (COLLECTIVES.md 11, "A run after another"). 0: start at 1, as
-  // a run alone on its devices may.
+  // generations, chains' and aggregations', start from it: until rank a has
+  // replaced its device's slot regions (and aggregator a's), another rank's
+  // chain or contribution may reach the regions an earlier run left there,
+  // which must neither take it for one of theirs nor have it skip them
+  // (COLLECTIVES.md 11, "A run after another"). 0: start at 1, as a run
+  // alone on its devices may.
   uint64_t job = 0;
   uint64_t capacity = 64ull << 20;  // largest collective buffer, bytes
   uint64_t base = 0;           // device address of the first slot, the same on every device
@@ -342,7 +343,7 @@ class Group {
   bool start(detail::WorkState& w);
   void configure_or_arm(detail::WorkState& w);
   bool stamps_complete(detail::WorkState& w);
-  uint32_t next_aggregate_generation(Slot& slot);
+  uint32_t next_generation(Slot& slot);
   static bool has_answered(const Slot& slot, const Hop& at);
   static void note_answer(Slot& slot, const Hop& at);
   void send_phase(detail::WorkState& w);
@@ -378,7 +379,7 @@ class Group {
   uint64_t slots_end_ = 0;
   std::vector<Hop> aggregators_;  // ip/port of every aggregating device (empty: none set up)
   uint32_t agg_stride_ = 0;
-  uint32_t agg_generation_base_ = 0;  // collectives::aggregate_generation_base(opts_.job)
+  uint32_t generation_base_ = 0;  // collectives::generation_base(opts_.job)
   uint64_t agg_region_bytes_ = 0;
   uint64_t agg_base_ = 0;
   uint64_t agg_capacity_ = 0;  // largest buffer aggregated

@@ -15,6 +15,7 @@
 #include "collectives/plan.h"
 #include "collectives/work_state.h"
 #include "core/aggregation.h"
+#include "core/generation.h"
 #include "core/reduce.h"
 #include "netdam/local_memory.h"
 #include "transport/transport.h"
@@ -231,6 +232,7 @@ Error Group::setup() {
   if (p == 0 || opts_.rank < 0 || static_cast<size_t>(opts_.rank) >= p)
     return Error::invalid(fmt::format("rank {} of a group of {}", opts_.rank, p));
   ranks_ = static_cast<int>(p);
+  generation_base_ = collectives::generation_base(opts_.job);
   if (opts_.slots < 1 || opts_.slots > 64) return Error::invalid("a group has 1 to 64 slots");
   slots_end_ = opts_.base;
   if (!own) {
@@ -286,22 +288,30 @@ Error Group::setup() {
     slots_.push_back(std::move(slot));
   }
   if (opts_.admin_key != 0) {
+    // A fresh region, armed at this run's base (COLLECTIVES.md 11, "A run
+    // after another"), with every stamp at the base too: stamps an earlier
+    // run left here must not pass for this run's generations, and this
+    // run's first chains find region and stamps one generation behind,
+    // held until this host arms, as every later generation's are. A
+    // chain of this run that reaches the earlier run's region first is
+    // another run's there: refused NOT_READY and sent again.
+    std::byte base[4];
+    const uint32_t g0 = generation_base_;
+    std::memcpy(base, &g0, 4);  // a stamp is a little-endian u32 (PROTOCOL.md 10.5)
     for (const auto& slot : slots_) {
-      // A fresh region starts at generation 0: old packets of an earlier
-      // group on these addresses can never match.
-      client_->region_del(opts_.admin_key, slot->layout.key);
-      RegionInfo r{slot->layout.base, slot_bytes_, slot->layout.key, 3};
-      if (Error e = client_->region_add(opts_.admin_key, r)) return detail::lacks_memory(e, slots_end());
-      // Stamps left by an earlier group on these addresses must not pass
-      // for this group's generations (0 is none). No chain writes here
-      // yet: the new region is armed at 0 until this host arms it.
-      const std::byte zero[1] = {};
       const auto& l = slot->layout;
+      client_->region_del(opts_.admin_key, l.key);
+      RegionInfo r{l.base, slot_bytes_, l.key, 3};
+      if (Error e = client_->region_add(opts_.admin_key, r)) return detail::lacks_memory(e, slots_end());
+      if (g0 != 0) {
+        Op arm = client_->arm_async(g0, l.key);
+        if (Error e = client_->wait(arm)) return e;
+      }
       const uint64_t stamps = l.base + 3 * l.cap;
-      if (Error e = client_->fill(stamps, 4 * l.stamp_count, zero, l.key)) return e;
+      if (Error e = client_->fill(stamps, 4 * l.stamp_count, base, l.key)) return e;
       if (l.partials > 0) {  // the partial buffers' stamps, after the buffers
         const uint64_t part_stamps = l.base + l.part_stamp_aux(0, 0);
-        if (Error e = client_->fill(part_stamps, l.base + slot_bytes_ - part_stamps, zero, l.key)) return e;
+        if (Error e = client_->fill(part_stamps, l.base + slot_bytes_ - part_stamps, base, l.key)) return e;
       }
     }
   }
@@ -379,7 +389,6 @@ Error Group::setup_aggregation() {
   if (opts_.probe_devices)
     for (const Hop& a : aggs) (void)client_->learn_cookie(a);
   agg_stride_ = aggregate_stride(max_payload);
-  agg_generation_base_ = collectives::aggregate_generation_base(opts_.job);
   if (agg_stride_ == 0)
     return Error::invalid(fmt::format("device max payload {} too small for aggregation", max_payload));
   const uint32_t travels = agg_stride_;  // the largest block a datagram carries
@@ -775,7 +784,7 @@ bool Group::start(detail::WorkState& w) {
   if (w.make_aggregate) return start_aggregate(w);
   if (w.slot->owner != nullptr) return false;  // an earlier collective holds the slot
   w.slot->owner = &w;
-  w.generation = ++w.slot->generation;
+  w.generation = next_generation(*w.slot);
   collectives::Context ctx{devices_, opts_.rank, w.slot->layout, w.generation,
                            w.config ? opt_block_ : block_};
   w.plan = w.make_plan(ctx);
@@ -874,7 +883,9 @@ bool Group::verify(detail::WorkState& w) {
     for (const auto& d : w.plan.deliveries) {
       uint32_t stamp;
       std::memcpy(&stamp, w.verify_stamps[j].data() + 4 * (d.index - w.verify_first), 4);
-      if (static_cast<int32_t>(stamp - w.generation) >= 0) continue;  // there, or its host moved on
+      const auto order = core::generation_order(stamp, w.generation);
+      if (order == core::GenerationOrder::kCurrent || order == core::GenerationOrder::kAhead)
+        continue;  // there, or its host moved on
       collectives::ChainPlan repair = d.repair;
       for (auto* hops : {&repair.hops, &repair.fallback}) {
         if (hops->empty()) continue;
@@ -1034,7 +1045,7 @@ bool Group::step_stamps(detail::WorkState& w) {
 bool Group::start_aggregate(detail::WorkState& w) {
   if (w.slot->owner != nullptr) return false;
   w.slot->owner = &w;
-  w.generation = next_aggregate_generation(*w.slot);
+  w.generation = next_generation(*w.slot);
   if (w.config) {
     // An optimizer step on the aggregators: every rank sets step t's config
     // on every aggregator before it contributes, so the config is there
@@ -1110,7 +1121,7 @@ bool Group::skip_zero_everywhere(detail::WorkState& w) {
   w.nonzero.clear();
   w.anywhere.clear();
   if (kept.empty()) return false;
-  w.generation = next_aggregate_generation(*w.slot);
+  w.generation = next_generation(*w.slot);
   for (auto& r : kept) r.generation = w.generation;
   w.requests = std::move(kept);
   begin_aggregating(w);
@@ -1157,9 +1168,9 @@ void Group::stage_locally(detail::WorkState& w) {
   LocalMemory::publish();
 }
 
-// A slot's aggregation generations run on from this group's base
-// (GroupOptions::job; the chains' share the counter, without the base).
-uint32_t Group::next_aggregate_generation(Slot& slot) { return agg_generation_base_ + ++slot.generation; }
+// A slot's generations, its chains' and its aggregations' (one counter),
+// run on from this group's base (GroupOptions::job).
+uint32_t Group::next_generation(Slot& slot) { return generation_base_ + ++slot.generation; }
 
 // Whether aggregator `at` of the slot has answered this group (a hop that
 // is none of them counts as answered), and recording that it has.

@@ -297,10 +297,11 @@ inline uint64_t aggregate_blocks_per_device(uint64_t capacity, uint32_t stride, 
   return (runs + aggregators - 1) / aggregators * run;
 }
 
-// Where a run's aggregation generations start (GroupOptions::job): a
-// 64-bit mix of the job (splitmix64's finalizer), so that two runs' first
-// generations are 2^32 apart at random; 0 for no job.
-inline uint32_t aggregate_generation_base(uint64_t job) {
+// Where a run's generations start (GroupOptions::job), its chains' and its
+// aggregations': a 64-bit mix of the job (splitmix64's finalizer), so that
+// two runs' generations are 2^32 apart at random, farther than
+// core::kGenerationWindow but with probability 2^-25; 0 for no job.
+inline uint32_t generation_base(uint64_t job) {
   if (job == 0) return 0;
   uint64_t z = job + 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

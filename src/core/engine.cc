@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "core/endian.h"
+#include "core/generation.h"
 #include "core/optimizer.h"
 #include "core/reduce.h"
 #include "core/sparse.h"
@@ -436,22 +437,25 @@ std::optional<Action> Engine::hop_gate(const Hop& c, std::shared_lock<std::share
   // Park only what has not started here (a continuation would run its
   // earlier segments twice).
   const bool starts_here = c.h.seg_index == c.p.h.seg_index;
-  // Both gates compare a generation with the chain's (serial-number
-  // arithmetic: generations may wrap around 2^32). Behind: park (`park`
-  // says whether there was room) or NOT_READY; ahead: skip (SKIP_STALE) or
-  // STALE_GENERATION.
+  // Both gates compare a generation with the chain's (core/generation.h).
+  // Behind: park (`park` says whether there was room) or NOT_READY; ahead:
+  // skip (SKIP_STALE) or STALE_GENERATION; another run's: NOT_READY, never
+  // parked (it may stay another run's: a late packet of an old run).
   auto verdict = [&](uint32_t have, auto park) -> std::optional<Action> {
-    const auto ahead = static_cast<int32_t>(have - c.p.sr.generation);
-    if (ahead < 0) {
-      if (starts_here && park()) {
-        Stats::inc(stats_.parked);
-        return Action{};
-      }
-      return answer(c.h, c.reply_to, Status::kNotReady, {}, c.out);
+    switch (generation_order(have, c.p.sr.generation)) {
+      case GenerationOrder::kCurrent: return std::nullopt;
+      case GenerationOrder::kBehind:
+        if (starts_here && park()) {
+          Stats::inc(stats_.parked);
+          return Action{};
+        }
+        [[fallthrough]];
+      case GenerationOrder::kForeign: return answer(c.h, c.reply_to, Status::kNotReady, {}, c.out);
+      case GenerationOrder::kAhead:
+        if (!(s.flags & kSegSkipStale)) return answer(c.h, c.reply_to, Status::kStaleGeneration, {}, c.out);
+        skip = true;
+        return std::nullopt;
     }
-    if (ahead > 0 && !(s.flags & kSegSkipStale))
-      return answer(c.h, c.reply_to, Status::kStaleGeneration, {}, c.out);
-    skip = ahead > 0;
     return std::nullopt;
   };
   if (s.flags & kSegGen) {
