@@ -353,6 +353,68 @@ TEST(Collectives, LateRankIsWaitedFor) {
   }
 }
 
+// A refused chain of a direct AllReduce or a Broadcast reads the result
+// from the OUT of a host that moved on (COLLECTIVES.md 5). The next
+// collective on that slot may store into that OUT with only its storing
+// hosts' ARMs (AllGather, Broadcast, AllToAll), before the refused host
+// has read it; the Group puts a barrier that stores nowhere near OUT
+// between the two, and the Barrier itself stores nothing there. One slot,
+// so that every collective follows the one before on the same slot; long
+// delays and reordering, so that hosts move on while others' chains are
+// still on the way. Before the fix, a direct MAX then a Barrier gave
+// zeros (the Barrier's tokens) for the maximum, and an AllGather its
+// pieces.
+TEST(Collectives, FallbacksReadTheResultNotTheNextCollectives) {
+  const int p = 3;
+  std::vector<std::vector<std::byte>> in;
+  for (int r = 0; r < p; ++r) in.push_back(random_elements(DType::kF32, 1024, static_cast<uint64_t>(r + 90)));
+  const auto want_max = reference(in, DType::kF32, RedOp::kMax, Algorithm::kDirect);
+  for (uint64_t seed = 1; seed <= 6; ++seed) {
+    for (int leader : {0, 1}) {        // direct AllReduce MAX, Broadcast from rank 1
+      for (int follower : {0, 1, 2}) {  // Barrier, AllGather, Broadcast from rank 2
+        SCOPED_TRACE(::testing::Message() << "seed " << seed << " leader " << leader << " follower " << follower);
+        Cluster cl(p, FaultModel{0.02, 0.02, 0.3, 10us, 2000us, seed}, 16 << 10, 1, Algorithm::kDirect);
+        ASSERT_EQ(cl.groups.size(), size_t{p});
+        std::vector<std::vector<std::byte>> first(p, std::vector<std::byte>(4096));
+        std::vector<std::vector<std::byte>> second(p, std::vector<std::byte>(p * 512));
+        std::vector<std::vector<std::byte>> pieces;
+        for (int r = 0; r < p; ++r) pieces.push_back(random_elements(DType::kI32, 128, static_cast<uint64_t>(r + 7)));
+        for (int rep = 0; rep < 3; ++rep) {
+          std::vector<Work> works;
+          for (int r = 0; r < p; ++r) {
+            if (leader == 0) {
+              works.push_back(cl.groups[r]->allreduce_async(in[r], first[r], DType::kF32, Reduction::kMax));
+            } else {
+              if (r == 1) first[r] = in[1];
+              works.push_back(cl.groups[r]->broadcast_async(first[r], 1));
+            }
+            if (follower == 0) {
+              works.push_back(cl.groups[r]->barrier_async());
+            } else if (follower == 1) {
+              works.push_back(cl.groups[r]->allgather_async(pieces[r], second[r]));
+            } else {
+              std::span<std::byte> b(second[r].data(), 512);
+              if (r == 2) std::memcpy(b.data(), pieces[2].data(), 512);
+              works.push_back(cl.groups[r]->broadcast_async(b, 2));
+            }
+          }
+          cl.run(works);
+          for (auto& w : works) ASSERT_FALSE(w.error()) << w.error().to_string();
+          for (int r = 0; r < p; ++r) {
+            ASSERT_EQ(first[r], leader == 0 ? want_max : in[1]) << "rank " << r << " rep " << rep;
+            if (follower == 1) {
+              for (int k = 0; k < p; ++k)
+                ASSERT_EQ(0, std::memcmp(second[r].data() + k * 512, pieces[k].data(), 512)) << "rank " << r;
+            } else if (follower == 2) {
+              ASSERT_EQ(0, std::memcmp(second[r].data(), pieces[2].data(), 512)) << "rank " << r;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // A run after another on the same devices (COLLECTIVES.md 11, "A run after
 // another"): the next run's ranks 2 and 1 start while rank 0, which
 // replaces the slot regions on its device, is not there yet. Their chains

@@ -32,6 +32,10 @@ struct McastCluster : testing::CollectivesCluster {
       : CollectivesCluster({.p = p,
                             .faults = faults,
                             .capacity = capacity,
+                            // Heavy loss needs room for many attempts, as in
+                            // collectives_fabric_test's Cluster.
+                            .timeout = faults.drop >= 0.05 ? std::chrono::milliseconds(10000)
+                                                           : std::chrono::milliseconds(2000),
                             .multicast = std::move(group),
                             .on_device = [members = std::move(members)](Fabric& f, int r) {
                               if (members.empty() || members[r]) f.join(kGroup, device_addr(r));

@@ -114,6 +114,7 @@ Work Group::alltoall_async(std::span<const std::byte> in, std::span<std::byte> o
     return Work(detail::failed(Error::invalid(fmt::format(
         "alltoall: input {} / output {} bytes, the pieces need {} / {}", in.size(), out.size(), in_need, out_need))));
   auto w = std::make_shared<detail::WorkState>();
+  w->stores_early = true;  // a piece's store needs only its sender's and its receiver's ARM
   w->make_plan = [=, s = std::vector<uint64_t>(send.begin(), send.end()),
                   r = std::vector<uint64_t>(recv.begin(), recv.end())](const collectives::Context& c) {
     return collectives::direct_alltoall(c, in, out, stride, s, r);

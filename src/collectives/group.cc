@@ -626,6 +626,7 @@ Work Group::allreduce_async(std::span<const std::byte> in, std::span<std::byte> 
                       (opts_.algorithm == Algorithm::kAuto && in.size() <= kDirectMaxBytes);
   const bool torus = opts_.algorithm == Algorithm::kTorus;
   w->torus = torus;
+  w->fallbacks_read_out = direct && !torus;
   w->make_plan = [=, dims = opts_.torus_dims](const collectives::Context& c) {
     if (torus) return collectives::torus_allreduce(c, dims, in, out, t, device_op(op));
     return direct ? collectives::direct_allreduce(c, in, out, t, device_op(op))
@@ -676,6 +677,7 @@ Work Group::allgather_async(std::span<const std::byte> in, std::span<std::byte> 
     };
     return submit(std::move(w));
   }
+  w->stores_early = true;
   w->make_plan = [=, group = multicast_](const collectives::Context& c) {
     if (group.ip != 0) return collectives::multicast_allgather(c, group, in, out);
     return collectives::ring_allgather(c, in, out);
@@ -694,6 +696,8 @@ Work Group::broadcast_async(std::span<std::byte> buf, int root) {
     };
     return submit(std::move(w));
   }
+  w->stores_early = true;
+  w->fallbacks_read_out = true;
   w->make_plan = [=, group = multicast_](const collectives::Context& c) {
     if (group.ip != 0) return collectives::multicast_broadcast(c, group, buf, root);
     return collectives::ring_broadcast(c, buf, root);
@@ -739,10 +743,7 @@ Work Group::barrier_async() {
     w->make_aggregate = [](const collectives::AggregateContext& c) { return collectives::aggregate_barrier(c); };
     return submit(std::move(w));
   }
-  w->make_plan = [](const collectives::Context& c) {
-    static const std::byte kToken[8] = {};
-    return collectives::ring_allgather(c, std::span(kToken), {});
-  };
+  w->make_plan = [](const collectives::Context& c) { return collectives::barrier(c); };
   return submit(std::move(w));
 }
 
@@ -782,12 +783,15 @@ void Group::finish(detail::WorkState& w, Error e) {
 // Copies the input in and arms the slot (steps 1 and 2).
 bool Group::start(detail::WorkState& w) {
   if (w.make_aggregate) return start_aggregate(w);
-  if (w.slot->owner != nullptr) return false;  // an earlier collective holds the slot
+  if (w.slot->owner != nullptr && w.slot->owner != &w) return false;  // an earlier collective holds the slot
   w.slot->owner = &w;
+  // Every rank decides alike: from the kinds of the slot's collectives.
+  w.then_again = w.stores_early && w.slot->fallbacks_read_out;
+  w.slot->fallbacks_read_out = !w.then_again && w.fallbacks_read_out;
   w.generation = next_generation(*w.slot);
   collectives::Context ctx{devices_, opts_.rank, w.slot->layout, w.generation,
                            w.config ? opt_block_ : block_};
-  w.plan = w.make_plan(ctx);
+  w.plan = w.then_again ? collectives::barrier(ctx) : w.make_plan(ctx);
   const uint64_t in_addr = w.slot->layout.in(w.generation) + w.plan.in_offset;
   if (!local_.empty() && !w.plan.input.empty()) {
     std::memcpy(local_.data() + in_addr, w.plan.input.data(), w.plan.input.size());
@@ -1033,6 +1037,15 @@ bool Group::step_stamps(detail::WorkState& w) {
     w.phase = detail::WorkState::Phase::kReading;
     return true;
   }
+  if (w.then_again) {  // the barrier before the collective: every host has finished the one before
+    w.chains.clear();
+    w.chains_sent = 0;
+    w.stamps_seen = 0;
+    w.stamp_copy.clear();
+    w.pending = Op();
+    w.phase = detail::WorkState::Phase::kQueued;
+    return true;
+  }
   if (!w.plan.output.empty()) std::memcpy(w.plan.output.data(), local_.data() + out_addr, w.plan.output.size());
   if (w.average) divide(w.plan.output, w.plan.dtype, size());
   finish(w, {});
@@ -1045,6 +1058,7 @@ bool Group::step_stamps(detail::WorkState& w) {
 bool Group::start_aggregate(detail::WorkState& w) {
   if (w.slot->owner != nullptr) return false;
   w.slot->owner = &w;
+  w.slot->fallbacks_read_out = false;  // no chains of this slot's OUT
   w.generation = next_generation(*w.slot);
   if (w.config) {
     // An optimizer step on the aggregators: every rank sets step t's config

@@ -199,6 +199,8 @@ Plan ring_allreduce(const Context& c, std::span<const std::byte> in, std::span<s
 Plan ring_reduce_scatter(const Context& c, std::span<const std::byte> in,
                          std::span<std::byte> out, DType t, RedOp op);
 Plan ring_allgather(const Context& c, std::span<const std::byte> in, std::span<std::byte> out);
+// Every rank's chains reach every device, storing nowhere near OUT.
+Plan barrier(const Context& c);
 Plan ring_broadcast(const Context& c, std::span<std::byte> buf, int root);
 
 // ---------------------------------------------------------------- aggregation

@@ -112,11 +112,13 @@ Plan ring_reduce_scatter(const Context& c, std::span<const std::byte> in,
   return plan;
 }
 
-Plan ring_allgather(const Context& c, std::span<const std::byte> in, std::span<std::byte> out) {
+namespace {
+
+// Every rank's `in` to `dst + k * in.size()` on every device, stamped.
+Plan gather_to(const Context& c, std::span<const std::byte> in, std::span<std::byte> out, uint64_t dst) {
   const int p = c.ranks();
   const uint64_t n = in.size();
   const uint64_t src = c.slot.in(c.generation);
-  const uint64_t dst = c.slot.out();
   Plan plan;
   plan.input = in;
   plan.output = out;
@@ -136,6 +138,24 @@ Plan ring_allgather(const Context& c, std::span<const std::byte> in, std::span<s
     }
   }
   return plan;
+}
+
+}  // namespace
+
+Plan ring_allgather(const Context& c, std::span<const std::byte> in, std::span<std::byte> out) {
+  return gather_to(c, in, out, c.slot.out());
+}
+
+// An AllGather of an 8-byte token per rank (zeros; a WRITE carries at least
+// a byte), whose stores go to this generation's IN buffer, not to OUT: a
+// refused chain of the collective before may still read a moved-on host's
+// OUT (COLLECTIVES.md 5), and the tokens must not land there. Only the
+// tokens go there, of this generation, whose IN no one reads but these
+// chains; the next input there is written after this generation is armed
+// past, when no store of it runs any more (GEN).
+Plan barrier(const Context& c) {
+  static const std::byte kToken[8] = {};
+  return gather_to(c, std::span(kToken), {}, c.slot.in(c.generation));
 }
 
 // Rank k sends shard k of the root's buffer from the root to everyone.

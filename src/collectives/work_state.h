@@ -25,6 +25,9 @@ struct Group::Slot {
   size_t agg_unanswered = 0;
   uint32_t generation = 0;
   detail::WorkState* owner = nullptr;  // the collective using the slot
+  // The last collective here may leave a refused chain reading a moved-on
+  // host's OUT (WorkState::fallbacks_read_out).
+  bool fallbacks_read_out = false;
 };
 
 namespace detail {
@@ -57,6 +60,16 @@ struct WorkState {
   std::vector<std::pair<std::chrono::steady_clock::time_point, size_t>> retry;  // BAD_KEY: send again then
   bool average = false;
   bool torus = false;  // a torus AllReduce: its chains follow the torus's dimensions, not a ring of p
+  // A chain refused STALE_GENERATION falls back to reading the result from
+  // the OUT of the host that moved on (direct AllReduce, Broadcast:
+  // COLLECTIVES.md 5), possibly after that host started its next collective.
+  bool fallbacks_read_out = false;
+  // Stores into other devices' OUT need only the storing host's ARM and
+  // theirs, not every host's (AllGather, Broadcast, AllToAll): after a
+  // collective with fallbacks_read_out on the slot, a barrier goes first
+  // (`then_again`: the barrier's plan runs, then this one's).
+  bool stores_early = false;
+  bool then_again = false;
   // Optimizer steps: the config this rank's device needs before its
   // optimizer can be reached, i.e. before ARM.
   std::optional<OptimizerConfig> config;
