@@ -15,7 +15,6 @@ import re
 import statistics
 import sys
 
-PAYLOAD = 8192  # bytes per WRITE packet: netdam-incast writes 1 MiB in full packets
 
 
 def read_flow(path):
@@ -45,14 +44,15 @@ def run_figures(base, writers, rate_bps, seconds):
     per_window = [[0] * windows for _ in range(writers)]
     answered = 0
     for i, (_, rows) in enumerate(flows):
-        counts = {int(t): int(a) for t, a, _ in rows}
-        def at(ms):  # answered packets at time ms (the last sample before)
+        # Bytes, not packets: below one packet's window requests go cut.
+        counts = {int(r[0]): int(r[3]) for r in rows}
+        def at(ms):  # answered bytes at time ms (the last sample before)
             keys = [k for k in counts if k <= ms]
             return counts[max(keys)] if keys else 0
         for w in range(windows):
             per_window[i][w] = at((w + 1) * 100) - at(w * 100)
         answered += at(windows * 100)
-    goodput = answered * PAYLOAD / seconds / (rate_bps / 8)
+    goodput = answered / seconds / (rate_bps / 8)
     jains = [jain([per_window[i][w] for i in range(writers)]) for w in range(1, windows)]
     sent = sum(int(t["packets_sent"]) + int(t["retransmits"]) for t, _ in flows)
     with open(f"{base}.drops") as f:

@@ -17,7 +17,7 @@
 //   every latency.
 //
 // Output (--out, default stdout): a header line of key=value totals, then
-// CSV: write "t_ms,answered_packets,window_bytes", read "latency_ns".
+// CSV: write "t_ms,answered_packets,window_bytes,answered_bytes", read "latency_ns".
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -90,7 +90,12 @@ int run_write(const Args& a) {
   sleep_until_realtime(a.start_at);
   const auto t0 = std::chrono::steady_clock::now();
   const auto end = t0 + std::chrono::duration<double>(a.seconds);
-  std::vector<std::pair<uint64_t, size_t>> samples;  // per 10 ms: answers, window
+  struct Sample {
+    uint64_t answers;
+    size_t window;
+    uint64_t bytes;
+  };
+  std::vector<Sample> samples;  // per 10 ms
   auto next_sample = t0;
   netdam::Op ops[2];
   bool written[2] = {false, false};
@@ -104,7 +109,7 @@ int run_write(const Args& a) {
         c.wait_any();
         const auto now = std::chrono::steady_clock::now();
         while (now >= next_sample) {
-          samples.emplace_back(c.counters().answers, c.congestion_window());
+          samples.push_back({c.counters().answers, c.congestion_window(), c.counters().answered_bytes});
           next_sample += 10ms;
         }
       }
@@ -143,10 +148,10 @@ int run_write(const Args& a) {
                static_cast<unsigned long long>(k.packets_sent), static_cast<unsigned long long>(k.retransmits),
                static_cast<unsigned long long>(k.probes), static_cast<unsigned long long>(k.answers),
                static_cast<unsigned long long>(k.window_decreases), failed, wrong);
-  std::fprintf(f, "t_ms,answered_packets,window_bytes\n");
+  std::fprintf(f, "t_ms,answered_packets,window_bytes,answered_bytes\n");
   for (size_t i = 0; i < samples.size(); ++i)
-    std::fprintf(f, "%zu,%llu,%zu\n", (i + 1) * 10, static_cast<unsigned long long>(samples[i].first),
-                 samples[i].second);
+    std::fprintf(f, "%zu,%llu,%zu,%llu\n", (i + 1) * 10, static_cast<unsigned long long>(samples[i].answers),
+                 samples[i].window, static_cast<unsigned long long>(samples[i].bytes));
   if (f != stdout) std::fclose(f);
   return failed || wrong ? 1 : 0;
 }

@@ -317,6 +317,9 @@ class Client {
     uint64_t integrity_drops = 0;
     // times the congestion controller shrank the window
     uint64_t window_decreases = 0;
+    // Bytes of the requests answered, as the window counts them (a READ's
+    // length, a WRITE's payload)
+    uint64_t answered_bytes = 0;
     // AGGREGATE results that came by a multicast group, and such datagrams
     // that matched no contribution waiting here (other ranks' blocks on
     // this host, copies, late ones)

@@ -848,6 +848,7 @@ void Client::first_answer(Packet& p, bool timed, uint8_t depth) {
   const TimePoint now = transport_->now();
   recovery_->route(p).on_answer(p.first_sent, p.last_sent, p.sends, now);
   recovery_->cc.on_answer(now, p.window_cost(), timed ? std::optional(now - p.first_sent) : std::nullopt, depth);
+  counters_.answered_bytes += p.window_cost();
 }
 
 void Client::forget_group_wait(const Packet& p) {
