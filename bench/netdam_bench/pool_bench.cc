@@ -416,6 +416,12 @@ int pool_main(int argc, char** argv) {
   }
   PoolOptions po;
   po.direct_answers = !o.proxy_answers;
+  // Windows that hold the pipelined mode's --depth operations, as Redis
+  // has them all outstanding: through the proxy one client carries them
+  // all (the default 64 requests and 2 MiB held the proxy path to half the
+  // depth, and every path to 32 values of 64 KiB).
+  po.window_packets = std::max<size_t>(po.window_packets, 2 * o.depth);
+  po.window_bytes = std::max<size_t>(po.window_bytes, o.depth * *std::max_element(sizes.begin(), sizes.end()));
   auto pool = Pool::connect(proxy, po);
   if (!pool) {
     fmt::print(stderr, "netdam-bench pool: proxy {}: {}\n", proxy, pool.error().to_string());
@@ -523,7 +529,10 @@ int pool_main(int argc, char** argv) {
       return 2;
     }
     auto proxy_io = PoolIo::open(**pool, *a, Pool::Path::kProxy);
-    auto direct_io = PoolIo::open(**pool, *a, Pool::Path::kDirect);
+    ClientOptions device_clients;
+    device_clients.window_packets = po.window_packets;
+    device_clients.window_bytes = po.window_bytes;
+    auto direct_io = PoolIo::open(**pool, *a, Pool::Path::kDirect, device_clients);
     if (!proxy_io || !direct_io) {
       fmt::print(stderr, "netdam-bench pool: {}\n", (!proxy_io ? proxy_io.error() : direct_io.error()).to_string());
       return 2;

@@ -45,6 +45,12 @@ struct PoolOptions {
   // 17.5), the proxy only translating and forwarding. false: the proxy
   // answers every request itself.
   bool direct_answers = true;
+  // The window of every Client the pool makes (the proxy's, and each
+  // device's for direct requests): requests and bytes in flight at once,
+  // as ClientOptions. Through the proxy one client carries everything, so
+  // raise them to keep more than 64 requests (or 2 MiB) in flight.
+  size_t window_packets = ClientOptions{}.window_packets;
+  size_t window_bytes = ClientOptions{}.window_bytes;
 };
 
 enum class PoolPolicy : uint8_t { kInterleaved = 0, kSingle = 1, kReplicated = 2 };

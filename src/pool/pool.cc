@@ -49,6 +49,8 @@ Result<std::unique_ptr<Pool>> Pool::connect(std::string_view proxy, PoolOptions 
   co.timeout = opts.timeout;
   co.congestion = opts.congestion;
   co.direct_answers = opts.direct_answers;
+  co.window_packets = opts.window_packets;
+  co.window_bytes = opts.window_bytes;
   auto c = Client::connect(proxy, co);
   if (!c) return c.error();
   if (!(*c)->device_info().pool_proxy)
@@ -182,6 +184,8 @@ Result<Client*> Pool::device(uint32_t ip, uint16_t port, uint32_t boot) {
   ClientOptions co;
   co.timeout = opts_.timeout;
   co.congestion = opts_.congestion;
+  co.window_packets = opts_.window_packets;
+  co.window_bytes = opts_.window_bytes;
   auto c = Client::connect(ep.to_string(), co);
   if (!c) return c.error();
   Client* raw = c->get();
