@@ -343,7 +343,7 @@ class Group {
   bool start(detail::WorkState& w);
   void configure_or_arm(detail::WorkState& w);
   bool stamps_complete(detail::WorkState& w);
-  uint32_t next_generation(Slot& slot);
+  uint32_t next_generation(uint32_t& counter);
   static bool has_answered(const Slot& slot, const Hop& at);
   static void note_answer(Slot& slot, const Hop& at);
   void send_phase(detail::WorkState& w);

@@ -788,7 +788,7 @@ bool Group::start(detail::WorkState& w) {
   // Every rank decides alike: from the kinds of the slot's collectives.
   w.then_again = w.stores_early && w.slot->fallbacks_read_out;
   w.slot->fallbacks_read_out = !w.then_again && w.fallbacks_read_out;
-  w.generation = next_generation(*w.slot);
+  w.generation = next_generation(w.slot->generation);
   collectives::Context ctx{devices_, opts_.rank, w.slot->layout, w.generation,
                            w.config ? opt_block_ : block_};
   w.plan = w.then_again ? collectives::barrier(ctx) : w.make_plan(ctx);
@@ -1059,7 +1059,7 @@ bool Group::start_aggregate(detail::WorkState& w) {
   if (w.slot->owner != nullptr) return false;
   w.slot->owner = &w;
   w.slot->fallbacks_read_out = false;  // no chains of this slot's OUT
-  w.generation = next_generation(*w.slot);
+  w.generation = next_generation(w.slot->agg_generation);
   if (w.config) {
     // An optimizer step on the aggregators: every rank sets step t's config
     // on every aggregator before it contributes, so the config is there
@@ -1135,7 +1135,7 @@ bool Group::skip_zero_everywhere(detail::WorkState& w) {
   w.nonzero.clear();
   w.anywhere.clear();
   if (kept.empty()) return false;
-  w.generation = next_generation(*w.slot);
+  w.generation = next_generation(w.slot->agg_generation);
   for (auto& r : kept) r.generation = w.generation;
   w.requests = std::move(kept);
   begin_aggregating(w);
@@ -1182,9 +1182,9 @@ void Group::stage_locally(detail::WorkState& w) {
   LocalMemory::publish();
 }
 
-// A slot's generations, its chains' and its aggregations' (one counter),
-// run on from this group's base (GroupOptions::job).
-uint32_t Group::next_generation(Slot& slot) { return generation_base_ + ++slot.generation; }
+// A slot's generations (Slot::generation, its chains', or
+// Slot::agg_generation) run on from this group's base (GroupOptions::job).
+uint32_t Group::next_generation(uint32_t& counter) { return generation_base_ + ++counter; }
 
 // Whether aggregator `at` of the slot has answered this group (a hop that
 // is none of them counts as answered), and recording that it has.

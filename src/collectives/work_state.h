@@ -23,7 +23,11 @@ struct Group::Slot {
   // has not replaced it yet), which refuses our generations as stale.
   std::vector<bool> agg_answered;
   size_t agg_unanswered = 0;
-  uint32_t generation = 0;
+  // Collectives run here so far: by chains (the slot's region on every
+  // device) and by aggregation (the aggregators' regions), counted apart
+  // so that each region's generations follow each other (a chain region
+  // farther than core::kGenerationWindow from a chain is another run's).
+  uint32_t generation = 0, agg_generation = 0;
   detail::WorkState* owner = nullptr;  // the collective using the slot
   // The last collective here may leave a refused chain reading a moved-on
   // host's OUT (WorkState::fallbacks_read_out).
