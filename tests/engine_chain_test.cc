@@ -552,14 +552,19 @@ void Arm(Node& node, uint32_t key, uint32_t generation) {
   ASSERT_EQ(node.dev->regions().arm(key, generation, &previous), Status::kOk);
 }
 
+// A one-segment chain of `generation`: WRITE 8 bytes of `value` at 0x100.
+Bytes GenWrite(uint32_t generation, uint8_t seg_flags, uint64_t txn, uint64_t value) {
+  Segment s = Seg(kDev0, Opcode::kWrite, 0x100);
+  s.flags = seg_flags;
+  SrPreamble sr;
+  sr.generation = generation;
+  return ChainDatagram(ChainHeader(txn, DType::kBytes, RedOp::kNone, 8), sr, {s}, Le64(value));
+}
+
 TEST_F(EngineTest, GenerationCheckedHops) {
   Arm(n(), kKeyRW, 10);
-  auto chain = [&](uint32_t generation, uint8_t seg_flags, uint64_t txn) {
-    Segment s = Seg(kDev0, Opcode::kWrite, 0x100);
-    s.flags = seg_flags;
-    SrPreamble sr;
-    sr.generation = generation;
-    return ChainDatagram(ChainHeader(txn, DType::kBytes, RedOp::kNone, 8), sr, {s}, Le64(0x77));
+  auto chain = [](uint32_t generation, uint8_t seg_flags, uint64_t txn) {
+    return GenWrite(generation, seg_flags, txn, 0x77);
   };
   Bytes snap = mem();
   // Not ready: parked until the next ARM (no answer now).
@@ -599,12 +604,8 @@ TEST_F(EngineTest, GenerationCheckedHops) {
 // (COLLECTIVES.md 11): NOT_READY, neither parked nor skipped as stale.
 TEST_F(EngineTest, AnotherRunsGenerationIsNotReadyNeverStaleNorParked) {
   Arm(n(), kKeyRW, 1000);
-  auto chain = [&](uint32_t generation, uint8_t seg_flags, uint64_t txn) {
-    Segment s = Seg(kDev0, Opcode::kWrite, 0x100);
-    s.flags = seg_flags;
-    SrPreamble sr;
-    sr.generation = generation;
-    return ChainDatagram(ChainHeader(txn, DType::kBytes, RedOp::kNone, 8), sr, {s}, Le64(0x66));
+  auto chain = [](uint32_t generation, uint8_t seg_flags, uint64_t txn) {
+    return GenWrite(generation, seg_flags, txn, 0x66);
   };
   const Bytes snap = mem();
   const uint32_t w = static_cast<uint32_t>(kGenerationWindow);

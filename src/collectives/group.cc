@@ -15,6 +15,7 @@
 #include "collectives/plan.h"
 #include "collectives/work_state.h"
 #include "core/aggregation.h"
+#include "core/endian.h"
 #include "core/generation.h"
 #include "core/reduce.h"
 #include "netdam/local_memory.h"
@@ -295,9 +296,9 @@ Error Group::setup() {
     // held until this host arms, as every later generation's are. A
     // chain of this run that reaches the earlier run's region first is
     // another run's there: refused NOT_READY and sent again.
-    std::byte base[4];
     const uint32_t g0 = generation_base_;
-    std::memcpy(base, &g0, 4);  // a stamp is a little-endian u32 (PROTOCOL.md 10.5)
+    std::byte base[4];
+    core::store_le<uint32_t>(base, g0);  // a stamp is a little-endian u32 (PROTOCOL.md 10.5)
     for (const auto& slot : slots_) {
       const auto& l = slot->layout;
       client_->region_del(opts_.admin_key, l.key);
@@ -792,6 +793,14 @@ bool Group::start(detail::WorkState& w) {
   collectives::Context ctx{devices_, opts_.rank, w.slot->layout, w.generation,
                            w.config ? opt_block_ : block_};
   w.plan = w.then_again ? collectives::barrier(ctx) : w.make_plan(ctx);
+  // A plan's own progress (a collective that ran its Barrier first starts
+  // here again).
+  w.pending = Op();
+  w.chains.clear();
+  w.chains_sent = 0;
+  w.verified = false;
+  w.stamps_seen = 0;
+  w.stamp_copy.clear();
   const uint64_t in_addr = w.slot->layout.in(w.generation) + w.plan.in_offset;
   if (!local_.empty() && !w.plan.input.empty()) {
     std::memcpy(local_.data() + in_addr, w.plan.input.data(), w.plan.input.size());
@@ -1038,11 +1047,6 @@ bool Group::step_stamps(detail::WorkState& w) {
     return true;
   }
   if (w.then_again) {  // the barrier before the collective: every host has finished the one before
-    w.chains.clear();
-    w.chains_sent = 0;
-    w.stamps_seen = 0;
-    w.stamp_copy.clear();
-    w.pending = Op();
     w.phase = detail::WorkState::Phase::kQueued;
     return true;
   }

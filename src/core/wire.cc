@@ -157,8 +157,7 @@ uint32_t encode_gathered(const GatheredPart& g) {
   if (g.length == 0 || g.length > kGatheredMaxLength || g.slots == 0 || g.slots > 256 || g.stripe < 64 ||
       (g.stripe & (g.stripe - 1)) != 0)
     return 0;
-  const uint32_t shift = static_cast<uint32_t>(std::countr_zero(g.stripe)) - 6;
-  if (shift > 31 - 6) return 0;
+  const uint32_t shift = static_cast<uint32_t>(std::countr_zero(g.stripe)) - 6;  // at most 25: 5 bits
   return g.length | shift << 19 | (g.slots - 1) << 24;
 }
 
