@@ -93,6 +93,10 @@ TEST(PoolCli, MmuUsageErrors) {
   r = run_process({build_path("src/mmu/netdam-mmu"), "--device-admin-key", "1", "--insecure"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("no devices"), std::string::npos) << r.err;
+  r = run_process({build_path("src/mmu/netdam-mmu"), "--device-admin-key", "1", "--insecure", "--device",
+                   "127.0.0.1:1", "--spin-us", "2000000"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("--spin-us"), std::string::npos) << r.err;
   TempDir dir;
   {
     std::ofstream(dir.file("junk.db")) << "this is not a database, just some text that is long enough";

@@ -101,6 +101,11 @@ int main(int argc, char** argv) {
   app.add_option("--congestion", congestion,
                  "the window's controller toward the devices: fixed, depth or swift (docs/CONGESTION.md; "
                  "default fixed)");
+  unsigned spin_us = 100;
+  app.add_option("--spin-us", spin_us,
+                 "microseconds the loop looks for datagrams before it sleeps, yielding the core between looks, "
+                 "while they keep coming that soon (as netdamd --spin-us; 0 never spins; default 100)")
+      ->check(CLI::Range(0, 1'000'000));
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error (default info)");
   app.add_option("--metrics", metrics,
                  "HOST:PORT to serve Prometheus metrics on (GET /metrics: counters and per-opcode latency "
@@ -147,6 +152,7 @@ int main(int argc, char** argv) {
                  o.inject.drop, o.inject.duplicate, o.inject.reorder, o.inject.seed);
   o.state_file = state;
   o.ping_interval = std::chrono::milliseconds(ping_ms);
+  o.spin = std::chrono::microseconds(spin_us);
   o.device_timeout = std::chrono::milliseconds(timeout_ms);
   if (auto c = parse_congestion(congestion))
     o.congestion = *c;

@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include <poll.h>
+
 #include "core/stats.h"
 #include "core/wire.h"
 #include "metrics/latency.h"
@@ -47,6 +49,9 @@ struct ProxyOptions {
   size_t replay_requesters = 4096;
   size_t max_fill = 16u << 20;          // FILL and COPY through the proxy pass through its memory
   Congestion congestion = Congestion::kFixed;  // the window's controller toward each device
+  // How long the loop looks for datagrams before it sleeps (see
+  // Proxy::wait_readable); 0 never spins.
+  std::chrono::microseconds spin{100};
   // Test and benchmark aid (--inject-*): faults on every datagram the
   // client-facing socket sends (answers and forwarded requests).
   transport::FaultModel inject;
@@ -86,6 +91,7 @@ class Proxy {
   void run(const std::atomic<bool>& stop);
   // One turn of the loop, waiting up to `timeout` for input.
   void poll_once(std::chrono::milliseconds timeout);
+  void wait_readable(std::vector<pollfd>& fds, int ms);
 
  private:
   struct Conn;
@@ -211,6 +217,7 @@ class Proxy {
   std::vector<Arrival> unanswered_;  // finished this turn without an answer (WRITE without ACK_REQ)
   core::Stats stats_;  // written by the loop only
   uint64_t integrity_drops_seen_ = 0;
+  uint8_t recent_soon_ = 0xFF;  // wait_readable: whether each of the last 8 waits ended within the spin
   metrics::LatencyShard* latency_ = nullptr;
   mutable std::mutex view_mu_;
   View view_;  // published by health_tick() when serving metrics
