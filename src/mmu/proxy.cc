@@ -823,9 +823,17 @@ bool Proxy::forward_gathered(const Endpoint& from, const core::Header& h, std::s
     fh.rkey = core::encode_gathered({n, a.layout.stripe, a.layout.slots});
     fh.addr = h.addr + (g.runs[0].offset - off);
     fh.length = n;
-    std::vector<std::byte> body(kSegmentSize + (h.opcode == Opcode::kWrite ? n : 0));
+    // Built by appending, not sized first: a vector sized to the part
+    // would be zero-filled, a pass over every byte for nothing.
+    std::vector<std::byte> body(kSegmentSize);
     core::encode_segment(core::Segment{dev.ip, dev.port, h.opcode, 0, e.key, 0, e.base + g.extent_offset}, body.data());
-    if (h.opcode == Opcode::kWrite) pool::gather_bytes(g.runs, payload, off, body.data() + kSegmentSize);
+    if (h.opcode == Opcode::kWrite) {
+      body.reserve(kSegmentSize + n);
+      for (const pool::Run& r : g.runs) {
+        const auto from = payload.subspan(r.offset - off, r.length);
+        body.insert(body.end(), from.begin(), from.end());
+      }
+    }
     send_chain(dev, fh, {}, from, std::move(body), std::exchange(first, false));
   }
   return true;
