@@ -114,6 +114,10 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
   // Device operations in flight need their retransmission timers run.
   const int ms = jobs_.empty() && !resync_ ? static_cast<int>(timeout.count()) : 1;
   wait_readable(fds, ms);
+  // The health socket is read only when poll said so: PING answers come a
+  // few per interval, and a receive call each turn for nothing was one of
+  // the four system calls of a busy turn.
+  const bool health_readable = fds[1].revents != 0;
   // One clock reading per turn, and none without --metrics: every request
   // received in this turn arrived "now".
   if (latency_) arrival_.at = listen_->now();
@@ -141,7 +145,7 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
                      bad - integrity_drops_seen_);
     integrity_drops_seen_ = bad;
   }
-  health_receive();
+  if (health_readable) health_receive();
   const auto now = listen_->now();
   for (auto& c : conns_) {
     if (c->client) c->client->poll();
