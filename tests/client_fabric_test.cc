@@ -89,6 +89,40 @@ TEST_P(ClientUnderFaults, LargeWriteReadsBackExactly) {
   EXPECT_EQ(0, std::memcmp(dev.memory.data() + 100, data.data(), data.size()));
 }
 
+// A scattered read: one contiguous device range into pieces of the
+// caller's buffer that lie apart, in sizes that cut packets anywhere
+// (an empty piece, pieces inside one packet, a piece over several).
+TEST_P(ClientUnderFaults, ScatteredReadPlacesEveryByte) {
+  Fabric fabric(model());
+  FabricDevice dev(fabric, kDeviceAddr, 0x1234);
+  auto c = connect(fabric, patient());
+  ASSERT_TRUE(c);
+  const auto data = random_bytes(200'000, 11);
+  std::memcpy(dev.memory.data() + 300, data.data(), data.size());
+  const size_t sizes[] = {1, 0, 4096, 7, c->options().max_payload + 5, 3 * c->options().max_payload, 999};
+  std::vector<std::byte> out(2 * data.size(), std::byte{0xEE});
+  std::vector<std::span<std::byte>> pieces;
+  size_t total = 0, at = 0;
+  for (size_t i = 0; total < data.size(); ++i) {
+    const size_t n = std::min(sizes[i % std::size(sizes)], data.size() - total);
+    pieces.push_back(std::span(out).subspan(at, n));
+    total += n;
+    at += n + 13;  // a gap the read must leave alone
+  }
+  Op op = c->read_async(300, pieces, 1);
+  Error e = c->wait(op);
+  ASSERT_FALSE(e) << e.to_string();
+  std::vector<std::byte> gathered;
+  for (const auto& p : pieces) gathered.insert(gathered.end(), p.begin(), p.end());
+  EXPECT_EQ(gathered, data);
+  std::vector<bool> in_piece(out.size());
+  for (const auto& p : pieces)
+    for (size_t i = 0; i < p.size(); ++i) in_piece[static_cast<size_t>(p.data() - out.data()) + i] = true;
+  size_t touched = 0;  // bytes outside the pieces that the read wrote
+  for (size_t i = 0; i < out.size(); ++i) touched += !in_piece[i] && out[i] != std::byte{0xEE};
+  EXPECT_EQ(touched, 0u);
+}
+
 TEST_P(ClientUnderFaults, FetchAddIsExactlyOnce) {
   Fabric fabric(model());
   FabricDevice dev(fabric, kDeviceAddr, 0x1234);

@@ -238,6 +238,11 @@ class Client {
   // With `at`: on that device instead of this client's (a plain request
   // aimed elsewhere, as region_add's; the device checks the range).
   Op read_async(uint64_t addr, std::span<std::byte> out, uint64_t rkey = 0, const Hop* at = nullptr);
+  // A scattered read: [addr, addr + the pieces' total) lands in `pieces`,
+  // one after the other, without a bounce buffer (a pool's gathered read:
+  // one device's stripes of a value, which lie apart in the caller's
+  // buffer). The pieces must outlive the Op.
+  Op read_async(uint64_t addr, std::span<const std::span<std::byte>> pieces, uint64_t rkey = 0);
   Op write_async(uint64_t addr, std::span<const std::byte> data, uint64_t rkey = 0, const Hop* at = nullptr);
   // copy() without waiting; the same limits.
   Op copy_async(uint64_t dst, uint64_t src, uint64_t len, uint64_t src_key = 0, uint64_t rkey = 0);
@@ -368,6 +373,7 @@ class Client {
   bool wants_direct(const Packet& p) const;
   // Merges [lo, hi) into a DIRECT request's answered parts.
   void cover(Packet& p, uint64_t lo, uint64_t hi);
+  void place(Packet& p, uint64_t off, const std::byte* from, size_t len);
   // An answer to a DIRECT request from one of the devices: a part of it.
   void receive_piece(Packet& p, const core::Header& h, std::span<const std::byte> payload,
                      const transport::Endpoint& from);

@@ -38,6 +38,7 @@ struct OpState {
   uint64_t value = 0;
   int failed_segment = -1;        // CHAIN: the segment whose device refused it
   std::vector<std::byte> answer;  // PING / STATS / REGION_LIST payloads
+  std::vector<std::span<std::byte>> scatter;  // a scattered READ: where its bytes go, in order
 };
 }  // namespace detail
 
@@ -73,6 +74,7 @@ struct Client::Packet {
   std::span<const std::byte> payload;
   std::vector<std::byte> owned;     // payloads the client builds itself
   std::byte* answer_to = nullptr;   // READ / REDUCE_PAYLOAD: where the answer goes
+  uint64_t scatter_at = 0;          // a scattered READ (answer_to null): its first byte's place in op->scatter
   bool expect_answer = true;
   bool keep_answer = false;         // call(): the answer's payload goes to the op
   TimePoint first_sent{}, last_sent{};
@@ -323,6 +325,43 @@ Op Client::read_async(uint64_t addr, std::span<std::byte> out, uint64_t rkey, co
     p.answer_to = out.data() + off;
   }
   return start(std::move(op));
+}
+
+Op Client::read_async(uint64_t addr, std::span<const std::span<std::byte>> pieces, uint64_t rkey) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kRead;
+  uint64_t total = 0;
+  for (const auto& piece : pieces) total += piece.size();
+  if ((op->error = check_range(addr, total)) || (op->error = check_key(key(rkey)))) return start(std::move(op));
+  op->scatter.assign(pieces.begin(), pieces.end());
+  const size_t chunk = opts_.max_payload;
+  for (uint64_t off = 0; off < total; off += chunk) {
+    const auto n = static_cast<uint32_t>(std::min<uint64_t>(chunk, total - off));
+    Packet& p = new_packet(op, Opcode::kRead, key(rkey), addr + off, n);
+    p.scatter_at = off;
+  }
+  return start(std::move(op));
+}
+
+// Bytes [off, off + len) of a packet's answer to where the caller wants them.
+void Client::place(Packet& p, uint64_t off, const std::byte* from, size_t len) {
+  if (p.answer_to != nullptr) {
+    std::memcpy(p.answer_to + off, from, len);
+    return;
+  }
+  uint64_t at = p.scatter_at + off;  // within the op's pieces, taken one after the other
+  for (const std::span<std::byte>& piece : p.op->scatter) {
+    if (len == 0) break;
+    if (at >= piece.size()) {
+      at -= piece.size();
+      continue;
+    }
+    const size_t n = std::min<uint64_t>(len, piece.size() - at);
+    std::memcpy(piece.data() + at, from, n);
+    from += n;
+    len -= n;
+    at = 0;
+  }
 }
 
 Op Client::write_async(uint64_t addr, std::span<const std::byte> data, uint64_t rkey, const Hop* at) {
@@ -1128,7 +1167,7 @@ void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std
   uint64_t from_byte = 0;
   each_run([&](uint64_t at, uint32_t len) {
     const uint64_t off = at - p.h.addr;
-    if (bytes) std::memcpy(p.answer_to + off, payload.data() + from_byte, len);
+    if (bytes) place(p, off, payload.data() + from_byte, len);
     from_byte += len;
     cover(p, off, off + len);
   });
@@ -1235,7 +1274,7 @@ Error Client::deliver(Packet& p, std::span<const std::byte> payload) {
       if (payload.size() != p.h.length)
         return Error::protocol(
             fmt::format("{}: {} bytes answered, {} asked", describe(p), payload.size(), p.h.length));
-      std::memcpy(p.answer_to, payload.data(), payload.size());
+      place(p, 0, payload.data(), payload.size());
       break;
     case Opcode::kFetchAdd:
     case Opcode::kCompareSwap:

@@ -111,11 +111,13 @@ void PoolIo::start(uint64_t off, std::span<std::byte> buf, uint64_t tag, bool wr
   Request& r = requests_[req];
   // The proxy takes the allocation's key; a device its own, the client's default (open()).
   const uint64_t key = path_ == Pool::Path::kProxy ? alloc_.key : 0;
-  auto issue = [&](Device& d, uint64_t addr, std::span<std::byte> piece) {
-    Op op = write ? d.client->write_async(addr, piece, key) : d.client->read_async(addr, piece, key);
-    ops_.push_back(Piece{&d, std::move(op), req, {}, {}, {}, 0});
+  auto track = [&](Device& d, Op op) {
+    ops_.push_back(Piece{&d, std::move(op), req, {}});
     ++d.in_flight;
     ++r.pieces_left;
+  };
+  auto issue = [&](Device& d, uint64_t addr, std::span<std::byte> piece) {
+    track(d, write ? d.client->write_async(addr, piece, key) : d.client->read_async(addr, piece, key));
   };
   if (path_ == Pool::Path::kProxy) {
     issue(*devices_[0], alloc_.base + off, buf);
@@ -161,16 +163,17 @@ void PoolIo::start(uint64_t off, std::span<std::byte> buf, uint64_t tag, bool wr
           issue(d, addr, buf.subspan(g.runs[0].offset - off, g.length));
           continue;
         }
-        Bounce b = take_bounce(g.length);
-        if (write) pool::gather_bytes(g.runs, buf, off, b.bytes.get());
-        issue(d, addr, std::span(b.bytes.get(), g.length));
-        Piece& p = ops_.back();
-        p.bounce = std::move(b);
-        if (!write) {
-          p.runs = g.runs;
-          p.user = buf;
-          p.user_off = off;
+        if (!write) {  // a scattered read: each run's bytes straight to their place
+          std::vector<std::span<std::byte>> places;
+          places.reserve(g.runs.size());
+          for (const pool::Run& run : g.runs) places.push_back(buf.subspan(run.offset - off, run.length));
+          track(d, d.client->read_async(addr, places, key));
+          continue;
         }
+        Bounce b = take_bounce(g.length);
+        pool::gather_bytes(g.runs, buf, off, b.bytes.get());
+        issue(d, addr, std::span(b.bytes.get(), g.length));
+        ops_.back().bounce = std::move(b);
       }
     }
   }
@@ -189,8 +192,6 @@ void PoolIo::reap(std::vector<Completion>& done) {
     }
     Request& r = requests_[p.request];
     if (p.op.error() && !r.error) r.error = p.op.error();
-    if (!p.op.error() && !p.runs.empty())  // a gathered read: its bytes to their places
-      pool::scatter_bytes(p.runs, p.bounce.bytes.get(), p.user, p.user_off);
     if (p.bounce.bytes) spare_.push_back(std::move(p.bounce));
     --p.dev->in_flight;
     if (--r.pieces_left == 0) {

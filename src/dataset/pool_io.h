@@ -63,11 +63,10 @@ class PoolIo {
 
  private:
   struct Device;
-  // A gathered device request (pool::gather) moves its bytes through a
-  // bounce buffer: a write's runs are copied in, a read's copied out to
-  // `runs` of `user` (whose first byte is allocation offset `user_off`)
-  // when it is answered. Buffers are kept for reuse: a fresh one would
-  // cost a page fault per 4 KiB on first touch.
+  // A gathered device write (pool::gather) sends its runs from a bounce
+  // buffer they are copied into (a gathered read needs none: the client
+  // places each run's bytes as they arrive). Buffers are kept for reuse: a
+  // fresh one would cost a page fault per 4 KiB on first touch.
   struct Bounce {
     std::unique_ptr<std::byte[]> bytes;
     size_t capacity = 0;
@@ -77,9 +76,6 @@ class PoolIo {
     Op op;
     size_t request;  // index into requests_
     Bounce bounce;
-    std::vector<pool::Run> runs;  // a gathered read: where the bytes go
-    std::span<std::byte> user;
-    uint64_t user_off = 0;
   };
   struct Request {
     uint64_t tag;

@@ -77,13 +77,6 @@ void gather_bytes(std::span<const Run> runs, std::span<const std::byte> request,
   }
 }
 
-void scatter_bytes(std::span<const Run> runs, const std::byte* in, std::span<std::byte> request, uint64_t off) {
-  for (const Run& r : runs) {
-    std::memcpy(request.data() + (r.offset - off), in, r.length);
-    in += r.length;
-  }
-}
-
 Place locate(const Layout& l, uint64_t off, uint32_t copy) {
   const uint64_t g = l.stripe;
   const uint64_t s = off / g;

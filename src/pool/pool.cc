@@ -217,8 +217,7 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, boo
   struct Pending {
     Client* c;
     Op op;
-    std::vector<pool::Run> runs;  // a gathered read: where its bytes go
-    std::vector<std::byte> bounce;
+    std::vector<std::byte> bounce;  // a gathered write's runs, one after the other
   };
   std::vector<Pending> ops;
   Error first;
@@ -244,7 +243,7 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, boo
       const pool::Place pl = pool::locate(map.layout, pc.offset, copy);
       if (Client* c = device_of(pl.slot)) {
         const pool::MapSlot& s = map.m.slots[pl.slot];
-        ops.push_back({c, c->read_async(s.base + pl.extent_offset, buf.subspan(pc.offset - off, pc.length), s.rkey), {}, {}});
+        ops.push_back({c, c->read_async(s.base + pl.extent_offset, buf.subspan(pc.offset - off, pc.length), s.rkey), {}});
         return true;
       }
     }
@@ -256,17 +255,21 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, boo
   for (const pool::Gather& g : pool::gather(map.layout, off, buf.size(), 0, pool::kGatherMost)) {
     const uint64_t daddr = map.m.slots[g.slot].base + g.extent_offset;
     if (Client* c = device_of(g.slot)) {
-      Pending p{c, {}, {}, {}};
-      std::span<std::byte> bytes = buf.subspan(g.runs[0].offset - off, g.length);
-      if (g.runs.size() > 1) {
+      const uint64_t rkey = map.m.slots[g.slot].rkey;
+      Pending p{c, {}, {}};
+      if (g.runs.size() == 1) {
+        const std::span<std::byte> bytes = buf.subspan(g.runs[0].offset - off, g.length);
+        p.op = write ? c->write_async(daddr, bytes, rkey) : c->read_async(daddr, bytes, rkey);
+      } else if (write) {
         p.bounce.resize(g.length);
-        bytes = p.bounce;
-        if (write)
-          pool::gather_bytes(g.runs, buf, off, bytes.data());
-        else
-          p.runs = g.runs;
+        pool::gather_bytes(g.runs, buf, off, p.bounce.data());
+        p.op = c->write_async(daddr, p.bounce, rkey);
+      } else {  // each run's bytes straight to their place
+        std::vector<std::span<std::byte>> places;
+        places.reserve(g.runs.size());
+        for (const pool::Run& r : g.runs) places.push_back(buf.subspan(r.offset - off, r.length));
+        p.op = c->read_async(daddr, places, rkey);
       }
-      p.op = write ? c->write_async(daddr, bytes, map.m.slots[g.slot].rkey) : c->read_async(daddr, bytes, map.m.slots[g.slot].rkey);
       ops.push_back(std::move(p));
       continue;
     }
@@ -279,12 +282,8 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, boo
       break;
     }
   }
-  for (auto& p : ops) {
-    if (Error e = p.c->wait(p.op))
-      first = first ? first : e;
-    else
-      pool::scatter_bytes(p.runs, p.bounce.data(), buf, off);  // a gathered read's bytes to their places
-  }
+  for (auto& p : ops)
+    if (Error e = p.c->wait(p.op)) first = first ? first : e;
   if (first) maps_.erase(pool::allocation_of(addr));  // health may have changed: ask again next time
   return first;
 }
