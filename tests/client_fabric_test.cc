@@ -123,6 +123,36 @@ TEST_P(ClientUnderFaults, ScatteredReadPlacesEveryByte) {
   EXPECT_EQ(touched, 0u);
 }
 
+// A gathered write: pieces of the caller's buffer that lie apart, sent
+// without a copy, land end to end; a packet with more runs than a datagram
+// may carry (kMaxOutMore) is copied into one, and lands the same.
+TEST_P(ClientUnderFaults, GatheredWriteLandsEndToEnd) {
+  Fabric fabric(model());
+  FabricDevice dev(fabric, kDeviceAddr, 0x1234);
+  auto c = connect(fabric, patient());
+  ASSERT_TRUE(c);
+  const auto src = random_bytes(400'000, 13);
+  const size_t sizes[] = {4096, 0, 1, c->options().max_payload + 5, 7, 3 * c->options().max_payload, 999};
+  std::vector<std::span<const std::byte>> pieces;
+  std::vector<std::byte> want;
+  size_t at = 0;
+  for (size_t i = 0; at < 150'000; ++i) {
+    const size_t n = sizes[i % std::size(sizes)];
+    pieces.push_back(std::span(src).subspan(at, n));
+    want.insert(want.end(), src.begin() + static_cast<ptrdiff_t>(at), src.begin() + static_cast<ptrdiff_t>(at + n));
+    at += n + 17;  // a gap that must not be sent
+  }
+  for (size_t i = 0; i < 2 * transport::kMaxOutMore; ++i) {  // one packet of many tiny runs
+    pieces.push_back(std::span(src).subspan(at, 3));
+    want.insert(want.end(), src.begin() + static_cast<ptrdiff_t>(at), src.begin() + static_cast<ptrdiff_t>(at + 3));
+    at += 5;
+  }
+  Op op = c->write_async(500, pieces, 1);
+  Error e = c->wait(op);
+  ASSERT_FALSE(e) << e.to_string();
+  EXPECT_EQ(0, std::memcmp(dev.memory.data() + 500, want.data(), want.size()));
+}
+
 TEST_P(ClientUnderFaults, FetchAddIsExactlyOnce) {
   Fabric fabric(model());
   FabricDevice dev(fabric, kDeviceAddr, 0x1234);

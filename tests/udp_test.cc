@@ -179,6 +179,33 @@ TEST(UdpTransport, GathersTwoParts) {
   EXPECT_EQ(got[2], header);
 }
 
+// A gathered payload (OutMsg::more): every run in order after the data,
+// in trains of equal datagrams and with as many runs as a datagram may
+// carry, so that a batch needs more than one call's iovecs.
+TEST(UdpTransport, GathersMorePiecesInOrder) {
+  auto a = open_loopback();
+  auto b = open_loopback();
+  ASSERT_TRUE(a && b);
+  const auto header = pattern(40, 1);
+  std::vector<std::vector<std::byte>> runs;
+  for (unsigned i = 0; i < kMaxOutMore; ++i) runs.push_back(pattern(16 + i % 3, 100 + i));
+  std::vector<std::span<const std::byte>> spans(runs.begin(), runs.end());
+  std::vector<OutMsg> out;
+  std::vector<std::vector<std::byte>> want;
+  for (size_t k = 0; k < 12; ++k) {
+    const size_t n = k < 10 ? kMaxOutMore : k;  // ten alike (trains), then two with fewer runs
+    OutMsg m = out_msg(b->local(), header);
+    m.more = std::span(spans).first(n);
+    out.push_back(m);
+    std::vector<std::byte> w = header;
+    for (size_t i = 0; i < n; ++i) w.insert(w.end(), runs[i].begin(), runs[i].end());
+    want.push_back(w);
+  }
+  ASSERT_EQ(a->send_batch(out), out.size());
+  EXPECT_EQ(a->send_errors(), 0u);
+  EXPECT_EQ(receive(*b, out.size(), nullptr), want);
+}
+
 TEST(UdpTransport, ReportsTruncation) {
   auto a = open_loopback();
   auto b = open_loopback();

@@ -244,6 +244,11 @@ class Client {
   // buffer). The pieces must outlive the Op.
   Op read_async(uint64_t addr, std::span<const std::span<std::byte>> pieces, uint64_t rkey = 0);
   Op write_async(uint64_t addr, std::span<const std::byte> data, uint64_t rkey = 0, const Hop* at = nullptr);
+  // A gathered write: the pieces, one after the other, to [addr, addr +
+  // their total), sent from where they are without a copy (a pool's
+  // gathered write: one device's stripes of a value). The pieces must
+  // outlive the Op.
+  Op write_async(uint64_t addr, std::span<const std::span<const std::byte>> pieces, uint64_t rkey = 0);
   // copy() without waiting; the same limits.
   Op copy_async(uint64_t dst, uint64_t src, uint64_t len, uint64_t src_key = 0, uint64_t rkey = 0);
   Op fetch_add_async(uint64_t addr, uint64_t add, uint64_t rkey = 0);

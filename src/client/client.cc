@@ -72,6 +72,10 @@ struct Client::Packet {
   TimePoint overtaken_since{};
   bool overtaken_asked = false;
   std::span<const std::byte> payload;
+  // A gathered WRITE: its data's runs in the caller's buffer, sent after
+  // `payload` (empty then) without a copy; more_bytes is their total.
+  std::vector<std::span<const std::byte>> more;
+  size_t more_bytes = 0;
   std::vector<std::byte> owned;     // payloads the client builds itself
   std::byte* answer_to = nullptr;   // READ / REDUCE_PAYLOAD: where the answer goes
   uint64_t scatter_at = 0;          // a scattered READ (answer_to null): its first byte's place in op->scatter
@@ -96,7 +100,8 @@ struct Client::Packet {
   // however small the request itself is.
   size_t window_cost() const {
     const bool returns_data = is_chain() || h.opcode == Opcode::kRead || h.opcode == Opcode::kReducePayload;
-    return returns_data ? std::max<size_t>(payload.size(), h.length) : payload.size();
+    const size_t sent = payload.size() + more_bytes;
+    return returns_data ? std::max<size_t>(sent, h.length) : sent;
   }
   std::span<const std::byte> head() const {
     return is_chain() ? std::span<const std::byte>(chain_head) : std::span<const std::byte>(wire);
@@ -376,6 +381,42 @@ Op Client::write_async(uint64_t addr, std::span<const std::byte> data, uint64_t 
     aim(p, at);
     p.h.flags = kFlagAckReq;
     p.payload = data.subspan(off, n);
+  }
+  return start(std::move(op));
+}
+
+Op Client::write_async(uint64_t addr, std::span<const std::span<const std::byte>> pieces, uint64_t rkey) {
+  auto op = std::make_shared<detail::OpState>();
+  op->opcode = Opcode::kWrite;
+  uint64_t total = 0;
+  for (const auto& piece : pieces) total += piece.size();
+  if ((op->error = check_range(addr, total)) || (op->error = check_key(key(rkey)))) return start(std::move(op));
+  const size_t chunk = opts_.max_payload;
+  size_t at = 0;         // the piece the next packet starts in
+  uint64_t within = 0;   // and where in it
+  for (uint64_t off = 0; off < total; off += chunk) {
+    const auto n = static_cast<uint32_t>(std::min<uint64_t>(chunk, total - off));
+    Packet& p = new_packet(op, Opcode::kWrite, key(rkey), addr + off, n);
+    p.h.flags = kFlagAckReq;
+    for (uint64_t left = n; left > 0;) {
+      const std::span<const std::byte> piece = pieces[at];
+      const uint64_t take = std::min<uint64_t>(left, piece.size() - within);
+      if (take > 0) p.more.push_back(piece.subspan(within, take));
+      left -= take;
+      within += take;
+      if (within == piece.size()) {
+        ++at;
+        within = 0;
+      }
+    }
+    p.more_bytes = n;
+    if (p.more.size() > transport::kMaxOutMore) {  // more runs than a datagram may carry: copied, one run
+      p.owned.reserve(n);
+      for (const auto& r : p.more) p.owned.insert(p.owned.end(), r.begin(), r.end());
+      p.payload = p.owned;
+      p.more.clear();
+      p.more_bytes = 0;
+    }
   }
   return start(std::move(op));
 }
@@ -926,7 +967,7 @@ void Client::send_queued() {
     cc.on_send(now, std::max<size_t>(p->window_cost(), kHeaderSize));
     p->first_sent = p->last_sent = now;
     p->sends = 1;
-    batch[n++] = transport::OutMsg{p->routed() ? p->to : *device_, {p->head(), p->payload}};
+    batch[n++] = transport::OutMsg{p->routed() ? p->to : *device_, {p->head(), p->payload}, p->more};
     ++counters_.packets_sent;
     if (p->expect_answer) {
       inflight_bytes_ += p->window_cost();
@@ -1027,7 +1068,7 @@ void Client::check_timers() {
 
 // A packet in flight, sent again (same txn, same bytes) outside the batch.
 void Client::send_now(Packet& p, TimePoint now) {
-  transport::OutMsg m{p.routed() ? p.to : *device_, {p.head(), p.payload}};
+  transport::OutMsg m{p.routed() ? p.to : *device_, {p.head(), p.payload}, p.more};
   transport_->send_batch({&m, 1});
   p.last_sent = now;
 }

@@ -77,17 +77,6 @@ Result<std::unique_ptr<PoolIo>> PoolIo::open(Pool& pool, const PoolAllocation& a
 
 void PoolIo::fail_now(uint64_t tag, Error e) { immediate_.push_back({tag, std::move(e)}); }
 
-PoolIo::Bounce PoolIo::take_bounce(size_t bytes) {
-  // The most recently returned first: it is the one most likely in cache.
-  for (size_t i = spare_.size(); i-- > 0;)
-    if (spare_[i].capacity >= bytes) {
-      Bounce b = std::move(spare_[i]);
-      spare_.erase(spare_.begin() + static_cast<ptrdiff_t>(i));
-      return b;
-    }
-  return Bounce{std::make_unique_for_overwrite<std::byte[]>(bytes), bytes};
-}
-
 void PoolIo::read(uint64_t off, std::span<std::byte> out, uint64_t tag) { start(off, out, tag, false); }
 
 void PoolIo::write(uint64_t off, std::span<const std::byte> data, uint64_t tag) {
@@ -112,7 +101,7 @@ void PoolIo::start(uint64_t off, std::span<std::byte> buf, uint64_t tag, bool wr
   // The proxy takes the allocation's key; a device its own, the client's default (open()).
   const uint64_t key = path_ == Pool::Path::kProxy ? alloc_.key : 0;
   auto track = [&](Device& d, Op op) {
-    ops_.push_back(Piece{&d, std::move(op), req, {}});
+    ops_.push_back(Piece{&d, std::move(op), req});
     ++d.in_flight;
     ++r.pieces_left;
   };
@@ -163,17 +152,19 @@ void PoolIo::start(uint64_t off, std::span<std::byte> buf, uint64_t tag, bool wr
           issue(d, addr, buf.subspan(g.runs[0].offset - off, g.length));
           continue;
         }
-        if (!write) {  // a scattered read: each run's bytes straight to their place
+        // Each run's bytes straight from (a write) or to (a read) their
+        // place in the caller's buffer: a gathered or scattered request.
+        if (write) {
+          std::vector<std::span<const std::byte>> runs;
+          runs.reserve(g.runs.size());
+          for (const pool::Run& run : g.runs) runs.push_back(buf.subspan(run.offset - off, run.length));
+          track(d, d.client->write_async(addr, runs, key));
+        } else {
           std::vector<std::span<std::byte>> places;
           places.reserve(g.runs.size());
           for (const pool::Run& run : g.runs) places.push_back(buf.subspan(run.offset - off, run.length));
           track(d, d.client->read_async(addr, places, key));
-          continue;
         }
-        Bounce b = take_bounce(g.length);
-        pool::gather_bytes(g.runs, buf, off, b.bytes.get());
-        issue(d, addr, std::span(b.bytes.get(), g.length));
-        ops_.back().bounce = std::move(b);
       }
     }
   }
@@ -192,7 +183,6 @@ void PoolIo::reap(std::vector<Completion>& done) {
     }
     Request& r = requests_[p.request];
     if (p.op.error() && !r.error) r.error = p.op.error();
-    if (p.bounce.bytes) spare_.push_back(std::move(p.bounce));
     --p.dev->in_flight;
     if (--r.pieces_left == 0) {
       done.push_back({r.tag, std::move(r.error)});

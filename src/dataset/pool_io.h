@@ -63,19 +63,10 @@ class PoolIo {
 
  private:
   struct Device;
-  // A gathered device write (pool::gather) sends its runs from a bounce
-  // buffer they are copied into (a gathered read needs none: the client
-  // places each run's bytes as they arrive). Buffers are kept for reuse: a
-  // fresh one would cost a page fault per 4 KiB on first touch.
-  struct Bounce {
-    std::unique_ptr<std::byte[]> bytes;
-    size_t capacity = 0;
-  };
   struct Piece {
     Device* dev;
     Op op;
     size_t request;  // index into requests_
-    Bounce bounce;
   };
   struct Request {
     uint64_t tag;
@@ -85,7 +76,6 @@ class PoolIo {
   PoolIo(Pool& pool, const PoolAllocation& a, Pool::Path path);
   void start(uint64_t off, std::span<std::byte> buf, uint64_t tag, bool write);
   void fail_now(uint64_t tag, Error e);
-  Bounce take_bounce(size_t bytes);
   void reap(std::vector<Completion>& done);
 
   Pool& pool_;
@@ -98,7 +88,6 @@ class PoolIo {
   std::vector<Request> requests_;                 // slots reused via free_
   std::vector<size_t> free_;
   std::vector<Completion> immediate_;
-  std::vector<Bounce> spare_;  // bounce buffers for reuse
 };
 
 }  // namespace netdam::dataset

@@ -70,13 +70,6 @@ std::vector<Gather> gather(const Layout& l, uint64_t off, uint64_t len, uint32_t
   return out;
 }
 
-void gather_bytes(std::span<const Run> runs, std::span<const std::byte> request, uint64_t off, std::byte* out) {
-  for (const Run& r : runs) {
-    std::memcpy(out, request.data() + (r.offset - off), r.length);
-    out += r.length;
-  }
-}
-
 Place locate(const Layout& l, uint64_t off, uint32_t copy) {
   const uint64_t g = l.stripe;
   const uint64_t s = off / g;

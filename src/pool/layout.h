@@ -97,10 +97,6 @@ std::vector<Gather> gather(const Layout& l, uint64_t off, uint64_t len, uint32_t
 // The `most` of the direct clients (Pool, dataset::PoolIo): the bounce
 // buffer one gathered request moves its bytes through.
 inline constexpr uint64_t kGatherMost = 256 << 10;
-// The bytes of `runs` of a request whose first byte is allocation offset
-// `off`, laid end to end into `out` (a gathered WRITE's payload; a gathered
-// READ's answer goes to its places by Client's scattered read).
-void gather_bytes(std::span<const Run> runs, std::span<const std::byte> request, uint64_t off, std::byte* out);
 
 // Copy `copy` of allocation offset `off`: its slot and the offset within that
 // slot's extent (add the slot's device base for the device address).

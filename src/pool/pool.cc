@@ -217,7 +217,6 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, boo
   struct Pending {
     Client* c;
     Op op;
-    std::vector<std::byte> bounce;  // a gathered write's runs, one after the other
   };
   std::vector<Pending> ops;
   Error first;
@@ -243,7 +242,7 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, boo
       const pool::Place pl = pool::locate(map.layout, pc.offset, copy);
       if (Client* c = device_of(pl.slot)) {
         const pool::MapSlot& s = map.m.slots[pl.slot];
-        ops.push_back({c, c->read_async(s.base + pl.extent_offset, buf.subspan(pc.offset - off, pc.length), s.rkey), {}});
+        ops.push_back({c, c->read_async(s.base + pl.extent_offset, buf.subspan(pc.offset - off, pc.length), s.rkey)});
         return true;
       }
     }
@@ -256,15 +255,16 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, boo
     const uint64_t daddr = map.m.slots[g.slot].base + g.extent_offset;
     if (Client* c = device_of(g.slot)) {
       const uint64_t rkey = map.m.slots[g.slot].rkey;
-      Pending p{c, {}, {}};
+      Pending p{c, {}};
       if (g.runs.size() == 1) {
         const std::span<std::byte> bytes = buf.subspan(g.runs[0].offset - off, g.length);
         p.op = write ? c->write_async(daddr, bytes, rkey) : c->read_async(daddr, bytes, rkey);
-      } else if (write) {
-        p.bounce.resize(g.length);
-        pool::gather_bytes(g.runs, buf, off, p.bounce.data());
-        p.op = c->write_async(daddr, p.bounce, rkey);
-      } else {  // each run's bytes straight to their place
+      } else if (write) {  // each run's bytes straight from (a write) or to (a read) their place
+        std::vector<std::span<const std::byte>> runs;
+        runs.reserve(g.runs.size());
+        for (const pool::Run& r : g.runs) runs.push_back(buf.subspan(r.offset - off, r.length));
+        p.op = c->write_async(daddr, runs, rkey);
+      } else {
         std::vector<std::span<std::byte>> places;
         places.reserve(g.runs.size());
         for (const pool::Run& r : g.runs) places.push_back(buf.subspan(r.offset - off, r.length));

@@ -392,10 +392,10 @@ size_t LinkTransport::send_raw(std::span<const transport::OutMsg> msgs) {
     const size_t size = m.size();
     auto data = take_buffer(size);
     size_t at = 0;
-    for (const auto& part : m.parts) {
+    m.each_part([&](std::span<const std::byte> part) {
       if (!part.empty()) std::memcpy(data.data() + at, part.data(), part.size());
       at += part.size();
-    }
+    });
     count_sent(m.to, size);
     net_.send(node_, local(), m.to, std::move(data), size);
   }

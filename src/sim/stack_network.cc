@@ -75,10 +75,10 @@ class StackTransport final : public SimTransport {
       const size_t size = m.size();
       if (scratch_.size() < size) scratch_.resize(size);
       size_t at = 0;
-      for (const auto& part : m.parts) {
+      m.each_part([&](std::span<const std::byte> part) {
         if (!part.empty()) std::memcpy(scratch_.data() + at, part.data(), part.size());
         at += part.size();
-      }
+      });
       auto packet = ns3::Create<ns3::Packet>(reinterpret_cast<const uint8_t*>(scratch_.data()),
                                              static_cast<uint32_t>(size));
       // A full queue drops the datagram inside ns-3, as a NIC would: sent.

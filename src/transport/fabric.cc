@@ -162,7 +162,7 @@ void Fabric::send_one(Endpoint from, Endpoint to, const OutMsg& msg) {
   }
   std::vector<std::byte> data;
   data.reserve(msg.size());
-  for (const auto& part : msg.parts) data.insert(data.end(), part.begin(), part.end());
+  msg.each_part([&](std::span<const std::byte> part) { data.insert(data.end(), part.begin(), part.end()); });
   if (drop_filter_ && drop_filter_(from, to, data)) {
     ++counters_.dropped;
     return;

@@ -102,7 +102,7 @@ size_t FaultyTransport::send_raw(std::span<const OutMsg> msgs) {
     if (reorder || corrupt) {  // both need a copy of their own
       Held h{m.to, {}, copies};
       h.data.reserve(m.size());
-      for (const auto& part : m.parts) h.data.insert(h.data.end(), part.begin(), part.end());
+      m.each_part([&](std::span<const std::byte> part) { h.data.insert(h.data.end(), part.begin(), part.end()); });
       if (corrupt) flip_bit(h.data);
       if (reorder) {
         held_.push_back(std::move(h));

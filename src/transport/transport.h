@@ -45,14 +45,32 @@ using Duration = std::chrono::nanoseconds;
 // no code above the transport ever sees it.
 inline constexpr size_t kTrailerSize = 4;
 
-// A datagram to send, gathered from up to two pieces (header + data) so
-// that a READ answer can go straight from device memory to the socket.
-// parts[2] is the integrity trailer: callers leave it empty and
-// send_batch fills it in; send_raw implementations send all three.
+// A datagram to send, gathered from pieces (header + data) so that a READ
+// answer can go straight from device memory to the socket, and a gathered
+// WRITE from the runs of the caller's buffer. parts[2] is the integrity
+// trailer: callers leave it empty and send_batch fills it in; send_raw
+// implementations send every piece, in each_part's order.
+inline constexpr size_t kMaxOutMore = 64;
 struct OutMsg {
   Endpoint to;
   std::array<std::span<const std::byte>, 3> parts;
-  size_t size() const { return parts[0].size() + parts[1].size() + parts[2].size(); }
+  // More data after parts[1] and before the trailer (a gathered payload's
+  // runs), at most kMaxOutMore spans; they must stay valid until the send
+  // returns.
+  std::span<const std::span<const std::byte>> more{};
+  size_t size() const {
+    size_t n = parts[0].size() + parts[1].size() + parts[2].size();
+    for (const auto& m : more) n += m.size();
+    return n;
+  }
+  // Calls f on every piece of the datagram, in order (empty ones too).
+  template <class F>
+  void each_part(F&& f) const {
+    f(parts[0]);
+    f(parts[1]);
+    for (const auto& m : more) f(m);
+    f(parts[2]);
+  }
 };
 
 // Puts the datagrams of a batch to the same peer next to each other, in

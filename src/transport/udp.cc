@@ -197,10 +197,12 @@ void UdpTransport::drain_errors() {
 }
 
 size_t UdpTransport::send_raw(std::span<const OutMsg> msgs) {
-  // Each call carries at most kChunk datagrams, so at most 3 * kChunk iovecs (header, data, trailer),
-  // grouped into trains (one mmsghdr each).
+  // Each call carries at most kChunk datagrams, grouped into trains (one
+  // mmsghdr each), and as many of their pieces as kIovs holds: header,
+  // data and trailer, and a gathered payload's runs (OutMsg::more).
+  constexpr size_t kIovs = 3 * kChunk + 2 * kMaxOutMore;
   mmsghdr hdrs[kChunk];
-  iovec iovs[3 * kChunk];
+  iovec iovs[kIovs];
   sockaddr_in addrs[kChunk];
   alignas(cmsghdr) char ctrl[kChunk][CMSG_SPACE(sizeof(uint16_t))];
   size_t train_size[kChunk];
@@ -215,7 +217,9 @@ size_t UdpTransport::send_raw(std::span<const OutMsg> msgs) {
     const size_t max_segment = gso_max_segment_.load(std::memory_order_relaxed);
     const size_t limit = std::min(msgs.size(), done + kChunk);
     size_t trains = 0, iov = 0;
-    for (size_t i = done; i < limit; ++trains) {
+    // Whether msgs[i]'s pieces still fit in iovs.
+    auto fits = [&](size_t i, size_t used) { return used + 3 + msgs[i].more.size() <= kIovs; };
+    for (size_t i = done; i < limit && fits(i, iov); ++trains) {
       // A train: datagrams to one peer, all of the first one's size except
       // a shorter last one (that is how the kernel cuts it again).
       const OutMsg& first = msgs[i];
@@ -224,19 +228,19 @@ size_t UdpTransport::send_raw(std::span<const OutMsg> msgs) {
       const size_t iov0 = iov;
       do {
         const OutMsg& m = msgs[i];
-        for (const auto& part : m.parts) {
-          if (part.empty()) continue;  // a zero-length iovec would be legal but pointless
+        m.each_part([&](std::span<const std::byte> part) {
+          if (part.empty()) return;  // a zero-length iovec would be legal but pointless
           iovs[iov].iov_base = const_cast<std::byte*>(part.data());
           iovs[iov].iov_len = part.size();
           ++iov;
-        }
+        });
         bytes += m.size();
         ++count;
         ++i;
         if (m.size() < segment) break;
       } while (i < limit && segment > 0 && segment <= max_segment && count < kMaxTrainSegments &&
                msgs[i].to == first.to && msgs[i].size() > 0 && msgs[i].size() <= segment &&
-               bytes + msgs[i].size() <= kMaxTrainBytes);
+               bytes + msgs[i].size() <= kMaxTrainBytes && fits(i, iov));
       addrs[trains] = to_sockaddr(first.to);
       mmsghdr& h = hdrs[trains];
       h = mmsghdr{};
