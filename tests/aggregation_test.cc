@@ -220,31 +220,6 @@ TEST_F(AggregateTest, HeldUntilTheLastContributorThenEveryoneIsAnswered) {
   EXPECT_EQ(Stat("agg.contributions"), 3u);
 }
 
-// The result goes out in the order the contributions came in: the first
-// has waited longest, and a waiter that has gone to sleep takes longest to
-// wake. A retransmission does not move its sender, and the next generation
-// has an order of its own.
-TEST_F(AggregateTest, ResultsGoOutInTheOrderTheContributionsCameIn) {
-  auto order_of = [&](const std::vector<Answer>& answers) {
-    std::vector<int> ranks;
-    for (const Answer& a : answers) ranks.push_back(static_cast<int>(a.to.ip - Host(0).ip));
-    return ranks;
-  };
-  const Bytes x = Floats({1, 2});
-  const Contribution c2{.rank = 2, .ranks = 4, .data = x, .txn = 7};
-  EXPECT_TRUE(Held(Send(c2)));
-  EXPECT_TRUE(Held(Send({.rank = 0, .ranks = 4, .data = x})));
-  EXPECT_TRUE(Held(Send(c2)));  // a retransmission: still the first
-  EXPECT_TRUE(Held(Send({.rank = 3, .ranks = 4, .data = x})));
-  auto done = Send({.rank = 1, .ranks = 4, .data = x});
-  EXPECT_EQ(order_of(done), (std::vector<int>{2, 0, 3, 1}));
-  for (const Answer& a : done) EXPECT_EQ(a.data, Floats({4, 8}));
-
-  for (int r : {1, 3, 0}) EXPECT_TRUE(Held(Send({.rank = r, .ranks = 4, .generation = 2, .data = x})));
-  done = Send({.rank = 2, .ranks = 4, .generation = 2, .data = x});
-  EXPECT_EQ(order_of(done), (std::vector<int>{1, 3, 0, 2}));
-}
-
 TEST_F(AggregateTest, DuplicatesAreAddedOnceAndALostAnswerIsSentAgain) {
   const Bytes a = Floats({1, 2}), b = Floats({10, 20});
   Contribution c0{.rank = 0, .ranks = 2, .data = a, .txn = 55};

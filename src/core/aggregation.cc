@@ -87,7 +87,6 @@ std::shared_ptr<Aggregator::Table> Aggregator::table(const AggContribution& c, S
     t->geometry = g;
     t->blocks.resize(g.blocks);
     t->replies.resize(g.blocks * r.contributors);
-    t->arrival.resize(g.blocks * r.contributors);
     slot = std::move(t);
   } else if (slot->geometry.contributors != r.contributors || slot->geometry.stride != r.stride) {
     status = Status::kBadPayload;
@@ -193,7 +192,6 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
   // only if the reduction needs it (below).
   if (!relay && !(r.flags & (kAggStaged | kAggZero)) && c.length > 0)
     std::memcpy(base + g.stage(r.contributor, c.block), c.data.data(), c.length);
-  t->arrival[c.block * r.contributors + r.contributor] = static_cast<uint8_t>(std::popcount(b.have[s]));
   b.have[s] |= me;
   if (relay) b.skip[s] |= me;
   if (r.flags & kAggZero) b.zeros[s] |= me;
@@ -241,12 +239,10 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
   b.done[s] = true;
   b.zero[s] = result_zero;
   out.completed = true;
-  // Answered in the order they arrived: the first to arrive has waited
-  // longest, and a waiter that has gone to sleep takes longest to wake.
-  std::array<uint16_t, kMaxContributors> by_arrival{};
-  for (uint16_t k = 0; k < r.contributors; ++k)
-    by_arrival[t->arrival[c.block * r.contributors + k]] = k;
-  for (uint16_t i = 0; i < r.contributors; ++i) out.answer.push_back(t->replies[c.block * r.contributors + by_arrival[i]]);
+  for (uint16_t k = 0; k < r.contributors; ++k) {
+    const AggReply& w = t->replies[c.block * r.contributors + k];
+    out.answer.push_back(w);
+  }
   out.record.flags = b.zero[s] ? kAggResultZero : 0;
   if (!b.zero[s]) out.result = std::span<const std::byte>(result, c.length);
   return out;

@@ -178,7 +178,6 @@ class Aggregator {
     AggGeometry geometry;
     std::vector<Block> blocks;
     std::vector<AggReply> replies;  // blocks x contributors: who waits
-    std::vector<uint8_t> arrival;   // blocks x contributors: the order they came in (this generation)
     std::array<std::mutex, 64> stripes;
   };
   std::shared_ptr<Table> table(const AggContribution& c, Status& status);
