@@ -89,9 +89,25 @@ TEST_P(ClientUnderFaults, LargeWriteReadsBackExactly) {
   EXPECT_EQ(0, std::memcmp(dev.memory.data() + 100, data.data(), data.size()));
 }
 
+// Pieces of `buf` that total `total` bytes, `gap` bytes apart, in sizes
+// that cut packets of `packet` bytes anywhere: an empty piece, pieces
+// inside one packet, pieces over several.
+template <class Byte>
+std::vector<std::span<Byte>> pieces_apart(std::span<Byte> buf, size_t total, size_t packet, size_t gap) {
+  const size_t sizes[] = {1, 0, 4096, 7, packet + 5, 3 * packet, 999};
+  std::vector<std::span<Byte>> pieces;
+  size_t done = 0, at = 0;
+  for (size_t i = 0; done < total; ++i) {
+    const size_t n = std::min(sizes[i % std::size(sizes)], total - done);
+    pieces.push_back(buf.subspan(at, n));
+    done += n;
+    at += n + gap;
+  }
+  return pieces;
+}
+
 // A scattered read: one contiguous device range into pieces of the
-// caller's buffer that lie apart, in sizes that cut packets anywhere
-// (an empty piece, pieces inside one packet, a piece over several).
+// caller's buffer that lie apart (pieces_apart), the gaps left alone.
 TEST_P(ClientUnderFaults, ScatteredReadPlacesEveryByte) {
   Fabric fabric(model());
   FabricDevice dev(fabric, kDeviceAddr, 0x1234);
@@ -99,16 +115,8 @@ TEST_P(ClientUnderFaults, ScatteredReadPlacesEveryByte) {
   ASSERT_TRUE(c);
   const auto data = random_bytes(200'000, 11);
   std::memcpy(dev.memory.data() + 300, data.data(), data.size());
-  const size_t sizes[] = {1, 0, 4096, 7, c->options().max_payload + 5, 3 * c->options().max_payload, 999};
   std::vector<std::byte> out(2 * data.size(), std::byte{0xEE});
-  std::vector<std::span<std::byte>> pieces;
-  size_t total = 0, at = 0;
-  for (size_t i = 0; total < data.size(); ++i) {
-    const size_t n = std::min(sizes[i % std::size(sizes)], data.size() - total);
-    pieces.push_back(std::span(out).subspan(at, n));
-    total += n;
-    at += n + 13;  // a gap the read must leave alone
-  }
+  const auto pieces = pieces_apart(std::span(out), data.size(), c->options().max_payload, 13);
   Op op = c->read_async(300, pieces, 1);
   Error e = c->wait(op);
   ASSERT_FALSE(e) << e.to_string();
@@ -132,16 +140,10 @@ TEST_P(ClientUnderFaults, GatheredWriteLandsEndToEnd) {
   auto c = connect(fabric, patient());
   ASSERT_TRUE(c);
   const auto src = random_bytes(400'000, 13);
-  const size_t sizes[] = {4096, 0, 1, c->options().max_payload + 5, 7, 3 * c->options().max_payload, 999};
-  std::vector<std::span<const std::byte>> pieces;
+  auto pieces = pieces_apart(std::span<const std::byte>(src), 150'000, c->options().max_payload, 17);
   std::vector<std::byte> want;
-  size_t at = 0;
-  for (size_t i = 0; at < 150'000; ++i) {
-    const size_t n = sizes[i % std::size(sizes)];
-    pieces.push_back(std::span(src).subspan(at, n));
-    want.insert(want.end(), src.begin() + static_cast<ptrdiff_t>(at), src.begin() + static_cast<ptrdiff_t>(at + n));
-    at += n + 17;  // a gap that must not be sent
-  }
+  for (const auto& p : pieces) want.insert(want.end(), p.begin(), p.end());
+  size_t at = static_cast<size_t>(pieces.back().data() + pieces.back().size() - src.data()) + 17;
   for (size_t i = 0; i < 2 * transport::kMaxOutMore; ++i) {  // one packet of many tiny runs
     pieces.push_back(std::span(src).subspan(at, 3));
     want.insert(want.end(), src.begin() + static_cast<ptrdiff_t>(at), src.begin() + static_cast<ptrdiff_t>(at + 3));

@@ -154,17 +154,8 @@ void PoolIo::start(uint64_t off, std::span<std::byte> buf, uint64_t tag, bool wr
         }
         // Each run's bytes straight from (a write) or to (a read) their
         // place in the caller's buffer: a gathered or scattered request.
-        if (write) {
-          std::vector<std::span<const std::byte>> runs;
-          runs.reserve(g.runs.size());
-          for (const pool::Run& run : g.runs) runs.push_back(buf.subspan(run.offset - off, run.length));
-          track(d, d.client->write_async(addr, runs, key));
-        } else {
-          std::vector<std::span<std::byte>> places;
-          places.reserve(g.runs.size());
-          for (const pool::Run& run : g.runs) places.push_back(buf.subspan(run.offset - off, run.length));
-          track(d, d.client->read_async(addr, places, key));
-        }
+        track(d, write ? d.client->write_async(addr, pool::run_places(g.runs, std::span<const std::byte>(buf), off), key)
+                       : d.client->read_async(addr, pool::run_places(g.runs, buf, off), key));
       }
     }
   }

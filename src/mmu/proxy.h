@@ -91,10 +91,11 @@ class Proxy {
   void run(const std::atomic<bool>& stop);
   // One turn of the loop, waiting up to `timeout` for input.
   void poll_once(std::chrono::milliseconds timeout);
-  void wait_readable(std::vector<pollfd>& fds, int ms);
 
  private:
   struct Conn;
+  // poll on `fds`, spinning first while datagrams keep coming (--spin-us).
+  void wait_readable(std::vector<pollfd>& fds, int ms);
   struct Job;
   Proxy(const ProxyOptions& o, std::unique_ptr<StateStore> store);
 

@@ -94,9 +94,19 @@ struct Gather {
 // cut, a stripe larger than it too). Gathers come in the order
 // of their first byte.
 std::vector<Gather> gather(const Layout& l, uint64_t off, uint64_t len, uint32_t copy, uint64_t most);
-// The `most` of the direct clients (Pool, dataset::PoolIo): the bounce
-// buffer one gathered request moves its bytes through.
+// The `most` of the direct clients (Pool, dataset::PoolIo): the most bytes
+// one gathered request moves.
 inline constexpr uint64_t kGatherMost = 256 << 10;
+// Where `runs` lie in a request's buffer whose first byte is allocation
+// offset `off`: a gathered request's pieces, in order, for Client's
+// gathered write (Byte = const std::byte) or scattered read.
+template <class Byte>
+std::vector<std::span<Byte>> run_places(std::span<const Run> runs, std::span<Byte> request, uint64_t off) {
+  std::vector<std::span<Byte>> places;
+  places.reserve(runs.size());
+  for (const Run& r : runs) places.push_back(request.subspan(r.offset - off, r.length));
+  return places;
+}
 
 // Copy `copy` of allocation offset `off`: its slot and the offset within that
 // slot's extent (add the slot's device base for the device address).

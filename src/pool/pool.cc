@@ -259,16 +259,9 @@ Error Pool::direct_rw(uint64_t addr, std::span<std::byte> buf, uint64_t key, boo
       if (g.runs.size() == 1) {
         const std::span<std::byte> bytes = buf.subspan(g.runs[0].offset - off, g.length);
         p.op = write ? c->write_async(daddr, bytes, rkey) : c->read_async(daddr, bytes, rkey);
-      } else if (write) {  // each run's bytes straight from (a write) or to (a read) their place
-        std::vector<std::span<const std::byte>> runs;
-        runs.reserve(g.runs.size());
-        for (const pool::Run& r : g.runs) runs.push_back(buf.subspan(r.offset - off, r.length));
-        p.op = c->write_async(daddr, runs, rkey);
-      } else {
-        std::vector<std::span<std::byte>> places;
-        places.reserve(g.runs.size());
-        for (const pool::Run& r : g.runs) places.push_back(buf.subspan(r.offset - off, r.length));
-        p.op = c->read_async(daddr, places, rkey);
+      } else {  // each run's bytes straight from (a write) or to (a read) their place
+        p.op = write ? c->write_async(daddr, pool::run_places(g.runs, std::span<const std::byte>(buf), off), rkey)
+                     : c->read_async(daddr, pool::run_places(g.runs, buf, off), rkey);
       }
       ops.push_back(std::move(p));
       continue;

@@ -27,10 +27,14 @@ uint32_t load_be32(const std::byte* p) {
 }  // namespace
 
 std::array<std::byte, kTrailerSize> integrity_trailer(std::span<const std::span<const std::byte>> parts) {
+  return integrity_trailer(OutMsg{{}, {}, parts});
+}
+
+std::array<std::byte, kTrailerSize> integrity_trailer(const OutMsg& m) {
   // Outgoing payloads often come straight from the caller's buffers, not
   // from a fresh receive (as incoming ones do), so they are read as cold.
   uint32_t crc = 0;
-  for (const auto& part : parts) crc = crc32c_uncached(part, crc);
+  m.each_part([&](std::span<const std::byte> part) { crc = crc32c_uncached(part, crc); });
   std::array<std::byte, kTrailerSize> t;
   store_be32(t.data(), crc);
   return t;
@@ -50,9 +54,7 @@ size_t Transport::send_batch(std::span<const OutMsg> msgs) {
     const size_t n = std::min(kSealChunk, msgs.size() - done);
     for (size_t i = 0; i < n; ++i) {
       sealed[i] = msgs[done + i];
-      uint32_t crc = 0;  // of everything but the trailer (parts[2], empty here)
-      sealed[i].each_part([&](std::span<const std::byte> part) { crc = crc32c_uncached(part, crc); });
-      store_be32(trailers[i].data(), crc);
+      trailers[i] = integrity_trailer(sealed[i]);
       sealed[i].parts[2] = trailers[i];
     }
     const size_t k = send_raw(std::span(sealed, n));

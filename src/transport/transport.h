@@ -98,6 +98,9 @@ struct InMsg {
 
 // The integrity trailer of a datagram made of `parts` (CRC32C, big-endian).
 std::array<std::byte, kTrailerSize> integrity_trailer(std::span<const std::span<const std::byte>> parts);
+// ... of an OutMsg: every piece but its trailer slot (parts[2]), which
+// must be empty.
+std::array<std::byte, kTrailerSize> integrity_trailer(const OutMsg& m);
 // Whether `datagram` (trailer included) ends in the trailer of the bytes
 // before it. False for anything shorter than the trailer.
 bool integrity_ok(std::span<const std::byte> datagram);
