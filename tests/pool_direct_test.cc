@@ -5,8 +5,10 @@
 // fallback to the proxy when a device refuses.
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <map>
 #include <random>
+#include <thread>
 
 #include "core/endian.h"
 #include "core/optimizer.h"
@@ -305,32 +307,149 @@ TEST_F(PoolDirect, ExactUnderFaults) {
 }
 
 // The same FETCH_ADD datagram (same txn) sent before and after the proxy
-// crashed and restarted: with DIRECT the device's replay window, keyed by
-// the client, answers the second from memory; the word moved once. Without
-// DIRECT the proxy's window died with it and the add runs again (the
-// caveat PROTOCOL.md 17.5 states).
+// crashed and restarted, with DIRECT and without, on an allocation with one
+// copy and on a replicated one: the device that ran it keeps it in its
+// replay window, keyed by the client (the reply-to of the chain the proxy
+// sends it), and answers the second from there. Every word moved once, and
+// the replicated word's two copies agree.
 TEST_F(PoolDirect, AtomicRetriedAcrossProxyRestartRunsOnce) {
   TempDir dir;
   Start(2, {"--state", dir.file("pool.db")});
   PoolAllocation a = Alloc("counter", 4096);
+  AllocOptions rep;
+  rep.policy = PoolPolicy::kReplicated;
+  PoolAllocation r = Alloc("replicated", 4096, rep);
+  ASSERT_EQ(r.copies, 2);
   ASSERT_FALSE(pool_->put(a.base, std::vector<std::byte>(4096), a.key));
+  ASSERT_FALSE(pool_->put(r.base, std::vector<std::byte>(4096), r.key));
   OpenSocket();
   std::vector<std::byte> add(8);
   core::store_le<uint64_t>(add.data(), 3);
-  auto once = [&](uint64_t txn, uint64_t off, uint8_t flags) -> uint64_t {
-    Send(Request(Opcode::kFetchAdd, txn, a.base + off, 8, a.key, flags), add);
+  auto once = [&](uint64_t txn, const PoolAllocation& at, uint64_t off, uint8_t flags) -> uint64_t {
+    Send(Request(Opcode::kFetchAdd, txn, at.base + off, 8, at.key, flags), add);
     auto got = Receive();
     EXPECT_EQ(got.size(), 1u);
     if (got.size() != 1 || got[0].h.status != Status::kOk || got[0].payload.size() != 8) return ~0ull;
     return core::load_le<uint64_t>(got[0].payload.data());
   };
-  EXPECT_EQ(once(9000, 64, kFlagDirect), 0u);
-  EXPECT_EQ(once(9001, 128, 0), 0u);
+  EXPECT_EQ(once(9000, a, 64, kFlagDirect), 0u);  // forwarded, the device answers
+  EXPECT_EQ(once(9001, a, 128, 0), 0u);           // the proxy answers
+  EXPECT_EQ(once(9002, r, 64, 0), 0u);
+  EXPECT_EQ(once(9003, r, 64, kFlagDirect), 3u);  // replicated: the proxy serves it
   ASSERT_TRUE(mmu_.crash_and_restart()) << mmu_.error();
-  EXPECT_EQ(once(9000, 64, kFlagDirect), 0u);  // remembered by the device
-  EXPECT_EQ(once(9001, 128, 0), 3u);           // run again
+  EXPECT_EQ(once(9000, a, 64, kFlagDirect), 0u);  // remembered by the devices
+  EXPECT_EQ(once(9001, a, 128, 0), 0u);
+  EXPECT_EQ(once(9002, r, 64, 0), 0u);
+  EXPECT_EQ(once(9003, r, 64, kFlagDirect), 3u);
   EXPECT_EQ(Word(a, 64), 3u);
-  EXPECT_EQ(Word(a, 128), 6u);
+  EXPECT_EQ(Word(a, 128), 3u);
+  EXPECT_EQ(Word(r, 64), 6u);
+  const auto copies = ReadLiveCopies(r, 64, 8);
+  ASSERT_EQ(copies.size(), 2u);
+  EXPECT_EQ(copies[0], copies[1]);
+}
+
+// A device stops (SIGSTOP) while an atomic through the proxy waits for it:
+// the proxy answers UNAVAILABLE, not knowing whether the device ran it. The
+// device, continued, runs the chain waiting in its socket. The client
+// retries with the same txn (PROTOCOL.md 17.5): the device's window answers
+// with the old value of its one run.
+TEST_F(PoolDirect, AtomicRetriedAfterUnavailableRunsOnce) {
+  Start(1);
+  PoolAllocation a = Alloc("counter", 4096);
+  ASSERT_FALSE(pool_->put(a.base, std::vector<std::byte>(4096), a.key));
+  OpenSocket();
+  std::vector<std::byte> add(8);
+  core::store_le<uint64_t>(add.data(), 3);
+  const core::Header req = Request(Opcode::kFetchAdd, 5000, a.base + 64, 8, a.key, 0);
+  ASSERT_EQ(kill(devs_[0]->pid(), SIGSTOP), 0);
+  Send(req, add);
+  auto got = Receive(1500ms);
+  ASSERT_EQ(kill(devs_[0]->pid(), SIGCONT), 0);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].h.status, Status::kUnavailable);
+  // Until the proxy sees the device answer PINGs again, UNAVAILABLE at once.
+  Status st = Status::kUnavailable;
+  uint64_t old = ~0ull;
+  for (int i = 0; i < 50 && st == Status::kUnavailable; ++i) {
+    Send(req, add);
+    got = Receive(100ms);
+    ASSERT_FALSE(got.empty());
+    st = got.back().h.status;
+    if (st == Status::kOk && got.back().payload.size() == 8) old = core::load_le<uint64_t>(got.back().payload.data());
+  }
+  ASSERT_EQ(st, Status::kOk);
+  EXPECT_EQ(old, 0u);
+  EXPECT_EQ(Word(a, 64), 3u);
+}
+
+// A replicated word's first copy ran an atomic for a proxy that died before
+// the word reached the other copy: here the test sends the device the chain
+// such a proxy sent, its second hop a key no proxy knows. Another client's
+// add then runs through the proxy, and only then the first client
+// retransmits. The device answers that from its window (old value 0), and
+// the proxy copies the word as it is now (3 + 5), not as computed from that
+// old value (3), to the other copy.
+TEST_F(PoolDirect, AtomicOfADeadProxyIsNotRunAgain) {
+  Start(2);
+  AllocOptions rep;
+  rep.policy = PoolPolicy::kReplicated;
+  PoolAllocation r = Alloc("replicated", 4096, rep);
+  ASSERT_EQ(r.copies, 2);
+  ASSERT_FALSE(pool_->put(r.base, std::vector<std::byte>(4096), r.key));
+  OpenSocket();
+  auto m = pool::request_map(pool_->proxy_client(), r.base, r.key);
+  ASSERT_TRUE(m) << m.error().to_string();
+  const pool::Place first = pool::locate(m->layout, 64, 0);
+  const pool::MapSlot& slot = m->m.slots[first.slot];
+  const uint64_t txn = 7777;
+  {
+    core::Header h;
+    h.opcode = Opcode::kChain;
+    h.seg_count = 2;
+    h.txn = txn;
+    h.rkey = 8;
+    h.addr = r.base + 64;
+    h.length = 8;
+    std::vector<std::byte> d(core::payload_offset(2) + 8);
+    core::encode_header(h, d.data());
+    const transport::Endpoint me = sock_->local();
+    core::encode_preamble(core::SrPreamble{me.ip, me.port, 0, 0, 0}, d.data() + kHeaderSize);
+    core::encode_segment(core::Segment{slot.ip, slot.port, Opcode::kFetchAdd, 0, slot.rkey, 0,
+                                       slot.base + first.extent_offset},
+                         d.data() + kHeaderSize + kSrPreambleSize);
+    core::encode_segment(core::Segment{proxy_.ip, proxy_.port, Opcode::kFetchAdd, 0, 1, 1, r.base + 64},
+                         d.data() + kHeaderSize + kSrPreambleSize + kSegmentSize);
+    core::store_le<uint64_t>(d.data() + core::payload_offset(2), 3);
+    transport::OutMsg msg{transport::Endpoint{slot.ip, slot.port}, {std::span<const std::byte>(d)}};
+    ASSERT_EQ(sock_->send_batch({&msg, 1}), 1u);
+  }
+  // The first copy ran it; the other did not.
+  std::vector<std::vector<std::byte>> copies;
+  for (int i = 0; i < 100; ++i) {
+    copies = ReadLiveCopies(r, 64, 8);
+    if (copies.size() == 2 && core::load_le<uint64_t>(copies[0].data()) == 3) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_EQ(copies.size(), 2u);
+  ASSERT_EQ(core::load_le<uint64_t>(copies[0].data()), 3u);
+  ASSERT_EQ(core::load_le<uint64_t>(copies[1].data()), 0u);
+  Receive(100ms);  // the proxy's refusal of the unknown hop went to the device, not here
+  auto other = pool_->atomic_fetch_add(r.base + 64, 5, r.key);
+  ASSERT_TRUE(other) << other.error().to_string();
+  EXPECT_EQ(*other, 3u);
+  std::vector<std::byte> add(8);
+  core::store_le<uint64_t>(add.data(), 3);
+  Send(Request(Opcode::kFetchAdd, txn, r.base + 64, 8, r.key, 0), add);
+  auto got = Receive();
+  ASSERT_EQ(got.size(), 1u);
+  ASSERT_EQ(got[0].h.status, Status::kOk);
+  ASSERT_EQ(got[0].payload.size(), 8u);
+  EXPECT_EQ(core::load_le<uint64_t>(got[0].payload.data()), 0u);  // the device's remembered answer
+  copies = ReadLiveCopies(r, 64, 8);
+  ASSERT_EQ(copies.size(), 2u);
+  EXPECT_EQ(core::load_le<uint64_t>(copies[0].data()), 8u);
+  EXPECT_EQ(copies[0], copies[1]);
 }
 
 // A device refuses a forwarded piece (here: its region was deleted behind

@@ -29,6 +29,10 @@ using namespace std::chrono_literals;
 
 namespace {
 constexpr size_t kRxBatch = 32;
+// An atomic's chain is sent again after this, doubling up to
+// --device-timeout, when its hop has not come back: the floor the clients
+// use for a device process that may wait for a core (PROTOCOL.md 9.3).
+constexpr transport::Duration kHopFirstRto = 20ms;
 // A device region's key (32-bit on the wire). 0 is never a key and 1 is
 // netdamd's default region key.
 uint32_t random_device_key() {
@@ -93,6 +97,7 @@ Result<std::unique_ptr<Proxy>> Proxy::create(const ProxyOptions& o) {
 Proxy::Proxy(const ProxyOptions& o, std::unique_ptr<StateStore> store)
     : opts_(o), catalog_(std::move(store)), replay_(o.replay_window, o.replay_requesters),
       liveness_(Health::Options{o.ping_interval}),
+      hop_key_(random_allocation_key()),
       rx_(kRxBatch * kRxBufferSize) {}
 
 Proxy::~Proxy() = default;
@@ -264,14 +269,17 @@ void Proxy::handle(std::span<std::byte> datagram, const Endpoint& from) {
     case core::ParseError::kNone: break;
     case core::ParseError::kBadVersion: return reply(from, pkt.h, Status::kBadVersion);
     case core::ParseError::kBadSegments: return reply(from, pkt.h, Status::kBadSegment);
-    default: return;  // truncated, bad magic, an answer: dropped
+    case core::ParseError::kIsResponse:  // a device refusing an atomic's chain
+      if (pkt.h.opcode == Opcode::kChain && pkt.h.status != Status::kOk) hop_refused(from, pkt.h);
+      return;
+    default: return;  // truncated, bad magic: dropped
   }
   const core::Header& h = pkt.h;
   core::Stats::inc(stats_.requests[static_cast<uint8_t>(h.opcode)]);
   arrival_.opcode = static_cast<uint8_t>(h.opcode);
   if ((h.flags & ~(kFlagAckReq | kFlagDirect | kFlagGather)) || ((h.flags & kFlagGather) && !(h.flags & kFlagDirect)))
     return reply(from, h, Status::kBadFlags);
-  if (h.opcode == Opcode::kChain) return chain(from, pkt);
+  if (h.opcode == Opcode::kChain) return h.seg_index == 0 ? chain(from, pkt) : hop(from, pkt);
   if (h.seg_count != 0) return reply(from, h, Status::kBadSegment);
   switch (h.opcode) {
     case Opcode::kPing: return answer_ping(from, h);
@@ -1014,8 +1022,16 @@ Status Proxy::start_piece(Job& j, const Allocation& a, uint64_t off, uint32_t le
                                                                : Status::kUnavailable;
 }
 
+// An atomic runs on its device as the first segment of a two-segment
+// chain: the client is the chain's reply-to, so the device's replay window
+// keeps it exactly once per client and txn (PROTOCOL.md 9.1), and a client
+// retransmitting through a restarted proxy gets the old value the device
+// remembers instead of a second run. The second segment is the proxy:
+// the device hands it the old value.
 void Proxy::start_atomic(Job& j) {
   j.started = true;
+  j.phase = 0;
+  j.subs.clear();
   Allocation* a = catalog_.find(j.alloc_id);
   if (!a) {
     j.status = Status::kNoSuchAllocation;
@@ -1026,22 +1042,13 @@ void Proxy::start_atomic(Job& j) {
   for (uint32_t c = 0; c < a->layout.copies; ++c) {
     const pool::Place pl = pool::locate(a->layout, off, c);
     if (!usable(*a, pl.slot)) continue;
-    const ExtentRow& e = a->slots[pl.slot];
-    Client* cl = client(e.device_id);
-    const uint64_t addr = e.base + pl.extent_offset;
-    const uint64_t x = load_le<uint64_t>(j.buf.data());
-    Job::Sub sub;
-    sub.off = off;
-    sub.len = 8;
-    sub.slot = pl.slot;
-    sub.copy = c;
-    switch (j.req.opcode) {
-      case Opcode::kFetchAdd: sub.op = cl->fetch_add_async(addr, x, e.key); break;
-      case Opcode::kSwap: sub.op = cl->swap_async(addr, x, e.key); break;
-      default: sub.op = cl->compare_swap_async(addr, x, load_le<uint64_t>(j.buf.data() + 8), e.key); break;
-    }
     j.primary = pl.slot;
-    j.subs.push_back(std::move(sub));
+    j.primary_addr = a->slots[pl.slot].base + pl.extent_offset;
+    j.hop_answered = false;
+    j.hop_first = listen_->now();
+    j.hop_rto = kHopFirstRto;
+    hops_[{j.from.key(), j.req.txn}] = &j;
+    send_hop(j, *a);
     return;
   }
   bool lost = false;
@@ -1049,6 +1056,83 @@ void Proxy::start_atomic(Job& j) {
     lost = lost || a->slots[pool::locate(a->layout, off, c).slot].state == ExtentState::kLost;
   j.status = lost && (a->layout.copies == 1 || catalog_.state(*a) == AllocState::kLost) ? Status::kDeviceLost
                                                                                        : Status::kUnavailable;
+}
+
+// The proxy's address as a device reaches it: the one it listens on, or,
+// listening on every address, the route's source toward the device.
+uint32_t Proxy::hop_ip(uint32_t device_id) {
+  if (listen_->local().ip != 0) return listen_->local().ip;
+  Conn& c = *conns_[device_id];
+  if (c.hop_ip == 0) {
+    auto ip = transport::source_ip_toward(catalog_.devices()[device_id].endpoint.ip);
+    if (!ip) spdlog::warn("device {}: {}", catalog_.devices()[device_id].endpoint.to_string(), ip.error().message());
+    c.hop_ip = ip ? *ip : 0;
+  }
+  return c.hop_ip;
+}
+
+void Proxy::send_hop(Job& j, const Allocation& a) {
+  const ExtentRow& e = a.slots[j.primary];
+  const Endpoint& dev = catalog_.devices()[e.device_id].endpoint;
+  core::Header fh;
+  fh.opcode = Opcode::kChain;
+  fh.seg_count = 2;
+  fh.txn = j.req.txn;
+  fh.rkey = 8;
+  fh.addr = j.req.addr;
+  fh.length = 8;
+  std::vector<std::byte> body(2 * kSegmentSize);
+  body.reserve(2 * kSegmentSize + j.buf.size());
+  core::encode_segment(core::Segment{dev.ip, dev.port, j.req.opcode, 0, e.key, 0, j.primary_addr}, body.data());
+  core::encode_segment(core::Segment{hop_ip(e.device_id), listen_->local().port, j.req.opcode, 0,
+                                     static_cast<uint32_t>(hop_key_), static_cast<uint32_t>(hop_key_ >> 32),
+                                     j.req.addr},
+                       body.data() + kSegmentSize);
+  body.insert(body.end(), j.buf.begin(), j.buf.end());
+  send_chain(dev, fh, {}, j.from, std::move(body), false);
+  j.hop_next = listen_->now() + j.hop_rto;
+}
+
+// The second segment of an atomic's chain, from the device that ran the
+// first: the old value. Anything else addressed to a later segment is not
+// a chain this proxy serves.
+void Proxy::hop(const Endpoint& from, const core::Packet& pkt) {
+  const core::Header& h = pkt.h;
+  const core::Segment sg = pkt.segments.size() >= 2 * kSegmentSize
+                               ? core::decode_segment(pkt.segments.data() + kSegmentSize)
+                               : core::Segment{};
+  if (h.seg_count != 2 || h.seg_index != 1 || !is_atomic(sg.opcode) ||
+      (uint64_t{sg.aux} << 32 | sg.rkey) != hop_key_)
+    return reply(from, h, Status::kBadSegment);
+  const Endpoint client{pkt.sr.reply_ip, pkt.sr.reply_port};
+  auto it = hops_.find({client.key(), h.txn});
+  if (it == hops_.end()) return;  // a duplicate, or its job is over
+  Job& j = *it->second;
+  const Allocation* a = catalog_.find(j.alloc_id);
+  if (!a || j.hop_answered || pkt.payload.size() != 8 ||
+      !(from == catalog_.devices()[a->slots[j.primary].device_id].endpoint))
+    return;
+  j.old_value = load_le<uint64_t>(pkt.payload.data());
+  j.hop_answered = true;
+  hops_.erase(it);
+}
+
+// A device answers the chain's source (the proxy) only when it refuses the
+// reply-to, the client (its destination policy, PROTOCOL.md 10.7): the
+// atomic did not run.
+void Proxy::hop_refused(const Endpoint& from, const core::Header& h) {
+  for (auto it = hops_.begin(); it != hops_.end(); ++it) {
+    Job& j = *it->second;
+    const Allocation* a = catalog_.find(j.alloc_id);
+    if (it->first.second != h.txn || !a || !(from == catalog_.devices()[a->slots[j.primary].device_id].endpoint))
+      continue;
+    spdlog::warn("device {} refuses to answer {} ({}): an atomic through the proxy needs the client's address "
+                 "in the device's destination policy",
+                 from.to_string(), j.from.to_string(), to_string(h.status));
+    j.status = h.status;
+    hops_.erase(it);
+    return;
+  }
 }
 
 Status Proxy::failure_status(const Error& e, uint64_t alloc_id) const {
@@ -1067,7 +1151,7 @@ void Proxy::progress() {
   while (!replicated_atomics_.empty() && !replicated_atomics_.front()->started) {
     Job& j = *replicated_atomics_.front();
     start_atomic(j);
-    if (!j.subs.empty()) break;
+    if (j.status == Status::kOk) break;
     replicated_atomics_.pop_front();  // failed at once: finished below
   }
   for (auto it = jobs_.begin(); it != jobs_.end();) {
@@ -1094,25 +1178,103 @@ void Proxy::progress() {
 // other copy, run a replicated atomic's second phase, else settle the
 // job's status. True when the job is finished.
 bool Proxy::progress(Job& j) {
+  if (is_atomic(j.req.opcode)) return progress_atomic(j);
   for (auto& sub : j.subs)
     if (!sub.handled && !sub.op.done()) return false;
   Allocation* a = catalog_.find(j.alloc_id);
   if (std::optional<bool> finished = recover_failures(j, a)) return *finished;
-  if (is_atomic(j.req.opcode) && j.phase == 0 && !j.subs.empty() && j.subs[0].status == Status::kOk && a &&
-      a->layout.copies > 1) {
-    write_second_copy(j, *a);
-    return false;
-  }
   if (j.req.opcode == Opcode::kCopy && j.phase == 0) {
     if (j.status == Status::kOk) settle_pieces(j, a);
     return j.status != Status::kOk || start_copy_writes(j);
   }
   if (j.status != Status::kOk) return true;
-  if (is_atomic(j.req.opcode))
-    settle_atomic(j, a);
-  else
-    settle_pieces(j, a);
+  settle_pieces(j, a);
   return true;
+}
+
+// An atomic's phases (Job). True when it is finished.
+bool Proxy::progress_atomic(Job& j) {
+  const bool finished = atomic_step(j);
+  return finished && (!j.probe.valid() || j.probe.done());  // the probe writes into the job
+}
+
+bool Proxy::atomic_step(Job& j) {
+  if (j.status != Status::kOk) return true;
+  Allocation* a = catalog_.find(j.alloc_id);
+  if (!a) {
+    j.status = Status::kNoSuchAllocation;
+    return true;
+  }
+  const ExtentRow& e = a->slots[j.primary];
+  const Conn& conn = *conns_[e.device_id];
+  // The copy's data is gone with its device's memory (a restart).
+  const bool gone = e.state == ExtentState::kLost || (conn.client && conn.boot != e.boot);
+  if (j.phase == 0) {
+    if (j.hop_answered) {
+      if (a->layout.copies == 1) return true;
+      // The word as it is now, not as computed from the old value: a
+      // client's retransmission through a restarted proxy is answered from
+      // the device's window, and the word may have moved on since.
+      j.phase = 1;
+      Job::Sub sub;
+      sub.off = pool::offset_of(j.req.addr);
+      sub.len = 8;
+      sub.slot = j.primary;
+      sub.op = client(e.device_id)->read_async(j.primary_addr, j.word, e.key);
+      j.subs.push_back(std::move(sub));
+      return false;
+    }
+    const auto now = listen_->now();
+    Status why = gone ? Status::kDeviceLost : Status::kUnavailable;
+    if (j.probe.valid() && j.probe_slot == j.primary && j.probe.done() &&
+        j.probe.error().code() == Error::Code::kNak)
+      why = j.probe.error().status();  // its region is gone: the atomic did not run
+    if (!usable(*a, j.primary) || now - j.hop_first >= opts_.device_timeout || why != Status::kUnavailable) {
+      atomic_failed(j, *a, why);
+      return j.status != Status::kOk;
+    }
+    if (now >= j.hop_next) {
+      if (!j.probe.valid() || (j.probe.done() && j.probe_slot != j.primary)) {
+        j.probe = client(e.device_id)->read_async(j.primary_addr, j.probe_word, e.key);
+        j.probe_slot = j.primary;
+      }
+      j.hop_rto = std::min<transport::Duration>(2 * j.hop_rto, opts_.device_timeout);
+      send_hop(j, *a);
+    }
+    return false;
+  }
+  for (auto& sub : j.subs)
+    if (!sub.op.done()) return false;
+  if (j.phase == 1) {
+    if (const Error& err = j.subs[0].op.error()) {
+      // The atomic ran on that copy, but what the word became there is not
+      // known: that copy can never be trusted again.
+      atomic_failed(j, *a, gone || err.code() == Error::Code::kRestarted ? Status::kDeviceLost : failure_status(err, j.alloc_id));
+      return j.status != Status::kOk;
+    }
+    j.subs.clear();
+    write_second_copy(j, *a);
+    return j.subs.empty();
+  }
+  for (const auto& sub : j.subs)  // phase 2: a copy that was not written is stale
+    if (sub.op.error()) catalog_.mark_lost(a->row.id, sub.slot);
+  return true;
+}
+
+// Phase 0 or 1 failed on copy `primary`, `why` (DEVICE_LOST: its data is
+// gone). With one copy the request fails with it; a replicated allocation
+// marks that copy lost (the atomic may have run there) and runs it on the
+// other, which still holds the old value.
+void Proxy::atomic_failed(Job& j, Allocation& a, Status why) {
+  if (auto it = hops_.find({j.from.key(), j.req.txn}); it != hops_.end() && it->second == &j) hops_.erase(it);
+  if (a.layout.copies == 1) {
+    if (why == Status::kDeviceLost) catalog_.mark_lost(a.row.id, j.primary);
+    j.status = why;
+    return;
+  }
+  spdlog::warn("allocation {}: an atomic's copy on slot {} failed; the other copy serves it", a.row.id, j.primary);
+  catalog_.mark_lost(a.row.id, j.primary);
+  start_atomic(j);
 }
 
 // Looks at the operations that failed. A replicated allocation gets a
@@ -1130,14 +1292,6 @@ std::optional<bool> Proxy::recover_failures(Job& j, Allocation* a) {
     if (!a) continue;
     if (e.code() == Error::Code::kRestarted) catalog_.mark_lost(a->row.id, sub.slot);
     if (a->layout.copies == 1) continue;
-    if (is_atomic(j.req.opcode) && j.phase == 0) {
-      // The atomic may or may not have run on that copy: it can never be
-      // trusted again. Run it on the other copy, which has the old value.
-      catalog_.mark_lost(a->row.id, sub.slot);
-      j.subs.clear();
-      start_atomic(j);
-      return j.subs.empty();
-    }
     if (!sub.write && retry_read(j, *a, i)) return false;
   }
   return std::nullopt;
@@ -1161,20 +1315,10 @@ bool Proxy::retry_read(Job& j, Allocation& a, size_t failed) {
   return true;
 }
 
-// Replicated atomic, phase 0 done on one copy: write the new word to the other.
+// Replicated atomic, phase 1 done: the word read back from the copy it ran
+// on goes to the other copy (phase 2).
 void Proxy::write_second_copy(Job& j, Allocation& a) {
-  j.old_value = j.subs[0].op.value();
-  const uint64_t x = load_le<uint64_t>(j.buf.data());
-  uint64_t nv = j.old_value;
-  switch (j.req.opcode) {
-    case Opcode::kFetchAdd: nv = j.old_value + x; break;
-    case Opcode::kSwap: nv = x; break;
-    default:
-      if (j.old_value == x) nv = load_le<uint64_t>(j.buf.data() + 8);
-      break;
-  }
-  j.phase = 1;
-  store_le<uint64_t>(j.word.data(), nv);
+  j.phase = 2;
   const uint64_t off = pool::offset_of(j.req.addr);
   for (uint32_t c = 0; c < a.layout.copies; ++c) {
     const pool::Place pl = pool::locate(a.layout, off, c);
@@ -1193,18 +1337,6 @@ void Proxy::write_second_copy(Job& j, Allocation& a) {
     sub.op = client(e.device_id)->write_async(e.base + pl.extent_offset, j.word, e.key);
     j.subs.push_back(std::move(sub));
   }
-}
-
-// An atomic's status: its first copy's; a second copy that failed is stale.
-void Proxy::settle_atomic(Job& j, Allocation* a) {
-  if (j.subs.empty()) return;  // status set by start_atomic
-  if (j.subs[0].status != Status::kOk) {
-    j.status = j.subs[0].status;
-    return;
-  }
-  if (j.phase == 0) j.old_value = j.subs[0].op.value();
-  for (size_t i = 1; i < j.subs.size(); ++i)
-    if (j.subs[i].status != Status::kOk && a) catalog_.mark_lost(a->row.id, j.subs[i].slot);
 }
 
 // Reads and writes: every piece needs one good copy; a copy of a
@@ -1229,6 +1361,7 @@ void Proxy::settle_pieces(Job& j, Allocation* a) {
 }
 
 void Proxy::finish(Job& j) {
+  if (auto it = hops_.find({j.from.key(), j.req.txn}); it != hops_.end() && it->second == &j) hops_.erase(it);
   resync_written(j);
   std::vector<std::byte> payload;
   if (j.status == Status::kOk) {
@@ -1238,7 +1371,13 @@ void Proxy::finish(Job& j) {
       store_le<uint64_t>(payload.data(), j.old_value);
     }
   }
-  if (j.mutation) replay_.done(j.from.key(), j.req.txn, j.status, payload);
+  // An atomic's device keeps it exactly once (its window, keyed by the
+  // client): an UNAVAILABLE one is forgotten here, so that the client's
+  // retry with the same txn reaches the device, which answers what it did.
+  if (j.mutation && is_atomic(j.req.opcode) && j.status == Status::kUnavailable)
+    replay_.forget(j.from.key(), j.req.txn);
+  else if (j.mutation)
+    replay_.done(j.from.key(), j.req.txn, j.status, payload);
   if (j.req.opcode == Opcode::kWrite && j.status == Status::kOk && !(j.req.flags & kFlagAckReq)) {
     if (latency_) unanswered_.push_back(j.arrival);
     return;

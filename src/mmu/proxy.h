@@ -149,13 +149,21 @@ class Proxy {
   bool usable(const Allocation& a, uint32_t slot) const;
   Status start_piece(Job& j, const Allocation& a, uint64_t off, uint32_t len, size_t buf_off, bool write);
   void start_atomic(Job& j);
+  // An atomic's chain to its device, and what comes back of it to the
+  // client-facing socket: the second hop with the old value, or a refusal.
+  void send_hop(Job& j, const Allocation& a);
+  uint32_t hop_ip(uint32_t device_id);
+  void hop(const transport::Endpoint& from, const core::Packet& pkt);
+  void hop_refused(const transport::Endpoint& from, const core::Header& h);
+  bool progress_atomic(Job& j);
+  bool atomic_step(Job& j);
+  void atomic_failed(Job& j, Allocation& a, Status why);
   void progress();
   bool progress(Job& j);
   // The steps of progress(), in order.
   std::optional<bool> recover_failures(Job& j, Allocation* a);
   bool retry_read(Job& j, Allocation& a, size_t sub);
   void write_second_copy(Job& j, Allocation& a);
-  void settle_atomic(Job& j, Allocation* a);
   void settle_pieces(Job& j, Allocation* a);
   void finish(Job& j);
   Status failure_status(const Error& e, uint64_t alloc_id) const;
@@ -186,6 +194,11 @@ class Proxy {
   std::vector<std::unique_ptr<Conn>> conns_;  // by device id
   std::list<std::unique_ptr<Job>> jobs_;
   std::deque<Job*> replicated_atomics_;  // run one at a time, in order
+  // Atomics waiting for their hop, by (client endpoint key, txn).
+  std::map<std::pair<uint64_t, uint64_t>, Job*> hops_;
+  // Shown by an atomic chain's second segment (its rkey and aux): only the
+  // chains this proxy incarnation made are taken as hops.
+  uint64_t hop_key_ = 0;
   std::unique_ptr<Resync> resync_;       // one at a time
   // The last OPT_CONFIG of each allocation, its distances translated (as
   // every slot's region holds it): a region made again by a re-sync gets it

@@ -20,6 +20,7 @@ struct Proxy::Conn {
   std::unique_ptr<Client> client;
   int fd = -1;
   uint32_t boot = 0;
+  uint32_t hop_ip = 0;  // the proxy's address as this device reaches it (0: not known yet)
   transport::TimePoint last_answer{};
   uint64_t answers_seen = 0;  // client->counters().answers at the last health tick
   // Clients of earlier incarnations, polled until their operations failed.
@@ -52,12 +53,25 @@ struct Proxy::Job {
   std::vector<Sub> subs;
   size_t pieces = 0;
   Status status = Status::kOk;
-  // Atomics on a replicated allocation: phase 0 runs the atomic on one
-  // copy, phase 1 writes the resulting word to the other.
+  // Atomics (docs/POOL.md, "Atomics through the proxy"). Phase 0: the
+  // device of copy `primary` runs it as the first segment of a chain whose
+  // second hop is the proxy, which brings the old value back (`hop_*`).
+  // A replicated allocation then reads that copy's word back (phase 1) and
+  // writes it to the other copy (phase 2), one atomic at a time.
   bool replicated_atomic = false;
   bool started = false;
   int phase = 0;
   uint32_t primary = 0;
+  uint64_t primary_addr = 0;  // the word's device address on that copy
+  bool hop_answered = false;
+  transport::TimePoint hop_first{}, hop_next{};
+  transport::Duration hop_rto{};
+  // A device refuses a chain's segment to its reply-to, the client, not to
+  // the proxy: when a hop is late, a READ of the word asks the device
+  // whether the region is still there.
+  Op probe;
+  uint32_t probe_slot = 0;
+  std::array<std::byte, 8> probe_word{};
   uint64_t old_value = 0;
   std::array<std::byte, 8> word{};
   // COPY: phase 0 reads the source (alloc_id) into buf, phase 1 writes it

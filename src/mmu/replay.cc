@@ -38,4 +38,8 @@ void ProxyReplay::done(uint64_t requester, uint64_t txn, Status status, std::vec
   e->second.answer = Answer{status, std::move(payload)};
 }
 
+void ProxyReplay::forget(uint64_t requester, uint64_t txn) {
+  if (auto it = reqs_.find(requester); it != reqs_.end()) it->second.entries.erase(txn);
+}
+
 }  // namespace netdam::mmu

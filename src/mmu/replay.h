@@ -31,6 +31,8 @@ class ProxyReplay {
   };
   Verdict check(uint64_t requester, uint64_t txn, Opcode op, const Answer** answer);
   void done(uint64_t requester, uint64_t txn, Status status, std::vector<std::byte> payload);
+  // Not remembered after all: the next copy of the request is executed.
+  void forget(uint64_t requester, uint64_t txn);
   size_t requesters() const { return reqs_.size(); }
 
  private:

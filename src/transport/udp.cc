@@ -146,10 +146,8 @@ Result<std::unique_ptr<UdpTransport>> UdpTransport::open_multicast(Endpoint grou
 
 UdpTransport::~UdpTransport() { ::close(fd_); }
 
-Error UdpTransport::join_group(Endpoint group, uint32_t peer_ip) {
-  if (group_) return Error::invalid("already a member of multicast group " + group_->local().to_string());
-  // The interface: the one whose address the kernel would send to peer_ip
-  // from (a connected UDP socket sends nothing).
+Result<uint32_t> source_ip_toward(uint32_t peer_ip) {
+  // A connected UDP socket sends nothing: connect only asks the routing table.
   const int probe = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   if (probe < 0) return Error::transport("cannot create UDP socket: " + errno_text(errno));
   const sockaddr_in peer = to_sockaddr(Endpoint{peer_ip, 9});
@@ -160,7 +158,15 @@ Error UdpTransport::join_group(Endpoint group, uint32_t peer_ip) {
   const int err = errno;
   ::close(probe);
   if (!routed) return Error::transport("no route to " + Endpoint{peer_ip, 0}.to_string() + ": " + errno_text(err));
-  auto s = open_multicast(group, ntohl(mine.sin_addr.s_addr));
+  return ntohl(mine.sin_addr.s_addr);
+}
+
+Error UdpTransport::join_group(Endpoint group, uint32_t peer_ip) {
+  if (group_) return Error::invalid("already a member of multicast group " + group_->local().to_string());
+  // The interface: the one whose address the kernel would send to peer_ip from.
+  auto mine = source_ip_toward(peer_ip);
+  if (!mine) return mine.error();
+  auto s = open_multicast(group, *mine);
   if (!s) return s.error();
   group_ = std::move(s).value();
   return {};

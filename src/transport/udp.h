@@ -51,6 +51,10 @@ struct UdpOptions {
   std::chrono::microseconds spin{0};
 };
 
+// The address this host sends from toward peer_ip (the route's source),
+// as the kernel picks it; kTransport Error if there is no route.
+Result<uint32_t> source_ip_toward(uint32_t peer_ip);
+
 class UdpTransport final : public Transport {
  public:
   // Opens a nonblocking socket bound to options.bind. On failure a
