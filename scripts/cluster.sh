@@ -33,6 +33,12 @@
 #                       after an idle moment that much leaves at wire speed)
 #   --queue SIZE|Tms    tbf queue: bytes, or a time at RATE (default 5ms, at
 #                       least 2 buckets)
+#   --priority DSCP     a switch with two queues per port: datagrams marked
+#                       with this DSCP (0..63; netdam's small datagrams with
+#                       --small-dscp) are sent before the rest. Each link is
+#                       then an htb of RATE with two classes (the marked one
+#                       first, either may use the whole rate), each with a
+#                       queue of --queue bytes, instead of one tbf
 #   --prefix NAME       names of everything it creates: namespaces NAME-h0,
 #                       NAME-d0, bridge NAME-br (default ndc; [a-z0-9], 1..8
 #                       chars, starting with a letter)
@@ -47,7 +53,8 @@
 #   --build DIR         build tree with src/daemon/netdamd (default <repo>/build)
 #
 # `run` exports: CLUSTER_PREFIX CLUSTER_SUBNET CLUSTER_IFACE (eth0, inside every
-# node) CLUSTER_MTU CLUSTER_RATE CLUSTER_RATE_BPS (0 = unlimited) CLUSTER_HOSTS
+# node) CLUSTER_MTU CLUSTER_RATE CLUSTER_RATE_BPS (0 = unlimited) CLUSTER_PRIORITY
+# (--priority's DSCP, empty without) CLUSTER_HOSTS
 # CLUSTER_DEVICES CLUSTER_HOST_NS CLUSTER_HOST_IPS CLUSTER_DEVICE_NS
 # CLUSTER_DEVICE_IPS (space-separated) CLUSTER_DEVICE_ADDRS
 # CLUSTER_COLOCATED_ADDRS (IP:PORT, comma-separated, when daemons run)
@@ -69,7 +76,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 readonly SCRIPT REPO
 readonly STATE_ROOT="${CLUSTER_STATE_ROOT:-/run/netdam-cluster}"
 
-hosts=4 devices=0 rate=500mbit mtu=9000 burst="" queue=5ms prefix=ndc subnet=""
+hosts=4 devices=0 rate=500mbit mtu=9000 burst="" queue=5ms priority="" prefix=ndc subnet=""
 netdamd=0 colocated=0 port=7000 memory=2GiB max_payload="" netdamd_args="" build="$REPO/build"
 sub="" node="" cmd=()
 
@@ -93,6 +100,7 @@ while (($#)); do
     --mtu) mtu=${2:-}; shift 2 ;;
     --burst) burst=${2:-}; shift 2 ;;
     --queue) queue=${2:-}; shift 2 ;;
+    --priority) priority=${2:-}; shift 2 ;;
     --prefix) prefix=${2:-}; shift 2 ;;
     --subnet) subnet=${2:-}; shift 2 ;;
     --netdamd) netdamd=1; shift ;;
@@ -119,6 +127,7 @@ done
 [[ "$devices" =~ ^[0-9]+$ ]] && ((devices <= 100)) || die $EX_USAGE "--devices: 0..100"
 [[ "$mtu" =~ ^[0-9]+$ ]] && ((mtu >= 576 && mtu <= 65535)) || die $EX_USAGE "--mtu: 576..65535"
 [[ "$port" =~ ^[0-9]+$ ]] && ((port >= 1 && port <= 65535)) || die $EX_USAGE "--port: 1..65535"
+[[ -z "$priority" ]] || { [[ "$priority" =~ ^[0-9]+$ ]] && ((priority <= 63)); } || die $EX_USAGE "--priority: a DSCP, 0..63"
 
 # Bytes from "64K", "1M", "65536" (binary suffixes).
 to_bytes() {
@@ -207,7 +216,8 @@ fail_step() {  # fail_step WHAT OUTPUT
   if [[ "$out" == *"Operation not permitted"* || "$out" == *"Permission denied"* ]]; then
     die $EX_NOPERM "$what: $out (needs CAP_NET_ADMIN)"
   elif [[ "$out" == *"Unknown device type"* || "$out" == *"qdisc kind is unknown"* ||
-          "$out" == *"not supported"* || "$out" == *"Not supported"* || "$out" == *"No such file"* ]]; then
+          "$out" == *"not supported"* || "$out" == *"Not supported"* || "$out" == *"No such file"* ||
+          "$out" == *"classifier not found"* ]]; then
     die $EX_NOKERNEL "$what: $out (the kernel lacks it; bridge, veth, tbf and network namespaces are needed)"
   fi
   die $EX_SETUP "$what: $out"
@@ -275,8 +285,34 @@ tbf() {  # tbf WHAT DEV [netns]
   ((rate_bps > 0)) || return 0
   local in_ns=()
   [[ -n "$ns" ]] && in_ns=(-n "$ns")
+  if [[ -n "$priority" ]]; then
+    two_queues "$what" "$dev" "${in_ns[@]}"
+    return
+  fi
   step "$what: tc qdisc add dev $dev root tbf rate $rate" \
     "$TC" "${in_ns[@]}" qdisc add dev "$dev" root tbf rate "$rate" burst "$burst_bytes" limit "$queue_bytes"
+}
+
+# --priority: htb at the link's rate with two classes. HTB serves the
+# lower `prio` first whenever both may send; each class is guaranteed half
+# the rate and may borrow the whole of it, so the marked class (small
+# datagrams, a trickle) never waits behind the other's queue, and the other
+# has the link to itself when nothing is marked.
+two_queues() {  # two_queues WHAT DEV [-n NS]
+  local what=$1 dev=$2; shift 2
+  local half=$((rate_bps / 2)) q=(quantum "$burst_bytes")
+  step "$what: htb root" "$TC" "$@" qdisc add dev "$dev" root handle 1: htb default 20
+  step "$what: htb link class" "$TC" "$@" class add dev "$dev" parent 1: classid 1:1 htb \
+    rate "${rate_bps}bit" ceil "${rate_bps}bit" burst "$burst_bytes" cburst "$burst_bytes" "${q[@]}"
+  step "$what: marked class" "$TC" "$@" class add dev "$dev" parent 1:1 classid 1:10 htb prio 0 \
+    rate "${half}bit" ceil "${rate_bps}bit" burst "$burst_bytes" cburst "$burst_bytes" "${q[@]}"
+  step "$what: bulk class" "$TC" "$@" class add dev "$dev" parent 1:1 classid 1:20 htb prio 1 \
+    rate "$((rate_bps - half))bit" ceil "${rate_bps}bit" burst "$burst_bytes" cburst "$burst_bytes" "${q[@]}"
+  step "$what: marked queue" "$TC" "$@" qdisc add dev "$dev" parent 1:10 handle 10: bfifo limit "$queue_bytes"
+  step "$what: bulk queue" "$TC" "$@" qdisc add dev "$dev" parent 1:20 handle 20: bfifo limit "$queue_bytes"
+  # The DSCP is the TOS byte's upper six bits.
+  step "$what: DSCP $priority filter" "$TC" "$@" filter add dev "$dev" parent 1: protocol ip prio 1 u32 \
+    match ip tos $((priority << 2)) 0xfc flowid 1:10
 }
 
 add_node() {  # add_node NS IP
@@ -334,6 +370,7 @@ write_env() {
     kv CLUSTER_MTU "$mtu"
     kv CLUSTER_RATE "$rate"
     kv CLUSTER_RATE_BPS "$rate_bps"
+    kv CLUSTER_PRIORITY "$priority"
     kv CLUSTER_BURST "$burst_bytes"
     kv CLUSTER_QUEUE "$queue_bytes"
     kv CLUSTER_HOSTS "$hosts"

@@ -16,6 +16,11 @@
 #                    probability P (netdamd --inject-drop): random loss,
 #                    not congestion; also runs every controller clean in
 #                    the same cluster for the comparison (default 0)
+#   --priority DSCP  the switch serves datagrams marked DSCP first
+#                    (scripts/cluster.sh --priority), and every flow and the
+#                    device mark their datagrams of at most 512 bytes with it
+#                    (--small-dscp): the probe's READs skip the writers'
+#                    queue (default: one queue, nothing marked)
 #   --prefix NAME    cluster name prefix (default nic)
 #   --out DIR        flow logs and summary.csv (default a new /tmp dir)
 #   --check          CI mode: exit 1 unless every run completed exactly
@@ -42,7 +47,7 @@ build="$repo/${BUILD_DIR:-build}"
 [[ "${BUILD_DIR:-}" == /* ]] && build="$BUILD_DIR"
 incast="$build/bench/netdam-incast"
 
-writers=8 rate=500mbit seconds=1 rounds=3 ccs=fixed,depth,swift target_us="" loss=0 prefix=nic out="" check=0 max_loss=0.001
+writers=8 rate=500mbit seconds=1 rounds=3 ccs=fixed,depth,swift target_us="" loss=0 priority="" prefix=nic out="" check=0 max_loss=0.001
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 while (($#)); do
   case "$1" in
@@ -54,6 +59,7 @@ while (($#)); do
     --ccs) ccs=$2; shift 2 ;;
     --target-us) target_us=$2; shift 2 ;;
     --loss) loss=$2; shift 2 ;;
+    --priority) priority=$2; shift 2 ;;
     --prefix) prefix=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --check) check=1; shift ;;
@@ -63,6 +69,10 @@ while (($#)); do
 done
 [[ "$writers" =~ ^[0-9]+$ ]] && ((writers >= 1 && writers <= 64)) || { echo "incast_bench: --writers 1..64" >&2; exit 2; }
 [[ "$rounds" =~ ^[0-9]+$ ]] && ((rounds >= 1)) || { echo "incast_bench: --rounds >= 1" >&2; exit 2; }
+[[ -z "$priority" ]] || { [[ "$priority" =~ ^[0-9]+$ ]] && ((priority <= 63)); } ||
+  { echo "incast_bench: --priority: a DSCP, 0..63" >&2; exit 2; }
+marking=()
+[[ -n "$priority" ]] && marking=(--small-dscp "$priority")
 [[ -x "$incast" ]] || { echo "incast_bench: $incast missing (build first)" >&2; exit 2; }
 IFS=, read -r -a cc_list <<<"$ccs"
 [[ -n "$out" ]] || out=$(mktemp -d /tmp/netdam-incast.XXXXXX)
@@ -77,10 +87,10 @@ trap 'exit 143' TERM
 # One cluster per loss setting: netdamd's fault injection is a start option.
 up() {  # up LOSS
   teardown
-  local extra=""
-  [[ "$1" != 0 ]] && extra="--inject-drop $1"
+  local extra="${marking[*]}"
+  [[ "$1" != 0 ]] && extra+=" --inject-drop $1"
   CLUSTER_QUIET=1 "${cl[@]}" --hosts $((writers + 1)) --devices 1 --rate "$rate" --build "$build" --netdamd \
-    ${extra:+--netdamd-args "$extra"} up >/dev/null || { rc=$?; echo "incast_bench: cluster did not come up ($rc)" >&2; exit "$rc"; }
+    ${priority:+--priority "$priority"} ${extra:+--netdamd-args "$extra"} up >/dev/null || { rc=$?; echo "incast_bench: cluster did not come up ($rc)" >&2; exit "$rc"; }
   set -a
   # shellcheck disable=SC1090
   source <("${cl[@]}" env)
@@ -106,11 +116,11 @@ run() {  # run LABEL CC ROUND: one incast; files in $out/LABEL-CC-ROUND.*
   local start=$(( $(date +%s%N) + 400000000 ))
   for ((i = 0; i < writers; i++)); do
     ip netns exec "${host_ns[$i]}" "$incast" write --device "$device" --start-at "$start" --seconds "$seconds" \
-      --cc "$cc" ${target_us:+--target-us "$target_us"} --slot "$i" --out "$base.w$i" 2>>"$base.err" &
+      --cc "$cc" ${target_us:+--target-us "$target_us"} --slot "$i" "${marking[@]}" --out "$base.w$i" 2>>"$base.err" &
     pids+=($!)
   done
   ip netns exec "${host_ns[$writers]}" "$incast" read --device "$device" --start-at "$start" --seconds "$seconds" \
-    --out "$base.read" 2>>"$base.err" &
+    "${marking[@]}" --out "$base.read" 2>>"$base.err" &
   pids+=($!)
   for p in "${pids[@]}"; do wait "$p" || { echo "incast_bench: $label $cc round $r: a flow failed (see $base.err)" >&2; status=1; }; done
   read -r q1 s1 < <(drops)
@@ -123,9 +133,10 @@ for setting in "${settings[@]}"; do
   up "$setting"
   label=clean
   [[ "$setting" != 0 ]] && label="loss$setting"
-  echo "== $label: $writers writers -> 1 device at $rate, ${seconds}s per run, $rounds rounds of: ${cc_list[*]}"
+  echo "== $label: $writers writers -> 1 device at $rate, ${seconds}s per run, $rounds rounds of: ${cc_list[*]}${priority:+; small datagrams marked DSCP $priority and served first}"
   # The probe alone first: its idle latency.
-  ip netns exec "${host_ns[$writers]}" "$incast" read --device "$device" --seconds 1 --out "$out/$label-idle.read" ||
+  ip netns exec "${host_ns[$writers]}" "$incast" read --device "$device" --seconds 1 "${marking[@]}" \
+    --out "$out/$label-idle.read" ||
     status=1
   for ((r = 0; r < rounds; r++)); do
     for ((k = 0; k < ${#cc_list[@]}; k++)); do  # rotated each round: no controller always goes first

@@ -50,6 +50,19 @@ TEST(Config, SpinIsMicrosecondsAndZeroTurnsItOff) {
   EXPECT_TRUE(validate(cfg));
 }
 
+TEST(Config, SmallDscpIsOffByDefaultAndADscpWhenSet) {
+  DaemonConfig cfg;
+  EXPECT_EQ(cfg.small_dscp, -1);
+  auto path = write_temp("small_dscp = 46\n");
+  auto err = load_config_file(path, cfg);
+  std::remove(path.c_str());
+  ASSERT_FALSE(err) << err.message();
+  EXPECT_EQ(cfg.small_dscp, 46);
+  EXPECT_FALSE(validate(cfg));
+  cfg.small_dscp = 64;
+  EXPECT_TRUE(validate(cfg));
+}
+
 TEST(Config, SecuritySettings) {
   DaemonConfig cfg;
   auto path = write_temp(
@@ -82,6 +95,8 @@ TEST(Config, ErrorsNameTheSetting) {
       {"threads = 0", "'threads'"},
       {"spin_us = -1", "'spin_us'"},
       {"spin_us = 5000000", "'spin_us'"},
+      {"small_dscp = 64", "'small_dscp'"},
+      {"small_dscp = -2", "'small_dscp'"},
       {"listen = \"nohost\"", "'listen'"},
       {"bogus = 1", "'bogus' is not a known setting"},
       {"[[region]]\nbase = 0\nkey = 5", "'region.size'"},

@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -340,6 +343,62 @@ TEST(UdpTransport, TrainsArriveAsTheirDatagrams) {
     EXPECT_EQ(from[i], a->local());
   }
   EXPECT_GE(b->trains_received(), 3u);
+}
+
+// UdpOptions::small_dscp: datagrams of at most kSmallDatagram bytes leave
+// with the DSCP in their TOS byte, alone or in a train; larger ones, and
+// those of a transport without the option, leave unmarked. A plain socket
+// reads each datagram's TOS byte (IP_RECVTOS).
+TEST(UdpTransport, MarksSmallDatagramsWithTheDscp) {
+  const int rx = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(rx, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(kLoopback);
+  socklen_t len = sizeof addr;
+  const int one = 1;
+  const timeval second{1, 0};
+  ASSERT_EQ(bind(rx, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(getsockname(rx, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  ASSERT_EQ(setsockopt(rx, IPPROTO_IP, IP_RECVTOS, &one, sizeof one), 0);
+  ASSERT_EQ(setsockopt(rx, SOL_SOCKET, SO_RCVTIMEO, &second, sizeof second), 0);
+  const Endpoint to{kLoopback, ntohs(addr.sin_port)};
+
+  auto marked = UdpTransport::open(UdpOptions{.bind = {kLoopback, 0}, .small_dscp = 46});
+  ASSERT_TRUE(marked) << marked.error().message();
+  auto plain = open_loopback();
+  ASSERT_TRUE(plain);
+  std::vector<std::vector<std::byte>> payloads;
+  for (unsigned i = 0; i < 5; ++i) payloads.push_back(pattern(100, i));  // a train of small ones
+  // Every datagram carries the integrity trailer: small is payload + trailer.
+  payloads.push_back(pattern(kSmallDatagram - kTrailerSize, 5));
+  payloads.push_back(pattern(kSmallDatagram - kTrailerSize + 1, 6));
+  payloads.push_back(pattern(4000, 7));
+  ASSERT_EQ(send_all(**marked, to, payloads), payloads.size());
+  ASSERT_EQ(send_all(*plain, to, {pattern(100, 8)}), 1u);
+
+  const std::vector<int> want = {46 << 2, 46 << 2, 46 << 2, 46 << 2, 46 << 2, 46 << 2, 0, 0, 0};
+  std::vector<size_t> sizes;
+  for (const auto& p : payloads) sizes.push_back(p.size() + kTrailerSize);
+  sizes.push_back(100 + kTrailerSize);
+  for (size_t i = 0; i < want.size(); ++i) {
+    std::vector<std::byte> buf(8192);
+    iovec iov{buf.data(), buf.size()};
+    alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))];
+    msghdr h{};
+    h.msg_iov = &iov;
+    h.msg_iovlen = 1;
+    h.msg_control = ctrl;
+    h.msg_controllen = sizeof ctrl;
+    const ssize_t n = recvmsg(rx, &h, 0);
+    ASSERT_EQ(n, static_cast<ssize_t>(sizes[i])) << "datagram " << i;
+    int tos = -1;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&h); c != nullptr; c = CMSG_NXTHDR(&h, c))
+      if (c->cmsg_level == IPPROTO_IP && c->cmsg_type == IP_TOS) tos = *reinterpret_cast<unsigned char*>(CMSG_DATA(c));
+    EXPECT_EQ(tos, want[i]) << "datagram " << i << " of " << n << " bytes";
+  }
+  ::close(rx);
+  EXPECT_FALSE(UdpTransport::open(UdpOptions{.bind = {kLoopback, 0}, .small_dscp = 64}));
 }
 
 TEST(UdpTransport, TrainsReachAPeerWithoutGroAsSingleDatagrams) {

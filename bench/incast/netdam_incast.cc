@@ -2,8 +2,8 @@
 // docs/CONGESTION.md). Run one per host, all against the same device.
 //
 //   netdam-incast write --device HOST:PORT --start-at NS --seconds S [--cc fixed|depth|swift]
-//                       [--target-us US] [--slot N] [--out FILE]
-//   netdam-incast read  --device HOST:PORT --start-at NS --seconds S [--out FILE]
+//                       [--target-us US] [--slot N] [--small-dscp D] [--out FILE]
+//   netdam-incast read  --device HOST:PORT --start-at NS --seconds S [--small-dscp D] [--out FILE]
 //
 // write: acknowledged WRITEs of 1 MiB (8 KiB packets) into this flow's own
 //   2 MiB slot of the device's region (--slot; two 1 MiB halves, each
@@ -58,6 +58,7 @@ struct Args {
   std::string cc = "fixed";
   int64_t target_us = ClientOptions{}.congestion_target.count();
   uint32_t slot = 0;
+  int small_dscp = -1;  // ClientOptions::small_dscp
   std::string out;
 };
 
@@ -75,6 +76,7 @@ int run_write(const Args& a) {
   o.congestion = *cc;
   o.congestion_target = std::chrono::microseconds(a.target_us);
   o.timeout = 5s;
+  o.small_dscp = a.small_dscp;
   auto client = Client::connect(a.device, o);
   if (!client) throw std::runtime_error(client.error().to_string());
   Client& c = **client;
@@ -157,7 +159,9 @@ int run_write(const Args& a) {
 }
 
 int run_read(const Args& a) {
-  auto client = Client::connect(a.device);
+  ClientOptions o;
+  o.small_dscp = a.small_dscp;
+  auto client = Client::connect(a.device, o);
   if (!client) throw std::runtime_error(client.error().to_string());
   Client& c = **client;
   std::vector<std::byte> buf(64);
@@ -194,6 +198,8 @@ int main(int argc, char** argv) {
     s->add_option("--start-at", a.start_at, "CLOCK_REALTIME nanoseconds to start at (0: now)");
     s->add_option("--seconds", a.seconds, "how long")->check(CLI::PositiveNumber);
     s->add_option("--out", a.out, "output file (default stdout)");
+    s->add_option("--small-dscp", a.small_dscp, "DSCP of its datagrams of at most 512 bytes (default -1: unmarked)")
+        ->check(CLI::Range(-1, 63));
     if (std::string(name) == "write") {
       s->add_option("--cc", a.cc, "congestion control: fixed, depth or swift");
       s->add_option("--slot", a.slot, "this flow's 2 MiB slot in the region");

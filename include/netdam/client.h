@@ -88,6 +88,12 @@ struct ClientOptions {
   // costs a core while it looks, and only while answers have recently come
   // that soon (transport::UdpOptions::spin); 0 never spins.
   std::chrono::microseconds spin{100};
+  // DSCP (0..63) of the datagrams of at most 512 bytes this client sends
+  // (requests without data such as READs, atomics, small writes), for a
+  // switch that serves that class first: a small request then does not
+  // wait behind a congested port's bulk data (docs/CONGESTION.md, "Small
+  // datagrams first"). -1 marks nothing. Clients made by connect(string).
+  int small_dscp = -1;
   // With a pool proxy (netdam-mmu): ask for the answers of READ,
   // acknowledged WRITE, atomics, REDUCE_* and OPT_STEP straight from the
   // devices that hold the bytes, in pieces (DIRECT, PROTOCOL.md 17.5); the

@@ -202,6 +202,7 @@ Result<std::unique_ptr<Client>> Client::connect(std::string_view device, ClientO
   transport::UdpOptions u;
   u.bind = transport::Endpoint{0, 0};
   u.spin = opts.spin;
+  u.small_dscp = opts.small_dscp;
   auto t = transport::UdpTransport::open(u);
   if (!t) return t.error();  // kTransport
   return connect(std::move(*t), *ep, opts);

@@ -97,7 +97,7 @@ Error load_config_file(const std::string& path, DaemonConfig& cfg) {
     return Error::invalid(fmt::format("{}: '{}' {}", path, key, why));
   };
   static const std::vector<std::string_view> kKnown = {
-      "listen", "memory", "threads", "spin_us", "max_payload", "shm", "prefault", "admin_key", "replay_window",
+      "listen", "memory", "threads", "spin_us", "small_dscp", "max_payload", "shm", "prefault", "admin_key", "replay_window",
       "replay_requesters", "replay_bytes", "allow", "allow_source_subnet", "allow_any",
       "refusals_per_second", "refusal_log_seconds", "amplification_limit", "cookie_secret", "default_key", "default_region", "region",
       "port_file", "log_level", "metrics"};
@@ -127,6 +127,10 @@ Error load_config_file(const std::string& path, DaemonConfig& cfg) {
   if (auto v = t["spin_us"].value<int64_t>()) {
     if (*v < 0 || *v > 1'000'000) return err("spin_us", "must be 0..1000000");
     cfg.spin_us = static_cast<unsigned>(*v);
+  }
+  if (auto v = t["small_dscp"].value<int64_t>()) {
+    if (*v < -1 || *v > 63) return err("small_dscp", "must be -1 (off) or 0..63");
+    cfg.small_dscp = static_cast<int>(*v);
   }
   if (auto v = t["shm"].value<std::string>()) cfg.shm = *v;
   if (auto v = t["prefault"].value<bool>()) cfg.prefault = *v;
@@ -231,6 +235,7 @@ Error validate(const DaemonConfig& cfg) {
   if (cfg.memory == 0) return Error::invalid("memory must be at least 1 byte");
   if (cfg.threads < 1 || cfg.threads > 64) return Error::invalid("threads must be 1..64");
   if (cfg.spin_us > 1'000'000) return Error::invalid("spin_us must be 0..1000000");
+  if (cfg.small_dscp < -1 || cfg.small_dscp > 63) return Error::invalid("small_dscp must be -1 (off) or 0..63");
   if (cfg.max_payload && (*cfg.max_payload < core::kMinPayload || *cfg.max_payload > kMaxPayloadLimit))
     return Error::invalid(fmt::format("max_payload must be {}..{} bytes", core::kMinPayload, kMaxPayloadLimit));
   // Every shard of the replay window (16) must hold one full ring.

@@ -30,6 +30,9 @@ struct DaemonConfig {
   // while datagrams have recently come that soon
   // (transport::UdpOptions::spin); 0 never spins.
   unsigned spin_us = 100;
+  // DSCP of the small datagrams it sends (transport::UdpOptions::small_dscp);
+  // -1 marks nothing.
+  int small_dscp = -1;
   // Unset: payload_for_mtu() of the listen interface's MTU (netdamd does
   // that at start), kDefaultMaxPayload if the MTU cannot be learned.
   std::optional<size_t> max_payload;

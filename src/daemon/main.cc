@@ -48,6 +48,7 @@ int main(int argc, char** argv) {
   std::string config_file, listen, memory, shm, port_file, log_level, admin_key, max_payload, metrics;
   unsigned threads = 0;
   std::optional<unsigned> spin_us;
+  std::optional<int> small_dscp;
   std::vector<std::string> regions;
   app.add_option("--config", config_file, "TOML file with settings (flags override it)")
       ->check(CLI::ExistingFile);
@@ -60,6 +61,10 @@ int main(int argc, char** argv) {
                  "come that soon (default 100; 0: never): saves a wake-up per request, costs a core while "
                  "it looks")
       ->check(CLI::Range(0, 1'000'000));
+  app.add_option("--small-dscp", small_dscp,
+                 "mark the datagrams of at most 512 bytes it sends (answers without data, small reads) with "
+                 "this DSCP, for a switch that serves that class first (default -1: unmarked)")
+      ->check(CLI::Range(-1, 63));
   app.add_option("--max-payload", max_payload, "largest payload in bytes (default: the largest power of two whose datagram fits the listen interface's MTU: 1024 for 1500, 8192 for 9000, 32768 on loopback)");
   bool prefault = false, no_default_region = false;
   app.add_flag("--no-default-region", no_default_region,
@@ -125,6 +130,7 @@ int main(int argc, char** argv) {
   }
   if (threads) cfg.threads = threads;
   if (spin_us) cfg.spin_us = *spin_us;
+  if (small_dscp) cfg.small_dscp = *small_dscp;
   if (!shm.empty()) cfg.shm = shm;
   if (prefault) cfg.prefault = true;
   if (no_default_region) cfg.default_region = false;
@@ -239,6 +245,7 @@ int main(int argc, char** argv) {
   opt.bind = cfg.listen;
   opt.reuse_port = cfg.threads > 1;
   opt.spin = std::chrono::microseconds(cfg.spin_us);
+  opt.small_dscp = cfg.small_dscp;
   for (unsigned i = 0; i < cfg.threads; ++i) {
     auto s = transport::UdpTransport::open(opt);
     if (!s) return fail(s.error().message());

@@ -105,6 +105,8 @@ Result<std::unique_ptr<UdpTransport>> UdpTransport::open(const UdpOptions& optio
   transport->gro_ = options.gro && setsockopt(fd, IPPROTO_UDP, UDP_GRO, &one, sizeof one) == 0;
   transport->enable_recverr(options.local_backpressure);
   transport->spin_ = options.spin;
+  if (options.small_dscp > 63) return fail("small_dscp must be -1 (off) or 0..63");
+  transport->small_tos_ = options.small_dscp < 0 ? -1 : options.small_dscp << 2;
 
   const sockaddr_in bind_addr = to_sockaddr(options.bind);
   if (bind(fd, reinterpret_cast<const sockaddr*>(&bind_addr), sizeof bind_addr) != 0) {
@@ -210,7 +212,7 @@ size_t UdpTransport::send_raw(std::span<const OutMsg> msgs) {
   mmsghdr hdrs[kChunk];
   iovec iovs[kIovs];
   sockaddr_in addrs[kChunk];
-  alignas(cmsghdr) char ctrl[kChunk][CMSG_SPACE(sizeof(uint16_t))];
+  alignas(cmsghdr) char ctrl[kChunk][CMSG_SPACE(sizeof(uint16_t)) + CMSG_SPACE(sizeof(int))];
   size_t train_size[kChunk];
 
   size_t done = 0;
@@ -254,15 +256,25 @@ size_t UdpTransport::send_raw(std::span<const OutMsg> msgs) {
       h.msg_hdr.msg_namelen = sizeof addrs[trains];
       h.msg_hdr.msg_iov = &iovs[iov0];
       h.msg_hdr.msg_iovlen = iov - iov0;
-      if (count > 1) {
+      const bool small = small_tos_ >= 0 && segment <= kSmallDatagram;
+      if (count > 1 || small) {
+        // Ancillary data: the train's segment size, the small ones' class.
+        char* at = ctrl[trains];
+        auto add = [&](int level, int type, const void* v, size_t n) {
+          auto* c = reinterpret_cast<cmsghdr*>(at);  // CMSG_SPACE keeps each aligned
+          c->cmsg_level = level;
+          c->cmsg_type = type;
+          c->cmsg_len = CMSG_LEN(n);
+          std::memcpy(CMSG_DATA(c), v, n);
+          at += CMSG_SPACE(n);
+        };
+        if (count > 1) {
+          const auto gso_size = static_cast<uint16_t>(segment);
+          add(IPPROTO_UDP, UDP_SEGMENT, &gso_size, sizeof gso_size);
+        }
+        if (small) add(IPPROTO_IP, IP_TOS, &small_tos_, sizeof small_tos_);
         h.msg_hdr.msg_control = ctrl[trains];
-        h.msg_hdr.msg_controllen = sizeof ctrl[trains];
-        cmsghdr* c = CMSG_FIRSTHDR(&h.msg_hdr);
-        c->cmsg_level = IPPROTO_UDP;
-        c->cmsg_type = UDP_SEGMENT;
-        c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
-        const auto gso_size = static_cast<uint16_t>(segment);
-        std::memcpy(CMSG_DATA(c), &gso_size, sizeof gso_size);
+        h.msg_hdr.msg_controllen = static_cast<size_t>(at - ctrl[trains]);
       }
       train_size[trains] = count;
     }

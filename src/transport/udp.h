@@ -49,7 +49,17 @@ struct UdpOptions {
   // (it yields to anything runnable), so a socket spins only while one of
   // its last 8 waits ended within the spin; 0 never spins.
   std::chrono::microseconds spin{0};
+  // DSCP (0..63) for datagrams of at most kSmallDatagram bytes (requests
+  // without data, acknowledgements, small answers); -1 marks nothing. A
+  // switch with a priority queue for that class then serves them ahead of
+  // the bulk datagrams queued in front of a busy port, as Homa and pFabric
+  // give short messages priority (docs/CONGESTION.md, "Small datagrams
+  // first"). Larger datagrams keep the default class.
+  int small_dscp = -1;
 };
+
+// What UdpOptions::small_dscp counts as small, datagram bytes.
+inline constexpr size_t kSmallDatagram = 512;
 
 // The address this host sends from toward peer_ip (the route's source),
 // as the kernel picks it; kTransport Error if there is no route.
@@ -121,6 +131,7 @@ class UdpTransport final : public Transport {
   std::atomic<uint64_t> local_drops_{0}, icmp_errors_{0};
   bool recverr_ = false;
   std::chrono::microseconds spin_{0};
+  int small_tos_ = -1;  // UdpOptions::small_dscp as the IP TOS byte
   std::atomic<uint8_t> recent_soon_{0xFF};  // recv_raw: a bit per recent wait, 1 = ended within spin_
   // Largest datagram sent in a train. A train the kernel refuses (a
   // segment above the route's MTU: EINVAL) lowers it below that segment

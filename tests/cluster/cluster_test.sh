@@ -185,6 +185,33 @@ st=$?
 ((st == 79)) && [[ "$out" == *"qdisc kind is unknown"* ]] && ok "no tbf: exit 79" || fail "no tbf: exit $st, '$out'"
 nothing_left "${pre}f" && ok "a failing setup leaves nothing" || fail "a failing setup left something"
 
+# --priority: an htb per link with two classes; datagrams marked with the
+# DSCP go to the first (served first), everything else to the second.
+if CLUSTER_QUIET=1 "$cluster" --prefix "${pre}p" --hosts 2 --rate 100mbit --priority 46 up >/dev/null; then
+  pip=$(source <("$cluster" --prefix "${pre}p" env); read -r _ ip1 <<<"$CLUSTER_HOST_IPS"; echo "$ip1")
+  ip netns exec "${pre}p-h0" /usr/bin/python3 -c '
+import socket, sys
+for tos, n in ((46 << 2, 50), (0, 30)):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
+    for _ in range(n):
+        s.sendto(b"x" * 1000, (sys.argv[1], 9))
+' "$pip" || fail "sending marked datagrams"
+  pkts() { tc "${@:3}" -s class show dev "$1" classid "$2" | awk '/Sent/ {print $4; exit}'; }
+  up_marked=$(pkts eth0 1:10 -n "${pre}p-h0") up_bulk=$(pkts eth0 1:20 -n "${pre}p-h0")
+  down_marked=$(pkts "${pre}p-h1" 1:10) down_bulk=$(pkts "${pre}p-h1" 1:20)
+  [[ "$up_marked" == 50 && "$down_marked" == 50 && ${up_bulk:-0} -ge 30 && ${down_bulk:-0} -ge 30 ]] &&
+    ok "--priority 46: 50 marked datagrams in the first class both ways, the 30 others in the second" ||
+    fail "--priority classes: upload $up_marked/$up_bulk, download $down_marked/$down_bulk packets"
+  "$cluster" --prefix "${pre}p" down 2>/dev/null
+else
+  fail "up --priority 46"
+fi
+nothing_left "${pre}p" || fail "down ${pre}p"
+out=$("$cluster" --prefix "${pre}p" --priority 64 up 2>&1)
+st=$?
+((st == 64)) && [[ "$out" == *"--priority"* ]] && ok "--priority 64: usage error" || fail "--priority 64: exit $st, '$out'"
+
 # The prefix is a lock: a second cluster of the same name is refused.
 CLUSTER_QUIET=1 "$cluster" --prefix "${pre}f" --hosts 1 up >/dev/null || fail "up ${pre}f"
 "$cluster" --prefix "${pre}f" --hosts 1 up >/dev/null 2>&1
