@@ -167,6 +167,17 @@ class ClientTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             netdam.Client(self.dev.endpoint, congestion="reno")
 
+    def test_small_dscp(self):
+        # Marked small datagrams (a READ request, its 64-byte answer is the
+        # device's business) and an unmarked large WRITE both get through.
+        data = np.arange(16 * 1024, dtype=np.uint8).tobytes()
+        with netdam.Client(self.dev.endpoint, small_dscp=46) as c:
+            c.write(3 << 20, data)
+            self.assertEqual(c.read(3 << 20, 64), data[:64])
+        for bad in (-2, 64):
+            with self.assertRaises(ValueError):
+                netdam.Client(self.dev.endpoint, small_dscp=bad)
+
     def test_timeout_to_silent_port(self):
         silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         silent.bind(("127.0.0.1", 0))

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 import netdam
-from cluster import ClusterTestCase
+from cluster import ADMIN, ClusterTestCase, create_groups
+from netdam.local import Device
 
 P = 4
 SIZES = (1, 1000, 5000)  # direct chains; 5000 float32 = 20 KB: ring chains over several blocks
@@ -50,6 +51,27 @@ class GroupTest(ClusterTestCase):
                         for r in range(P):
                             self.assertIs(outs[r], xs[r])  # in place
                             np.testing.assert_array_equal(xs[r], ref)
+
+    def test_small_dscp(self):
+        # Groups whose clients mark their small datagrams work as any other
+        # (on devices of their own: closing a group deletes its regions).
+        devices = [Device(memory=self.MEMORY, admin_key=ADMIN) for _ in range(P)]
+        eps = [d.endpoint for d in devices]
+        marked = create_groups(eps, small_dscp=46)
+        try:
+            xs = [self.data(r, 1000, np.float32) for r in range(P)]
+            ref = np.sum(np.stack(xs), axis=0)
+            with ThreadPoolExecutor(P) as ex:
+                list(ex.map(lambda r: marked[r].allreduce(xs[r]), range(P)))
+            for r in range(P):
+                np.testing.assert_array_equal(xs[r], ref)
+            with self.assertRaises(ValueError):
+                netdam.Group(0, eps, small_dscp=64)
+        finally:
+            for g in marked:
+                g.close()
+            for d in devices:
+                d.close()
 
     def test_allreduce_into_out(self):
         inputs = [self.data(r, 3000, np.float32) for r in range(P)]

@@ -62,13 +62,15 @@ Sparse sparse_arg(const py::object& s) {
 class PyClient {
  public:
   PyClient(const std::string& device, uint64_t rkey, double timeout, size_t max_payload, bool detect_restart,
-           const std::string& congestion)
-      : client_(connect(device, rkey, timeout, max_payload, detect_restart, congestion), "client") {}
+           const std::string& congestion, int small_dscp)
+      : client_(connect(device, rkey, timeout, max_payload, detect_restart, congestion, small_dscp), "client") {}
 
   static std::unique_ptr<Client> connect(const std::string& device, uint64_t rkey, double timeout,
-                                         size_t max_payload, bool detect_restart, const std::string& congestion) {
+                                         size_t max_payload, bool detect_restart, const std::string& congestion,
+                                         int small_dscp) {
     ClientOptions o;
     o.congestion = parse_congestion_arg(congestion);
+    o.small_dscp = small_dscp_arg(small_dscp);
     o.rkey = rkey;
     o.timeout = seconds_arg(timeout, "timeout");
     o.max_payload = max_payload;
@@ -239,7 +241,7 @@ void bind_client(py::module_& m) {
   using py::arg;
   py::class_<PyClient>(m, "Client", R"doc(
 Client(device: str, rkey: int = 1, timeout: float = 2.0, max_payload: int = 0,
-       detect_restart: bool = True, congestion: str = 'fixed')
+       detect_restart: bool = True, congestion: str = 'fixed', small_dscp: int = -1)
 
 One NetDAM device over UDP. Connecting PINGs the device (raises
 netdam.Timeout if it does not answer within `timeout` seconds).
@@ -249,6 +251,8 @@ netdam.Timeout if it does not answer within `timeout` seconds).
   before its operation fails with netdam.Timeout.
 - max_payload: bytes per packet; 0 = the device's maximum.
 - detect_restart: fail with netdam.Restarted if the device's boot id changes.
+- small_dscp: DSCP (0..63) of its datagrams of at most 512 bytes, for a
+  network that queues that class first (docs/CONGESTION.md); -1: unmarked.
 
 Every blocking call releases the GIL. A Client may be shared by threads
 (calls are serialised by a lock) but is fastest driven by one.
@@ -257,13 +261,14 @@ Every blocking call releases the GIL. A Client may be shared by threads
     c.write(0, b"hello")
     assert c.read(0, 5) == b"hello"
 )doc")
-      .def(py::init<const std::string&, uint64_t, double, size_t, bool, const std::string&>(), arg("device"),
+      .def(py::init<const std::string&, uint64_t, double, size_t, bool, const std::string&, int>(), arg("device"),
            arg("rkey") = 1, arg("timeout") = 2.0, arg("max_payload") = 0, arg("detect_restart") = true,
-           arg("congestion") = "fixed",
+           arg("congestion") = "fixed", arg("small_dscp") = -1,
            "__init__(device: str, rkey: int = 1, timeout: float = 2.0, max_payload: int = 0,\n"
-           "         detect_restart: bool = True, congestion: str = 'fixed') -> None\n\n"
+           "         detect_restart: bool = True, congestion: str = 'fixed', small_dscp: int = -1) -> None\n\n"
            "Connects to \"HOST:PORT\" and PINGs the device. congestion: the window's controller, 'fixed',\n"
-           "'depth' or 'swift' (docs/CONGESTION.md).")
+           "'depth' or 'swift' (docs/CONGESTION.md). small_dscp: DSCP of its datagrams of at most 512\n"
+           "bytes (-1: unmarked).")
       .def("close", &PyClient::close, "close() -> None\n\nCloses the socket; later calls raise ValueError.")
       .def("__enter__", [](py::object self) { return self; }, "__enter__() -> Client\n\nReturns self.")
       .def("__exit__", [](PyClient& c, py::args) { c.close(); }, "__exit__(*exc) -> None\n\nCloses it (see close()).")

@@ -27,7 +27,7 @@ class PyGroup {
   PyGroup(int rank, std::vector<std::string> devices, uint32_t admin_key, uint64_t capacity, uint64_t base,
           int slots, uint32_t key_base, double timeout, const std::string& algorithm, const std::string& shm,
           const std::string& multicast, bool sparse, std::vector<int> torus_dims, double client_timeout,
-          const std::string& congestion, uint64_t job) {
+          const std::string& congestion, int small_dscp, uint64_t job) {
     GroupOptions o;
     o.rank = rank;
     o.devices = std::move(devices);
@@ -45,6 +45,7 @@ class PyGroup {
     o.torus_dims = std::move(torus_dims);
     o.client.timeout = seconds_arg(client_timeout, "client_timeout");
     o.client.congestion = parse_congestion_arg(congestion);
+    o.client.small_dscp = small_dscp_arg(small_dscp);
     auto r = [&] {
       py::gil_scoped_release nogil;
       return Group::create(o);
@@ -182,7 +183,7 @@ Group(rank: int, devices: list[str], *, admin_key: int = 0, capacity: int = 64 <
       base: int = 0, slots: int = 2, key_base: int = 0x4E440100, timeout: float = 5.0,
       algorithm: str = 'auto', shm: str = '', multicast: str = '', sparse: bool = False,
       torus_dims: list[int] = [], client_timeout: float = 2.0, congestion: str = 'fixed',
-      job: int = 0)
+      small_dscp: int = -1, job: int = 0)
 
 Collectives executed by the devices (docs/COLLECTIVES.md). Rank r owns
 devices[r]; every rank creates a Group with the same devices and options
@@ -205,12 +206,12 @@ like.
 )doc")
       .def(py::init<int, std::vector<std::string>, uint32_t, uint64_t, uint64_t, int, uint32_t, double,
                     const std::string&, const std::string&, const std::string&, bool, std::vector<int>, double,
-                    const std::string&, uint64_t>(),
+                    const std::string&, int, uint64_t>(),
            arg("rank"), arg("devices"), py::kw_only(), arg("admin_key") = 0, arg("capacity") = 64ull << 20,
            arg("base") = 0, arg("slots") = 2, arg("key_base") = 0x4E440100u, arg("timeout") = 5.0,
            arg("algorithm") = "auto", arg("shm") = "", arg("multicast") = "", arg("sparse") = false,
            arg("torus_dims") = std::vector<int>{}, arg("client_timeout") = 2.0, arg("congestion") = "fixed",
-           arg("job") = 0,
+           arg("small_dscp") = -1, arg("job") = 0,
            "__init__(rank: int, devices: list[str], *, ...) -> None\n\n"
            "Connects to devices[rank], registers the slots (if admin_key) and waits until every device has\n"
            "them; see the class docstring for the options.")
