@@ -1121,10 +1121,13 @@ void Proxy::hop(const Endpoint& from, const core::Packet& pkt) {
 // reply-to, the client (its destination policy, PROTOCOL.md 10.7): the
 // atomic did not run.
 void Proxy::hop_refused(const Endpoint& from, const core::Header& h) {
+  if (h.status != Status::kNotPermitted || h.seg_index != 0) return;
   for (auto it = hops_.begin(); it != hops_.end(); ++it) {
     Job& j = *it->second;
     const Allocation* a = catalog_.find(j.alloc_id);
-    if (it->first.second != h.txn || !a || !(from == catalog_.devices()[a->slots[j.primary].device_id].endpoint))
+    // The refusal echoes the chain's header: txn, addr, rkey (PROTOCOL.md 10.4).
+    if (it->first.second != h.txn || h.addr != j.req.addr || h.rkey != 8 || !a ||
+        !(from == catalog_.devices()[a->slots[j.primary].device_id].endpoint))
       continue;
     spdlog::warn("device {} refuses to answer {} ({}): an atomic through the proxy needs the client's address "
                  "in the device's destination policy",
