@@ -199,8 +199,6 @@ Client::~Client() = default;
 Result<std::unique_ptr<Client>> Client::connect(std::string_view device, ClientOptions opts) {
   auto ep = transport::parse_endpoint(device);
   if (!ep) return ep.error();  // kInvalidArgument
-  if (opts.small_dscp < -1 || opts.small_dscp > 63)
-    return Error::invalid(fmt::format("small_dscp {}: -1 (off) or a DSCP 0..63", opts.small_dscp));
   transport::UdpOptions u;
   u.bind = transport::Endpoint{0, 0};
   u.spin = opts.spin;

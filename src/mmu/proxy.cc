@@ -1048,7 +1048,7 @@ void Proxy::start_atomic(Job& j) {
     j.hop_first = listen_->now();
     j.hop_rto = kHopFirstRto;
     hops_[{j.from.key(), j.req.txn}] = &j;
-    send_hop(j, *a);
+    send_hop(j, *a, j.hop_first);
     return;
   }
   bool lost = false;
@@ -1071,7 +1071,7 @@ uint32_t Proxy::hop_ip(uint32_t device_id) {
   return c.hop_ip;
 }
 
-void Proxy::send_hop(Job& j, const Allocation& a) {
+void Proxy::send_hop(Job& j, const Allocation& a, transport::TimePoint now) {
   const ExtentRow& e = a.slots[j.primary];
   const Endpoint& dev = catalog_.devices()[e.device_id].endpoint;
   core::Header fh;
@@ -1090,7 +1090,7 @@ void Proxy::send_hop(Job& j, const Allocation& a) {
                        body.data() + kSegmentSize);
   body.insert(body.end(), j.buf.begin(), j.buf.end());
   send_chain(dev, fh, {}, j.from, std::move(body), false);
-  j.hop_next = listen_->now() + j.hop_rto;
+  j.hop_next = now + j.hop_rto;
 }
 
 // The second segment of an atomic's chain, from the device that ran the
@@ -1109,12 +1109,11 @@ void Proxy::hop(const Endpoint& from, const core::Packet& pkt) {
   if (it == hops_.end()) return;  // a duplicate, or its job is over
   Job& j = *it->second;
   const Allocation* a = catalog_.find(j.alloc_id);
-  if (!a || j.hop_answered || pkt.payload.size() != 8 ||
+  if (!a || j.phase != 0 || j.hop_answered || pkt.payload.size() != 8 ||
       !(from == catalog_.devices()[a->slots[j.primary].device_id].endpoint))
     return;
   j.old_value = load_le<uint64_t>(pkt.payload.data());
   j.hop_answered = true;
-  hops_.erase(it);
 }
 
 // A device answers the chain's source (the proxy) only when it refuses the
@@ -1122,18 +1121,17 @@ void Proxy::hop(const Endpoint& from, const core::Packet& pkt) {
 // atomic did not run.
 void Proxy::hop_refused(const Endpoint& from, const core::Header& h) {
   if (h.status != Status::kNotPermitted || h.seg_index != 0) return;
-  for (auto it = hops_.begin(); it != hops_.end(); ++it) {
-    Job& j = *it->second;
+  for (const auto& [key, job] : hops_) {
+    Job& j = *job;
     const Allocation* a = catalog_.find(j.alloc_id);
     // The refusal echoes the chain's header: txn, addr, rkey (PROTOCOL.md 10.4).
-    if (it->first.second != h.txn || h.addr != j.req.addr || h.rkey != 8 || !a ||
-        !(from == catalog_.devices()[a->slots[j.primary].device_id].endpoint))
+    if (key.second != h.txn || h.addr != j.req.addr || h.rkey != 8 || j.phase != 0 || j.hop_answered ||
+        j.status != Status::kOk || !a || !(from == catalog_.devices()[a->slots[j.primary].device_id].endpoint))
       continue;
     spdlog::warn("device {} refuses to answer {} ({}): an atomic through the proxy needs the client's address "
                  "in the device's destination policy",
                  from.to_string(), j.from.to_string(), to_string(h.status));
     j.status = h.status;
-    hops_.erase(it);
     return;
   }
 }
@@ -1242,7 +1240,7 @@ bool Proxy::atomic_step(Job& j) {
         j.probe_slot = j.primary;
       }
       j.hop_rto = std::min<transport::Duration>(2 * j.hop_rto, opts_.device_timeout);
-      send_hop(j, *a);
+      send_hop(j, *a, now);
     }
     return false;
   }
@@ -1252,7 +1250,7 @@ bool Proxy::atomic_step(Job& j) {
     if (const Error& err = j.subs[0].op.error()) {
       // The atomic ran on that copy, but what the word became there is not
       // known: that copy can never be trusted again.
-      atomic_failed(j, *a, gone || err.code() == Error::Code::kRestarted ? Status::kDeviceLost : failure_status(err, j.alloc_id));
+      atomic_failed(j, *a, gone ? Status::kDeviceLost : failure_status(err, j.alloc_id));
       return j.status != Status::kOk;
     }
     j.subs.clear();
@@ -1269,7 +1267,6 @@ bool Proxy::atomic_step(Job& j) {
 // marks that copy lost (the atomic may have run there) and runs it on the
 // other, which still holds the old value.
 void Proxy::atomic_failed(Job& j, Allocation& a, Status why) {
-  if (auto it = hops_.find({j.from.key(), j.req.txn}); it != hops_.end() && it->second == &j) hops_.erase(it);
   if (a.layout.copies == 1) {
     if (why == Status::kDeviceLost) catalog_.mark_lost(a.row.id, j.primary);
     j.status = why;
@@ -1364,7 +1361,8 @@ void Proxy::settle_pieces(Job& j, Allocation* a) {
 }
 
 void Proxy::finish(Job& j) {
-  if (auto it = hops_.find({j.from.key(), j.req.txn}); it != hops_.end() && it->second == &j) hops_.erase(it);
+  if (is_atomic(j.req.opcode))
+    if (auto it = hops_.find({j.from.key(), j.req.txn}); it != hops_.end() && it->second == &j) hops_.erase(it);
   resync_written(j);
   std::vector<std::byte> payload;
   if (j.status == Status::kOk) {

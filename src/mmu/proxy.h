@@ -151,7 +151,7 @@ class Proxy {
   void start_atomic(Job& j);
   // An atomic's chain to its device, and what comes back of it to the
   // client-facing socket: the second hop with the old value, or a refusal.
-  void send_hop(Job& j, const Allocation& a);
+  void send_hop(Job& j, const Allocation& a, transport::TimePoint now);
   uint32_t hop_ip(uint32_t device_id);
   void hop(const transport::Endpoint& from, const core::Packet& pkt);
   void hop_refused(const transport::Endpoint& from, const core::Header& h);
@@ -194,7 +194,8 @@ class Proxy {
   std::vector<std::unique_ptr<Conn>> conns_;  // by device id
   std::list<std::unique_ptr<Job>> jobs_;
   std::deque<Job*> replicated_atomics_;  // run one at a time, in order
-  // Atomics waiting for their hop, by (client endpoint key, txn).
+  // Atomics started and not finished, by (client endpoint key, txn): where
+  // their hops find them.
   std::map<std::pair<uint64_t, uint64_t>, Job*> hops_;
   // Shown by an atomic chain's second segment (its rkey and aux): only the
   // chains this proxy incarnation made are taken as hops.

@@ -53,9 +53,10 @@ struct Proxy::Job {
   std::vector<Sub> subs;
   size_t pieces = 0;
   Status status = Status::kOk;
-  // Atomics (docs/POOL.md, "Atomics through the proxy"). Phase 0: the
+  // Atomics (PROTOCOL.md 17.7). Phase 0: the
   // device of copy `primary` runs it as the first segment of a chain whose
-  // second hop is the proxy, which brings the old value back (`hop_*`).
+  // second hop is the proxy, which brings the old value back (`hop_*`;
+  // the job is in Proxy::hops_ from its start to its finish).
   // A replicated allocation then reads that copy's word back (phase 1) and
   // writes it to the other copy (phase 2), one atomic at a time.
   bool replicated_atomic = false;

@@ -85,6 +85,8 @@ constexpr int kIcmpRetries = 4;
 }  // namespace
 
 Result<std::unique_ptr<UdpTransport>> UdpTransport::open(const UdpOptions& options) {
+  if (options.small_dscp < -1 || options.small_dscp > 63)
+    return Error::invalid("small_dscp " + std::to_string(options.small_dscp) + ": -1 (off) or a DSCP 0..63");
   const int fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) return fail("cannot create UDP socket: " + errno_text(errno));
   // Owns fd until the transport takes it over.
@@ -105,7 +107,6 @@ Result<std::unique_ptr<UdpTransport>> UdpTransport::open(const UdpOptions& optio
   transport->gro_ = options.gro && setsockopt(fd, IPPROTO_UDP, UDP_GRO, &one, sizeof one) == 0;
   transport->enable_recverr(options.local_backpressure);
   transport->spin_ = options.spin;
-  if (options.small_dscp > 63) return fail("small_dscp must be -1 (off) or 0..63");
   transport->small_tos_ = options.small_dscp < 0 ? -1 : options.small_dscp << 2;
 
   const sockaddr_in bind_addr = to_sockaddr(options.bind);

@@ -54,7 +54,8 @@ struct UdpOptions {
   // switch with a priority queue for that class then serves them ahead of
   // the bulk datagrams queued in front of a busy port, as Homa and pFabric
   // give short messages priority (docs/CONGESTION.md, "Small datagrams
-  // first"). Larger datagrams keep the default class.
+  // first"). Larger datagrams keep the default class. open() refuses
+  // anything else (kInvalidArgument).
   int small_dscp = -1;
 };
 

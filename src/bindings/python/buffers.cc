@@ -187,11 +187,6 @@ Algorithm parse_algorithm_arg(const std::string& a) {
   throw py::value_error("algorithm: '" + a + "' (auto, ring, direct, torus)");
 }
 
-int small_dscp_arg(int d) {
-  if (d < -1 || d > 63) throw py::value_error("small_dscp: " + std::to_string(d) + " (-1: unmarked, or a DSCP 0..63)");
-  return d;
-}
-
 Congestion parse_congestion_arg(const std::string& c) {
   if (auto v = parse_congestion(c)) return *v;
   throw py::value_error("congestion: '" + c + "' (fixed, depth, swift)");

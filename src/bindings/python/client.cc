@@ -70,7 +70,7 @@ class PyClient {
                                          int small_dscp) {
     ClientOptions o;
     o.congestion = parse_congestion_arg(congestion);
-    o.small_dscp = small_dscp_arg(small_dscp);
+    o.small_dscp = small_dscp;  // checked by the transport (InvalidArgument, a ValueError)
     o.rkey = rkey;
     o.timeout = seconds_arg(timeout, "timeout");
     o.max_payload = max_payload;

@@ -125,7 +125,6 @@ RedOp parse_redop_arg(const std::string& op);           // sum, min, max
 Reduction parse_reduction_arg(const std::string& op);   // sum, min, max, avg
 Algorithm parse_algorithm_arg(const std::string& a);    // auto, ring, direct, torus
 Congestion parse_congestion_arg(const std::string& c);  // fixed, depth, swift
-int small_dscp_arg(int d);                               // -1 or 0..63, else ValueError
 std::chrono::milliseconds seconds_arg(double seconds, const char* what);
 // A Python int as a 64-bit word: negative values wrap (two's complement).
 uint64_t word_arg(py::handle v, const char* what);

@@ -45,7 +45,7 @@ class PyGroup {
     o.torus_dims = std::move(torus_dims);
     o.client.timeout = seconds_arg(client_timeout, "client_timeout");
     o.client.congestion = parse_congestion_arg(congestion);
-    o.client.small_dscp = small_dscp_arg(small_dscp);
+    o.client.small_dscp = small_dscp;
     auto r = [&] {
       py::gil_scoped_release nogil;
       return Group::create(o);
