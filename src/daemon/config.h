@@ -31,7 +31,8 @@ struct DaemonConfig {
   // (transport::UdpOptions::spin); 0 never spins.
   unsigned spin_us = 100;
   // DSCP of the small datagrams it sends (transport::UdpOptions::small_dscp);
-  // -1 marks nothing.
+  // -1 marks nothing. Set, it also serves the small datagrams of each
+  // received batch before the large ones (device::DeviceLoop).
   int small_dscp = -1;
   // Unset: payload_for_mtu() of the listen interface's MTU (netdamd does
   // that at start), kDefaultMaxPayload if the MTU cannot be learned.

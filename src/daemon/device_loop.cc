@@ -11,18 +11,20 @@ transport::Endpoint to_transport(const core::Address& a) { return {a.ip, a.port}
 }  // namespace
 
 DeviceLoop::DeviceLoop(core::Device& device, transport::Transport& transport,
-                       metrics::LatencyShard* latency)
+                       metrics::LatencyShard* latency, bool small_first)
     : engine_(device),
       transport_(transport),
       rx_(kBatch * kRxBufferSize),
       out_size_(core::Engine::out_buffer_size(device.config())),
       in_(kBatch),
-      latency_(latency) {
+      latency_(latency),
+      small_first_(small_first) {
   out_.resize(kBatch * out_size_);
   for (size_t i = 0; i < kBatch; ++i)
     in_[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);
   send_.reserve(kBatch);
   batch_ops_.reserve(kBatch);
+  large_.reserve(kBatch);
 }
 
 size_t DeviceLoop::poll_once(transport::Duration timeout) {
@@ -39,28 +41,43 @@ size_t DeviceLoop::poll_once(transport::Duration timeout) {
   send_.clear();
   fanout_.clear();
   if (n > 0) engine_.set_backlog(backlog());
+  large_.clear();
   for (size_t i = 0; i < n; ++i) {
-    auto& m = in_[i];
-    auto out = std::span(out_).subspan(i * out_size_, out_size_);
-    core::Action a = engine_.handle(to_core(m.from), m.data(), out);
-    if (timed && engine_.last_opcode() >= 0) batch_ops_.push_back(static_cast<uint8_t>(engine_.last_opcode()));
-    if (a.kind != core::Action::Kind::kNone)
-      send_.push_back(transport::OutMsg{to_transport(a.to), {a.head, a.data}});
-    for (const core::Fanout& f : engine_.fanout()) {  // a completed aggregation's other answers
-      const core::Fanout& kept = fanout_.emplace_back(f);  // a deque: earlier ones stay put
-      send_.push_back(transport::OutMsg{to_transport(kept.to), {kept.head, kept.data}});
+    if (small_first_ && in_[i].data().size() + transport::kTrailerSize > transport::kSmallDatagram) {
+      large_.push_back(i);
+      continue;
     }
+    serve(i);
+  }
+  if (!large_.empty()) {
+    if (large_.size() < n) flush();  // the small ones' answers leave first
+    for (size_t i : large_) serve(i);
   }
   // Answers point into rx_, out_ and device memory: send before the next recv.
-  transport::group_by_peer(send_);
-  for (size_t sent = 0; sent < send_.size();)
-    sent += transport_.send_batch(std::span(send_).subspan(sent));
+  flush();
   if (timed) {
     const auto took = std::chrono::duration_cast<std::chrono::nanoseconds>(transport_.now() - received);
     latency_->observe(batch_ops_, static_cast<uint64_t>(took.count()));
   }
   release_parked(engine_, transport_, parked_out_);
   return n;
+}
+
+void DeviceLoop::serve(size_t i) {
+  auto out = std::span(out_).subspan(i * out_size_, out_size_);
+  core::Action a = engine_.handle(to_core(in_[i].from), in_[i].data(), out);
+  if (latency_ != nullptr && engine_.last_opcode() >= 0) batch_ops_.push_back(static_cast<uint8_t>(engine_.last_opcode()));
+  if (a.kind != core::Action::Kind::kNone) send_.push_back(transport::OutMsg{to_transport(a.to), {a.head, a.data}});
+  for (const core::Fanout& f : engine_.fanout()) {  // a completed aggregation's other answers
+    const core::Fanout& kept = fanout_.emplace_back(f);  // a deque: earlier ones stay put
+    send_.push_back(transport::OutMsg{to_transport(kept.to), {kept.head, kept.data}});
+  }
+}
+
+void DeviceLoop::flush() {
+  transport::group_by_peer(send_);
+  for (size_t sent = 0; sent < send_.size();) sent += transport_.send_batch(std::span(send_).subspan(sent));
+  send_.clear();
 }
 
 uint8_t DeviceLoop::backlog() {

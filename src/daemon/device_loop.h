@@ -21,8 +21,16 @@ class DeviceLoop {
   // With `latency` (netdamd --metrics), each batch's requests are timed
   // from their receipt to their answers' hand-over to the transport; without
   // it the loop reads no clock.
+  //
+  // With `small_first`, a batch's small datagrams (transport::kSmallDatagram:
+  // READ requests, PINGs, acknowledgements of chains) run and are answered
+  // before its large ones, in the order each class arrived: a READ that
+  // landed behind 63 bulk WRITEs does not wait for them. It is the device's
+  // half of the priority class that small_dscp marks for the switch
+  // (docs/CONGESTION.md), which lets small datagrams overtake large ones on
+  // the way already.
   DeviceLoop(core::Device& device, transport::Transport& transport,
-             metrics::LatencyShard* latency = nullptr);
+             metrics::LatencyShard* latency = nullptr, bool small_first = false);
 
   // Receives one batch (waiting up to `timeout` for its first datagram),
   // executes it and sends what it produced. Returns datagrams handled.
@@ -39,6 +47,8 @@ class DeviceLoop {
 
  private:
   uint8_t backlog();  // the depth this batch's answers report
+  void serve(size_t i);  // runs datagram i of the batch; its answers join send_
+  void flush();          // sends send_
 
   core::Engine engine_;
   transport::Transport& transport_;
@@ -52,6 +62,8 @@ class DeviceLoop {
   uint64_t integrity_drops_seen_ = 0;  // transport_.integrity_drops() already counted in STATS
   metrics::LatencyShard* latency_;
   std::vector<uint8_t> batch_ops_;  // opcodes of this batch's requests, for latency_
+  bool small_first_;
+  std::vector<size_t> large_;  // with small_first_: the batch's large datagrams, served second
 };
 
 }  // namespace netdam::device

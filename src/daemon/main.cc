@@ -63,7 +63,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1'000'000));
   app.add_option("--small-dscp", small_dscp,
                  "mark the datagrams of at most 512 bytes it sends (answers without data, small reads) with "
-                 "this DSCP, for a switch that serves that class first (default -1: unmarked)")
+                 "this DSCP, for a switch that serves that class first, and serve the small datagrams of each batch it "
+                 "receives before the large ones (default -1: unmarked, in arrival order)")
       ->check(CLI::Range(-1, 63));
   app.add_option("--max-payload", max_payload, "largest payload in bytes (default: the largest power of two whose datagram fits the listen interface's MTU: 1024 for 1500, 8192 for 9000, 32768 on loopback)");
   bool prefault = false, no_default_region = false;
@@ -309,7 +310,9 @@ int main(int argc, char** argv) {
   std::vector<std::thread> workers;
   for (size_t i = 0; i < loops.size(); ++i)
     workers.emplace_back(
-        [&dev, &stop, t = loops[i], shard = shards[i]] { device::DeviceLoop(dev, *t, shard).run(stop); });
+        [&dev, &stop, t = loops[i], shard = shards[i], small_first = cfg.small_dscp >= 0] {
+          device::DeviceLoop(dev, *t, shard, small_first).run(stop);
+        });
 
   spdlog::info("netdamd listening on {} with {} of memory{} ({} thread{}, max payload {} B {}, "
                "boot id {:#010x}, SIMD {})",

@@ -45,6 +45,11 @@ using Duration = std::chrono::nanoseconds;
 // no code above the transport ever sees it.
 inline constexpr size_t kTrailerSize = 4;
 
+// What counts as a small datagram, bytes: marked with UdpOptions::small_dscp
+// on the way out, and served first in a device's batch when it is set
+// (device::DeviceLoop).
+inline constexpr size_t kSmallDatagram = 512;
+
 // A datagram to send, gathered from pieces (header + data) so that a READ
 // answer can go straight from device memory to the socket, and a gathered
 // WRITE from the runs of the caller's buffer. parts[2] is the integrity

@@ -59,9 +59,6 @@ struct UdpOptions {
   int small_dscp = -1;
 };
 
-// What UdpOptions::small_dscp counts as small, datagram bytes.
-inline constexpr size_t kSmallDatagram = 512;
-
 // The address this host sends from toward peer_ip (the route's source),
 // as the kernel picks it; kTransport Error if there is no route.
 Result<uint32_t> source_ip_toward(uint32_t peer_ip);
