@@ -297,6 +297,70 @@ TEST_F(PoolProxyTest, ProxyRestartKeepsState) {
   EXPECT_EQ(nak_status(pool_->get(a.base, got, a.key)), Status::kNoSuchAllocation);
 }
 
+// POOL_ALLOC and POOL_FREE answered just before the proxy crashed, and
+// retransmitted by their client to the restarted proxy (same socket, same
+// txn, same bytes): the same answer again, and nothing run twice. Without
+// the answers kept in the state file, the second POOL_ALLOC was refused
+// (the name exists: an allocation nobody holds the key of) and the second
+// POOL_FREE answered NO_SUCH_ALLOCATION.
+TEST_F(PoolProxyTest, ControlRetriedAcrossProxyRestartRunsOnce) {
+  TempDir dir;
+  Start(2, {"--state", dir.file("pool.db")});
+  auto opened = transport::UdpTransport::open(transport::UdpOptions{.bind = {0x7F000001, 0}});
+  ASSERT_TRUE(opened) << opened.error().message();
+  auto sock = std::move(*opened);
+  std::vector<std::byte> rx(kRxBufferSize);
+  // Sends `payload` with `op` and `txn`; the answer datagram, whole.
+  auto ask = [&](Opcode op, uint64_t txn, const std::vector<std::byte>& payload) -> std::string {
+    auto to = transport::parse_endpoint(mmu_.endpoint());
+    EXPECT_TRUE(to);
+    if (!to) return {};
+    core::Header h;
+    h.opcode = op;
+    h.txn = txn;
+    h.length = static_cast<uint32_t>(payload.size());
+    std::array<std::byte, kHeaderSize> head;
+    core::encode_header(h, head.data());
+    transport::OutMsg m{*to, {std::span<const std::byte>(head), std::span<const std::byte>(payload)}};
+    sock->send_batch({&m, 1});
+    transport::InMsg in;
+    in.buf = rx;
+    if (sock->recv_batch({&in, 1}, 2000ms) != 1) return "(no answer)";
+    return std::string(reinterpret_cast<const char*>(rx.data()), in.len);
+  };
+  auto status_of = [](const std::string& d) {
+    return d.size() < kHeaderSize ? Status::kBadLength : core::decode_header(reinterpret_cast<const std::byte*>(d.data())).status;
+  };
+  const auto alloc = pool::encode(pool::AllocRequest{8192, 0, pool::Policy::kInterleaved, 0, pool::kAnyDevice, "once"});
+  const std::string first = ask(Opcode::kPoolAlloc, 5000, alloc);
+  ASSERT_EQ(status_of(first), Status::kOk);
+  ASSERT_TRUE(mmu_.crash_and_restart()) << mmu_.error();
+  EXPECT_EQ(ask(Opcode::kPoolAlloc, 5000, alloc), first) << mmu_.log();
+  auto all = pool_->list();
+  ASSERT_TRUE(all);
+  ASSERT_EQ(all->size(), 1u);
+  // The record in the answer is the allocation's: its key works.
+  const auto rec = pool::decode_record(
+      std::span(reinterpret_cast<const std::byte*>(first.data()) + kHeaderSize, first.size() - kHeaderSize));
+  ASSERT_TRUE(rec);
+  auto looked_up = pool_->lookup("once");
+  ASSERT_TRUE(looked_up);
+  EXPECT_EQ(rec->key, looked_up->key);
+  std::vector<std::byte> data(8192, std::byte{0x3c}), back(8192);
+  ASSERT_FALSE(pool_->put(rec->base, data, rec->key));
+  ASSERT_FALSE(pool_->get(rec->base, back, rec->key));
+  EXPECT_TRUE(back == data);
+
+  const std::string freed = ask(Opcode::kPoolFree, 5001, pool::encode_name("once"));
+  ASSERT_EQ(status_of(freed), Status::kOk);
+  ASSERT_TRUE(mmu_.crash_and_restart()) << mmu_.error();
+  EXPECT_EQ(ask(Opcode::kPoolFree, 5001, pool::encode_name("once")), freed) << mmu_.log();
+  EXPECT_EQ(pool_->list()->size(), 0u);
+  // A new txn runs: the name is free again.
+  EXPECT_EQ(status_of(ask(Opcode::kPoolAlloc, 5002, alloc)), Status::kOk);
+  EXPECT_EQ(pool_->list()->size(), 1u);
+}
+
 // A device killed mid-stream: its non-replicated allocation fails fast and
 // precisely; a replicated one keeps serving reads and writes.
 TEST_F(PoolProxyTest, DeviceKilled) {

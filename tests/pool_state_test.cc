@@ -152,3 +152,55 @@ TEST(PoolState, PlanIsAllOrNothing) {
   Alloc(*c, Req("y", 4096));
   EXPECT_EQ(refusal(Req("y", 4096)), Status::kAlreadyExists);
 }
+
+// The answers of POOL_ALLOC and POOL_FREE persist with their change (the
+// record for an allocation, nothing for a free), oldest first, and only
+// the newest kAnsweredPerRequester of one requester are kept.
+TEST(PoolState, AnswersPersistWithTheirChange) {
+  TempDir dir;
+  const std::string db = dir.file("s.db");
+  pool::AllocRecord rec;
+  {
+    auto c = Open(db, 2);
+    auto plan = c->plan(Req("x", 4096), 0xF000000000000001, 9);
+    ASSERT_TRUE(plan);
+    AnsweredRequest alloc{0xFFFF000000001234, 0x8000000000000005, 0x60, 0, {}};
+    ASSERT_TRUE(c->commit(*plan, &alloc).is_ok());
+    auto decoded = pool::decode_record(alloc.payload);
+    ASSERT_TRUE(decoded);
+    rec = *decoded;
+    EXPECT_EQ(rec.key, 0xF000000000000001u);
+    EXPECT_EQ(rec.name, "x");
+    const AnsweredRequest freed{0xFFFF000000001234, 0x8000000000000006, 0x61, 0, {}};
+    ASSERT_TRUE(c->free(plan->alloc.row.id, {}, &freed).is_ok());
+  }
+  {
+    auto c = Open(db);
+    std::vector<AnsweredRequest> got = c->take_answered();
+    ASSERT_EQ(got.size(), 2u);
+    EXPECT_EQ(got[0].requester, 0xFFFF000000001234u);
+    EXPECT_EQ(got[0].txn, 0x8000000000000005u);
+    EXPECT_EQ(got[0].opcode, 0x60);
+    auto decoded = pool::decode_record(got[0].payload);
+    ASSERT_TRUE(decoded);
+    EXPECT_EQ(decoded->base, rec.base);
+    EXPECT_EQ(decoded->key, rec.key);
+    EXPECT_EQ(got[1].txn, 0x8000000000000006u);
+    EXPECT_EQ(got[1].opcode, 0x61);
+    EXPECT_TRUE(got[1].payload.empty());
+    EXPECT_TRUE(c->take_answered().empty());  // handed over once
+    // One requester's many: only the newest are kept; another's stay.
+    for (uint64_t i = 0; i < StateStore::kAnsweredPerRequester + 10; ++i) {
+      auto plan = c->plan(Req("n" + std::to_string(i), 1), 1000 + i, 9);
+      ASSERT_TRUE(plan);
+      AnsweredRequest a{7, 100 + i, 0x60, 0, {}};
+      ASSERT_TRUE(c->commit(*plan, &a).is_ok());
+    }
+  }
+  auto c = Open(db);
+  std::vector<AnsweredRequest> got = c->take_answered();
+  ASSERT_EQ(got.size(), 2u + StateStore::kAnsweredPerRequester);
+  EXPECT_EQ(got[0].requester, 0xFFFF000000001234u);
+  EXPECT_EQ(got[2].txn, 100u + 10);
+  EXPECT_EQ(got.back().txn, 100u + StateStore::kAnsweredPerRequester + 9);
+}

@@ -28,6 +28,7 @@ Error Catalog::load() {
   auto st = store_->load();
   if (!st) return st.error();
   next_id_ = st->meta.count("next_id") ? st->meta["next_id"] : 1;
+  answered_ = std::move(st->answered);
   if (st->meta.count("pool_id")) {
     pool_id_ = st->meta["pool_id"];
   } else {
@@ -168,12 +169,16 @@ void Catalog::abort(const Plan& p) {
   for (const auto& e : p.alloc.slots) devices_[e.device_id].space.release(e.base, e.length);
 }
 
-Error Catalog::commit(Plan& p) {
+Error Catalog::commit(Plan& p, AnsweredRequest* answered) {
   const uint64_t id = next_id_;
   p.alloc.row.id = id;
   for (auto& e : p.alloc.slots) e.alloc_id = id;
+  if (answered) {
+    answered->payload.clear();
+    pool::append(record(p.alloc), answered->payload);
+  }
   if (store_)
-    if (Error e = store_->insert_allocation(p.alloc.row, p.alloc.slots, id + 1))
+    if (Error e = store_->insert_allocation(p.alloc.row, p.alloc.slots, id + 1, answered))
       return e.prefixed("state file: ");
   next_id_ = id + 1;  // never reused, even after free
   by_name_[p.alloc.row.name] = id;
@@ -181,11 +186,11 @@ Error Catalog::commit(Plan& p) {
   return Error::ok();
 }
 
-Error Catalog::free(uint64_t id, const std::vector<uint32_t>& releasing_slots) {
+Error Catalog::free(uint64_t id, const std::vector<uint32_t>& releasing_slots, const AnsweredRequest* answered) {
   auto it = allocs_.find(id);
   if (it == allocs_.end()) return Error::invalid(fmt::format("no allocation {}", id));
   if (store_)
-    if (Error e = store_->delete_allocation(id, releasing_slots)) return e.prefixed("state file: ");
+    if (Error e = store_->delete_allocation(id, releasing_slots, answered)) return e.prefixed("state file: ");
   for (auto& e : it->second.slots) {
     if (std::find(releasing_slots.begin(), releasing_slots.end(), e.slot) != releasing_slots.end()) {
       e.state = ExtentState::kReleasing;

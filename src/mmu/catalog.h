@@ -65,15 +65,19 @@ class Catalog {
   // `key` is the allocation's, `device_key` that of its regions on the devices.
   Result<Plan> plan(const pool::AllocRequest& req, uint64_t key, uint32_t device_key);
   // Persists a planned allocation (assigning its id); a kTransport Error if
-  // the state file cannot be written (nothing kept).
-  Error commit(Plan& p);
+  // the state file cannot be written (nothing kept). With `answered`, its
+  // payload becomes the allocation's record (POOL_ALLOC's answer) and it is
+  // persisted with the allocation.
+  Error commit(Plan& p, AnsweredRequest* answered = nullptr);
   // Gives the extents of a plan back.
   void abort(const Plan& p);
   // Forgets an allocation. Extents on devices in `releasing` (down: their
   // regions could not be deleted) stay reserved, kReleasing, until
   // release() is called for them. An Error if there is no such allocation
   // (kInvalidArgument) or the state file cannot be written (kTransport).
-  Error free(uint64_t id, const std::vector<uint32_t>& releasing_slots);
+  Error free(uint64_t id, const std::vector<uint32_t>& releasing_slots, const AnsweredRequest* answered = nullptr);
+  // The control answers the state file held at load(), oldest first (once).
+  std::vector<AnsweredRequest> take_answered() { return std::move(answered_); }
   std::vector<ExtentRow>& releasing() { return releasing_; }
   bool release(const ExtentRow& e);
 
@@ -100,6 +104,7 @@ class Catalog {
   std::map<uint64_t, Allocation> allocs_;
   std::map<std::string, uint64_t> by_name_;
   std::vector<ExtentRow> releasing_;
+  std::vector<AnsweredRequest> answered_;
   uint64_t next_id_ = 1;
   uint64_t pool_id_ = 0;
 };

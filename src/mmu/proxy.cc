@@ -71,6 +71,11 @@ Result<std::unique_ptr<Proxy>> Proxy::create(const ProxyOptions& o) {
   }
   std::unique_ptr<Proxy> p(new Proxy(o, std::move(store)));
   if (Error e = p->catalog_.load()) return e;
+  // POOL_ALLOC and POOL_FREE answered before a restart are answered again,
+  // not run again, when a client retransmits them.
+  for (AnsweredRequest& r : p->catalog_.take_answered())
+    p->replay_.restore(r.requester, r.txn, static_cast<Opcode>(r.opcode), static_cast<Status>(r.status),
+                       std::move(r.payload));
   for (const auto& d : o.devices)
     if (auto added = p->catalog_.add_device(d); !added) return added.error().prefixed("--device " + d + ": ");
   if (p->catalog_.devices().empty()) return Error::invalid("no devices: give at least one --device HOST:PORT");
@@ -350,9 +355,10 @@ void Proxy::control(const Endpoint& from, const core::Header& h, std::span<const
   }
   Status s = Status::kOk;
   std::vector<std::byte> out;
+  AnsweredRequest answered{requester, h.txn, static_cast<uint8_t>(h.opcode), 0, {}};
   switch (h.opcode) {
-    case Opcode::kPoolAlloc: out = pool_alloc(payload, &s); break;
-    case Opcode::kPoolFree: s = pool_free(payload); break;
+    case Opcode::kPoolAlloc: out = pool_alloc(payload, &s, answered); break;
+    case Opcode::kPoolFree: s = pool_free(payload, answered); break;
     case Opcode::kPoolLookup: {
       auto name = pool::decode_name(payload);
       Allocation* a = name ? catalog_.find(*name) : nullptr;
@@ -379,7 +385,7 @@ void Proxy::control(const Endpoint& from, const core::Header& h, std::span<const
   reply(from, h, s, out);
 }
 
-std::vector<std::byte> Proxy::pool_alloc(std::span<const std::byte> payload, Status* s) {
+std::vector<std::byte> Proxy::pool_alloc(std::span<const std::byte> payload, Status* s, AnsweredRequest& answered) {
   auto req = pool::decode_alloc_request(payload);
   if (!req) {
     *s = Status::kBadPayload;
@@ -409,16 +415,14 @@ std::vector<std::byte> Proxy::pool_alloc(std::span<const std::byte> payload, Sta
       err = c->region_add(opts_.device_admin_key, RegionInfo{e.base, e.length, device_key, 3});
       if (err) break;
     }
-    if (!err) err = catalog_.commit(*plan);
+    if (!err) err = catalog_.commit(*plan, &answered);
     if (!err) {
       const Allocation& a = *catalog_.find(plan->alloc.row.id);
       spdlog::info("POOL_ALLOC '{}': id {}, {} B, {}, stripe {} B over {} device(s), {} cop{}", a.row.name, a.row.id,
                    a.row.size, pool::to_string(req->policy), a.row.stripe, a.row.slots, a.row.copies,
                    a.row.copies == 1 ? "y" : "ies");
       *s = Status::kOk;
-      std::vector<std::byte> out;
-      pool::append(catalog_.record(a), out);
-      return out;
+      return answered.payload;  // the allocation's record
     }
     for (size_t i = 0; i < done; ++i) {
       const ExtentRow& e = plan->alloc.slots[i];
@@ -438,7 +442,7 @@ std::vector<std::byte> Proxy::pool_alloc(std::span<const std::byte> payload, Sta
   return {};
 }
 
-Status Proxy::pool_free(std::span<const std::byte> payload) {
+Status Proxy::pool_free(std::span<const std::byte> payload, AnsweredRequest& answered) {
   auto name = pool::decode_name(payload);
   if (!name) return Status::kBadPayload;
   Allocation* a = catalog_.find(*name);
@@ -453,7 +457,7 @@ Status Proxy::pool_free(std::span<const std::byte> payload) {
   }
   const uint64_t id = a->row.id;
   opt_configs_.erase(id);
-  if (Error e = catalog_.free(id, releasing)) {
+  if (Error e = catalog_.free(id, releasing, &answered)) {
     spdlog::error("POOL_FREE '{}': {}", *name, e.message());
     return Status::kUnavailable;
   }

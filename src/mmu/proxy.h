@@ -108,8 +108,10 @@ class Proxy {
   void answer_ping(const transport::Endpoint& to, const core::Header& h);
   void answer_stats(const transport::Endpoint& to, const core::Header& h);
   void control(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload);
-  std::vector<std::byte> pool_alloc(std::span<const std::byte> payload, Status* s);
-  Status pool_free(std::span<const std::byte> payload);
+  // `answered` (requester and txn set) is persisted with the change, its
+  // payload and status filled in (StateStore::AnsweredRequest).
+  std::vector<std::byte> pool_alloc(std::span<const std::byte> payload, Status* s, AnsweredRequest& answered);
+  Status pool_free(std::span<const std::byte> payload, AnsweredRequest& answered);
   void data(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload);
   // A request with DIRECT that the devices can answer themselves: sent on
   // as one-segment chains whose reply-to is the client (PROTOCOL.md 17.5).

@@ -42,4 +42,10 @@ void ProxyReplay::forget(uint64_t requester, uint64_t txn) {
   if (auto it = reqs_.find(requester); it != reqs_.end()) it->second.entries.erase(txn);
 }
 
+void ProxyReplay::restore(uint64_t requester, uint64_t txn, Opcode op, Status status,
+                          std::vector<std::byte> payload) {
+  const Answer* remembered = nullptr;
+  if (check(requester, txn, op, &remembered) == Verdict::kExecute) done(requester, txn, status, std::move(payload));
+}
+
 }  // namespace netdam::mmu

@@ -1,5 +1,5 @@
 // Exactly-once for the proxy's non-idempotent requests (atomics,
-// POOL_ALLOC, POOL_FREE), with the device's semantics (PROTOCOL.md 9.2):
+// POOL_ALLOC, POOL_FREE, ...), with the device's semantics (PROTOCOL.md 9.2):
 // per requester (source address and port), the last `window` txns and
 // their outcomes. A retransmission of a request still in flight is dropped
 // (its answer is coming); one that is done gets the remembered answer.
@@ -33,6 +33,9 @@ class ProxyReplay {
   void done(uint64_t requester, uint64_t txn, Status status, std::vector<std::byte> payload);
   // Not remembered after all: the next copy of the request is executed.
   void forget(uint64_t requester, uint64_t txn);
+  // An outcome from before a restart (the state file's), as if check() and
+  // done() had run for it; one already below the window is not kept.
+  void restore(uint64_t requester, uint64_t txn, Opcode op, Status status, std::vector<std::byte> payload);
   size_t requesters() const { return reqs_.size(); }
 
  private:

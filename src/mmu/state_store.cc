@@ -2,6 +2,7 @@
 
 #include <sqlite3.h>
 
+#include <span>
 #include <utility>
 
 namespace netdam::mmu {
@@ -19,6 +20,9 @@ CREATE TABLE IF NOT EXISTS extents(
   alloc_id INTEGER NOT NULL, slot INTEGER NOT NULL, device_id INTEGER NOT NULL, base INTEGER NOT NULL,
   length INTEGER NOT NULL, boot INTEGER NOT NULL, key INTEGER NOT NULL, state INTEGER NOT NULL,
   PRIMARY KEY(alloc_id, slot));
+CREATE TABLE IF NOT EXISTS answered(
+  requester INTEGER NOT NULL, txn INTEGER NOT NULL, opcode INTEGER NOT NULL, status INTEGER NOT NULL,
+  payload BLOB NOT NULL, PRIMARY KEY(requester, txn));
 )sql";
 
 // A prepared statement, finalized on scope exit. SQLite integers are
@@ -34,6 +38,12 @@ class Stmt {
     ok_ = ok_ && sqlite3_bind_int64(s_, i, static_cast<sqlite3_int64>(v)) == SQLITE_OK;
     return *this;
   }
+  Stmt& bind(int i, std::span<const std::byte> v) {  // empty: a zero-length blob, not NULL
+    ok_ = ok_ && (v.empty() ? sqlite3_bind_zeroblob(s_, i, 0)
+                            : sqlite3_bind_blob(s_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT)) ==
+                     SQLITE_OK;
+    return *this;
+  }
   Stmt& bind(int i, const std::string& v) {
     ok_ = ok_ && sqlite3_bind_text(s_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT) == SQLITE_OK;
     return *this;
@@ -42,6 +52,10 @@ class Stmt {
   int step() { return ok_ ? sqlite3_step(s_) : SQLITE_ERROR; }
   bool run() { return step() == SQLITE_DONE; }
   uint64_t u64(int col) const { return static_cast<uint64_t>(sqlite3_column_int64(s_, col)); }
+  std::vector<std::byte> blob(int col) const {
+    const auto* p = static_cast<const std::byte*>(sqlite3_column_blob(s_, col));
+    return p ? std::vector<std::byte>(p, p + sqlite3_column_bytes(s_, col)) : std::vector<std::byte>();
+  }
   std::string text(int col) const {
     const auto* p = sqlite3_column_text(s_, col);
     return p ? std::string(reinterpret_cast<const char*>(p)) : std::string();
@@ -136,6 +150,14 @@ Result<StoredState> StateStore::load() {
     }
     if (rc != SQLITE_DONE) goto fail;
   }
+  {
+    Stmt q(db_, "SELECT requester, txn, opcode, status, payload FROM answered ORDER BY rowid");
+    int rc;
+    while ((rc = q.step()) == SQLITE_ROW)
+      st.answered.push_back(AnsweredRequest{q.u64(0), q.u64(1), static_cast<uint8_t>(q.u64(2)),
+                                            static_cast<uint8_t>(q.u64(3)), q.blob(4)});
+    if (rc != SQLITE_DONE) goto fail;
+  }
   return st;
 fail:
   return Error::transport(std::string("reading the state file: ") + sqlite3_errmsg(db_));
@@ -170,8 +192,24 @@ bool insert_extent(sqlite3* db, const ExtentRow& e) {
 }
 }  // namespace
 
+// Inside a transaction: the answer, and the oldest beyond the bounds gone.
+bool StateStore::insert_answered(const AnsweredRequest& r) {
+  Stmt ins(db_, "INSERT OR REPLACE INTO answered(requester, txn, opcode, status, payload) VALUES(?, ?, ?, ?, ?)");
+  Stmt mine(db_,
+            "DELETE FROM answered WHERE requester = ?1 AND rowid NOT IN "
+            "(SELECT rowid FROM answered WHERE requester = ?1 ORDER BY rowid DESC LIMIT ?2)");
+  Stmt all(db_, "DELETE FROM answered WHERE rowid NOT IN (SELECT rowid FROM answered ORDER BY rowid DESC LIMIT ?1)");
+  if (ins.bind(1, r.requester).bind(2, r.txn).bind(3, uint64_t{r.opcode}).bind(4, uint64_t{r.status})
+          .bind(5, std::span<const std::byte>(r.payload)).run() &&
+      mine.bind(1, r.requester).bind(2, uint64_t{kAnsweredPerRequester}).run() &&
+      all.bind(1, uint64_t{kAnsweredKept}).run())
+    return true;
+  error_ = sqlite3_errmsg(db_);
+  return false;
+}
+
 Error StateStore::insert_allocation(const AllocationRow& a, const std::vector<ExtentRow>& extents,
-                                    uint64_t next_id) {
+                                    uint64_t next_id, const AnsweredRequest* answered) {
   error_.clear();
   if (!begin()) return failed();
   {
@@ -184,10 +222,12 @@ Error StateStore::insert_allocation(const AllocationRow& a, const std::vector<Ex
   for (const auto& e : extents)
     if (!insert_extent(db_, e)) return rollback();
   if (!set_meta_row("next_id", next_id)) return rollback();
+  if (answered && !insert_answered(*answered)) return rollback();
   return commit() ? Error::ok() : rollback();
 }
 
-Error StateStore::delete_allocation(uint64_t id, const std::vector<uint32_t>& releasing_slots) {
+Error StateStore::delete_allocation(uint64_t id, const std::vector<uint32_t>& releasing_slots,
+                                    const AnsweredRequest* answered) {
   error_.clear();
   if (!begin()) return failed();
   {
@@ -202,6 +242,7 @@ Error StateStore::delete_allocation(uint64_t id, const std::vector<uint32_t>& re
     Stmt q(db_, "DELETE FROM extents WHERE alloc_id = ? AND state != ?");
     if (!q.bind(1, id).bind(2, static_cast<uint64_t>(ExtentState::kReleasing)).run()) return rollback();
   }
+  if (answered && !insert_answered(*answered)) return rollback();
   return commit() ? Error::ok() : rollback();
 }
 

@@ -49,11 +49,23 @@ struct AllocationRow {
   uint64_t key = 0;  // the allocation key clients show the proxy (64-bit, PROTOCOL.md 17)
 };
 
+// The answer to a POOL_ALLOC or POOL_FREE, written in the transaction of
+// the change it made: a client's retransmission that reaches a restarted
+// proxy gets this answer again instead of a second run (PROTOCOL.md 17).
+struct AnsweredRequest {
+  uint64_t requester = 0;  // the client's transport::Endpoint::key()
+  uint64_t txn = 0;
+  uint8_t opcode = 0;
+  uint8_t status = 0;
+  std::vector<std::byte> payload;
+};
+
 struct StoredState {
   std::map<std::string, uint64_t> meta;  // next_id, pool_id
   std::vector<DeviceRow> devices;
   std::vector<AllocationRow> allocations;
   std::vector<ExtentRow> extents;  // of live allocations and releasing ones
+  std::vector<AnsweredRequest> answered;  // oldest first
 };
 
 class StateStore {
@@ -69,12 +81,21 @@ class StateStore {
   Result<StoredState> load();
 
   // Each call is one transaction; on failure a kTransport Error with
-  // SQLite's message, and nothing changed.
+  // SQLite's message, and nothing changed. `answered`, if given, is kept
+  // in the same transaction as the change it answers; the store keeps the
+  // newest kAnsweredPerRequester of a requester and kAnsweredKept in all.
   Error set_meta(const std::string& key, uint64_t value);
   Error put_device(const DeviceRow& d);
-  Error insert_allocation(const AllocationRow& a, const std::vector<ExtentRow>& extents, uint64_t next_id);
+  Error insert_allocation(const AllocationRow& a, const std::vector<ExtentRow>& extents, uint64_t next_id,
+                          const AnsweredRequest* answered = nullptr);
   // Deletes the allocation; its extents in `releasing` stay, marked kReleasing.
-  Error delete_allocation(uint64_t id, const std::vector<uint32_t>& releasing_slots);
+  Error delete_allocation(uint64_t id, const std::vector<uint32_t>& releasing_slots,
+                          const AnsweredRequest* answered = nullptr);
+
+  // A client has at most a few control requests awaiting an answer at once;
+  // the total bounds the file however many clients come and go.
+  static constexpr size_t kAnsweredPerRequester = 64;
+  static constexpr size_t kAnsweredKept = 4096;
   Error set_extent(const ExtentRow& e);  // state and boot of one extent
   Error delete_extent(uint64_t alloc_id, uint32_t slot);
 
@@ -84,6 +105,7 @@ class StateStore {
   // error_ for the Error the public call returns.
   Error failed() const { return Error::transport(error_); }
   bool set_meta_row(const std::string& key, uint64_t value);
+  bool insert_answered(const AnsweredRequest& r);
   bool exec(const char* sql);
   bool begin() { return exec("BEGIN IMMEDIATE"); }
   bool commit() { return exec("COMMIT"); }
