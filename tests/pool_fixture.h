@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -57,9 +58,11 @@ class TestMmu {
              "\n" + log();
     return false;
   }
-  // SIGKILL (a crash), then the same arguments on the same port.
-  bool crash_and_restart() {
+  // SIGKILL (a crash), then the same arguments on the same port; with
+  // `while_down`, that runs in between.
+  bool crash_and_restart(const std::function<void()>& while_down = {}) {
     kill_now();
+    if (while_down) while_down();
     return start(args_, endpoint_);
   }
   // SIGTERM, then waits; returns the exit code (-1 if not running).

@@ -770,3 +770,42 @@ TEST_F(PoolProxyTest, ReSyncRestoresOptimizerConfig) {
     EXPECT_TRUE(std::equal(p.v.begin(), p.v.end(), copies[k].begin() + 2 * S)) << "second moment, copy " << k;
   }
 }
+
+// The same after a proxy restart with a state file: the config is in the
+// file, so the re-sync gives it to the remade region although nobody sent
+// OPT_CONFIG to this proxy incarnation (without it, the step below failed
+// on that copy and the copy was given up).
+TEST_F(PoolProxyTest, ReSyncAfterProxyRestartRestoresOptimizerConfig) {
+  TempDir dir;
+  Start(2, {"--state", dir.file("pool.db")}, "16MiB");
+  AllocOptions rep;
+  rep.policy = PoolPolicy::kReplicated;
+  rep.stripe = 1024;
+  const size_t n = 3072;
+  PoolAllocation r = Alloc("adam", 3 * 4 * n, rep);
+  std::mt19937_64 rng(29);
+  AdamOnPool p = PutAdam(r, n, rng);
+  const uint64_t S = p.S;
+  Client& cl = pool_->proxy_client();
+  p.config.step = 1;
+  auto configured = SendOptConfig(r, p.config);
+  ASSERT_TRUE(configured) << configured.error().to_string();
+  for (int t = 0; t < 2; ++t) {
+    if (t == 1) {
+      // The device's copy is lost while the proxy is down; the restarted
+      // proxy finds it so when it probes the devices, before it serves.
+      ASSERT_TRUE(mmu_.crash_and_restart([&] { ASSERT_TRUE(devs_[1]->restart()) << devs_[1]->error(); }))
+          << mmu_.error();
+      ASSERT_TRUE(WaitState("adam", "ok", 10s)) << mmu_.log();
+    }
+    ASSERT_FALSE(cl.opt_step(r.base, p.grad, r.key)) << t;
+    core::optimizer_step(p.config, p.grad, p.ref, p.m, p.v);
+  }
+  const auto copies = ReadLiveCopies(r, 0, 3 * S);
+  ASSERT_EQ(copies.size(), 2u) << "a copy was given up by the step\n" << mmu_.log();
+  for (size_t k = 0; k < copies.size(); ++k) {
+    EXPECT_TRUE(std::equal(p.ref.begin(), p.ref.end(), copies[k].begin())) << "weights, copy " << k;
+    EXPECT_TRUE(std::equal(p.m.begin(), p.m.end(), copies[k].begin() + S)) << "first moment, copy " << k;
+    EXPECT_TRUE(std::equal(p.v.begin(), p.v.end(), copies[k].begin() + 2 * S)) << "second moment, copy " << k;
+  }
+}

@@ -6,6 +6,7 @@
 #include "daemon_fixture.h"
 #include "mmu/catalog.h"
 #include "mmu/state_store.h"
+#include "netdam/optimizer.h"
 
 using namespace netdam;
 using namespace netdam::mmu;
@@ -203,4 +204,39 @@ TEST(PoolState, AnswersPersistWithTheirChange) {
   EXPECT_EQ(got[0].requester, 0xFFFF000000001234u);
   EXPECT_EQ(got[2].txn, 100u + 10);
   EXPECT_EQ(got.back().txn, 100u + StateStore::kAnsweredPerRequester + 9);
+}
+
+// An allocation's optimizer config persists (with its OPT_CONFIG answer)
+// and goes with the allocation.
+TEST(PoolState, OptimizerConfigPersistsUntilFree) {
+  TempDir dir;
+  const std::string db = dir.file("s.db");
+  std::vector<std::byte> record(kOptConfigRecordSize);
+  for (size_t i = 0; i < record.size(); ++i) record[i] = std::byte(i * 3);
+  uint64_t a = 0, b = 0;
+  {
+    auto c = Open(db, 2);
+    a = Alloc(*c, Req("a", 4096));
+    b = Alloc(*c, Req("b", 4096));
+    const AnsweredRequest answered{5, 9, 0x33, 0, {}};
+    ASSERT_TRUE(c->set_opt_config(a, record, &answered).is_ok());
+    ASSERT_TRUE(c->set_opt_config(b, record, nullptr).is_ok());
+    record[0] = std::byte{0x7f};  // the newest config of `a` replaces the older
+    ASSERT_TRUE(c->set_opt_config(a, record, nullptr).is_ok());
+  }
+  {
+    auto c = Open(db);
+    auto configs = c->take_opt_configs();
+    ASSERT_EQ(configs.size(), 2u);
+    EXPECT_EQ(configs[a], record);
+    EXPECT_EQ(configs[b][0], std::byte{0});
+    auto answered = c->take_answered();
+    ASSERT_EQ(answered.size(), 1u);
+    EXPECT_EQ(answered[0].opcode, 0x33);
+    ASSERT_TRUE(c->free(b, {}).is_ok());
+  }
+  auto c = Open(db);
+  auto configs = c->take_opt_configs();
+  ASSERT_EQ(configs.size(), 1u);
+  EXPECT_EQ(configs.count(a), 1u);
 }

@@ -29,6 +29,7 @@ Error Catalog::load() {
   if (!st) return st.error();
   next_id_ = st->meta.count("next_id") ? st->meta["next_id"] : 1;
   answered_ = std::move(st->answered);
+  opt_configs_ = std::move(st->opt_configs);
   if (st->meta.count("pool_id")) {
     pool_id_ = st->meta["pool_id"];
   } else {
@@ -201,6 +202,12 @@ Error Catalog::free(uint64_t id, const std::vector<uint32_t>& releasing_slots, c
   }
   by_name_.erase(it->second.row.name);
   allocs_.erase(it);
+  return Error::ok();
+}
+
+Error Catalog::set_opt_config(uint64_t id, std::span<const std::byte> config, const AnsweredRequest* answered) {
+  if (!store_) return Error::ok();
+  if (Error e = store_->put_opt_config(id, config, answered)) return e.prefixed("state file: ");
   return Error::ok();
 }
 

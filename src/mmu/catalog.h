@@ -78,6 +78,11 @@ class Catalog {
   Error free(uint64_t id, const std::vector<uint32_t>& releasing_slots, const AnsweredRequest* answered = nullptr);
   // The control answers the state file held at load(), oldest first (once).
   std::vector<AnsweredRequest> take_answered() { return std::move(answered_); }
+  // An allocation's optimizer config (the 80-byte record), persisted with
+  // `answered` if given; Error::ok() without a state file. And those the
+  // state file held at load() (once).
+  Error set_opt_config(uint64_t id, std::span<const std::byte> config, const AnsweredRequest* answered);
+  std::map<uint64_t, std::vector<std::byte>> take_opt_configs() { return std::move(opt_configs_); }
   std::vector<ExtentRow>& releasing() { return releasing_; }
   bool release(const ExtentRow& e);
 
@@ -105,6 +110,7 @@ class Catalog {
   std::map<std::string, uint64_t> by_name_;
   std::vector<ExtentRow> releasing_;
   std::vector<AnsweredRequest> answered_;
+  std::map<uint64_t, std::vector<std::byte>> opt_configs_;
   uint64_t next_id_ = 1;
   uint64_t pool_id_ = 0;
 };

@@ -76,6 +76,11 @@ Result<std::unique_ptr<Proxy>> Proxy::create(const ProxyOptions& o) {
   for (AnsweredRequest& r : p->catalog_.take_answered())
     p->replay_.restore(r.requester, r.txn, static_cast<Opcode>(r.opcode), static_cast<Status>(r.status),
                        std::move(r.payload));
+  // The optimizer configs, for the re-sync of a region remade later.
+  for (const auto& [id, record] : p->catalog_.take_opt_configs()) {
+    OptimizerConfig c;
+    if (p->catalog_.find(id) && core::decode_opt_config(record, c)) p->opt_configs_[id] = c;
+  }
   for (const auto& d : o.devices)
     if (auto added = p->catalog_.add_device(d); !added) return added.error().prefixed("--device " + d + ": ");
   if (p->catalog_.devices().empty()) return Error::invalid("no devices: give at least one --device HOST:PORT");
@@ -1376,6 +1381,7 @@ void Proxy::finish(Job& j) {
       store_le<uint64_t>(payload.data(), j.old_value);
     }
   }
+  if (j.req.opcode == Opcode::kOptConfig && j.status == Status::kOk && j.mutation) persist_opt_config(j);
   // An atomic's device keeps it exactly once (its window, keyed by the
   // client): an UNAVAILABLE one is forgotten here, so that the client's
   // retry with the same txn reaches the device, which answers what it did.
@@ -1389,6 +1395,21 @@ void Proxy::finish(Job& j) {
   }
   arrival_ = j.arrival;
   reply(j.from, j.req, j.status, std::move(payload));
+}
+
+// The allocation's optimizer config as the devices have it now, and the
+// OPT_CONFIG's answer, in the state file: a re-sync after a restart gives
+// the config to a remade region, and the client's retransmission to the
+// restarted proxy is answered, not run again (a late copy of an older
+// config would otherwise roll the devices back).
+void Proxy::persist_opt_config(const Job& j) {
+  auto c = opt_configs_.find(j.alloc_id);
+  if (c == opt_configs_.end()) return;
+  std::array<std::byte, kOptConfigRecordSize> record;
+  core::encode_opt_config(c->second, record.data());
+  const AnsweredRequest answered{j.from.key(), j.req.txn, static_cast<uint8_t>(j.req.opcode), 0, {}};
+  if (Error e = catalog_.set_opt_config(j.alloc_id, record, &answered))
+    spdlog::error("allocation {}: optimizer config not saved: {}", j.alloc_id, e.message());
 }
 
 // ---------------------------------------------------------------- health

@@ -112,6 +112,7 @@ class Proxy {
   // payload and status filled in (StateStore::AnsweredRequest).
   std::vector<std::byte> pool_alloc(std::span<const std::byte> payload, Status* s, AnsweredRequest& answered);
   Status pool_free(std::span<const std::byte> payload, AnsweredRequest& answered);
+  void persist_opt_config(const Job& j);
   void data(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload);
   // A request with DIRECT that the devices can answer themselves: sent on
   // as one-segment chains whose reply-to is the client (PROTOCOL.md 17.5).

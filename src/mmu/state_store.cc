@@ -23,6 +23,7 @@ CREATE TABLE IF NOT EXISTS extents(
 CREATE TABLE IF NOT EXISTS answered(
   requester INTEGER NOT NULL, txn INTEGER NOT NULL, opcode INTEGER NOT NULL, status INTEGER NOT NULL,
   payload BLOB NOT NULL, PRIMARY KEY(requester, txn));
+CREATE TABLE IF NOT EXISTS opt_configs(alloc_id INTEGER PRIMARY KEY, config BLOB NOT NULL);
 )sql";
 
 // A prepared statement, finalized on scope exit. SQLite integers are
@@ -158,6 +159,12 @@ Result<StoredState> StateStore::load() {
                                             static_cast<uint8_t>(q.u64(3)), q.blob(4)});
     if (rc != SQLITE_DONE) goto fail;
   }
+  {
+    Stmt q(db_, "SELECT alloc_id, config FROM opt_configs");
+    int rc;
+    while ((rc = q.step()) == SQLITE_ROW) st.opt_configs[q.u64(0)] = q.blob(1);
+    if (rc != SQLITE_DONE) goto fail;
+  }
   return st;
 fail:
   return Error::transport(std::string("reading the state file: ") + sqlite3_errmsg(db_));
@@ -234,6 +241,10 @@ Error StateStore::delete_allocation(uint64_t id, const std::vector<uint32_t>& re
     Stmt q(db_, "DELETE FROM allocations WHERE id = ?");
     if (!q.bind(1, id).run()) return rollback();
   }
+  {
+    Stmt q(db_, "DELETE FROM opt_configs WHERE alloc_id = ?");
+    if (!q.bind(1, id).run()) return rollback();
+  }
   for (uint32_t slot : releasing_slots) {
     Stmt q(db_, "UPDATE extents SET state = ? WHERE alloc_id = ? AND slot = ?");
     if (!q.bind(1, static_cast<uint64_t>(ExtentState::kReleasing)).bind(2, id).bind(3, slot).run()) return rollback();
@@ -241,6 +252,18 @@ Error StateStore::delete_allocation(uint64_t id, const std::vector<uint32_t>& re
   {
     Stmt q(db_, "DELETE FROM extents WHERE alloc_id = ? AND state != ?");
     if (!q.bind(1, id).bind(2, static_cast<uint64_t>(ExtentState::kReleasing)).run()) return rollback();
+  }
+  if (answered && !insert_answered(*answered)) return rollback();
+  return commit() ? Error::ok() : rollback();
+}
+
+Error StateStore::put_opt_config(uint64_t alloc_id, std::span<const std::byte> config,
+                                 const AnsweredRequest* answered) {
+  error_.clear();
+  if (!begin()) return failed();
+  {
+    Stmt q(db_, "INSERT OR REPLACE INTO opt_configs(alloc_id, config) VALUES(?, ?)");
+    if (!q.bind(1, alloc_id).bind(2, config).run()) return rollback();
   }
   if (answered && !insert_answered(*answered)) return rollback();
   return commit() ? Error::ok() : rollback();

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -66,6 +67,9 @@ struct StoredState {
   std::vector<AllocationRow> allocations;
   std::vector<ExtentRow> extents;  // of live allocations and releasing ones
   std::vector<AnsweredRequest> answered;  // oldest first
+  // The optimizer config (80-byte OPT_CONFIG record, as the devices got it)
+  // last set on each allocation: a re-sync gives it to a remade region.
+  std::map<uint64_t, std::vector<std::byte>> opt_configs;
 };
 
 class StateStore {
@@ -97,6 +101,8 @@ class StateStore {
   static constexpr size_t kAnsweredPerRequester = 64;
   static constexpr size_t kAnsweredKept = 4096;
   Error set_extent(const ExtentRow& e);  // state and boot of one extent
+  // The allocation's optimizer config (deleted with the allocation).
+  Error put_opt_config(uint64_t alloc_id, std::span<const std::byte> config, const AnsweredRequest* answered = nullptr);
   Error delete_extent(uint64_t alloc_id, uint32_t slot);
 
  private:
