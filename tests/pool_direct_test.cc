@@ -367,6 +367,77 @@ TEST_F(PoolDirect, AtomicRetriedAcrossProxyRestartRunsOnce) {
   EXPECT_EQ(copies[0], copies[1]);
 }
 
+// REDUCE_MEM and OPT_STEP the proxy runs itself (pieces on one device,
+// a replicated allocation), sent before and after the proxy crashed and
+// restarted with the same txn: each piece ran as a chain whose reply-to is
+// the client, so the devices' windows answer the second copy, and every
+// element moved once on every copy. (Before, the restarted proxy ran them
+// again: 2 where 1 is, a second optimizer step.)
+TEST_F(PoolDirect, ReduceAndStepRetriedAcrossProxyRestartRunOnce) {
+  TempDir dir;
+  Start(2, {"--state", dir.file("pool.db")});
+  PoolAllocation a = AllocStriped("sum", 16384, 4096);  // two stripes on each device
+  AllocOptions rep;
+  rep.policy = PoolPolicy::kReplicated;
+  PoolAllocation r = Alloc("replicated", 8192, rep);
+  ASSERT_EQ(r.copies, 2);
+  rep.stripe = 4096;
+  const size_t n = 2048;  // floats: S = 8 KiB, stripe x slots
+  PoolAllocation w = Alloc("weights", 3 * 4 * n, rep);
+  ASSERT_FALSE(pool_->put(a.base, std::vector<std::byte>(16384), a.key));
+  ASSERT_FALSE(pool_->put(r.base, std::vector<std::byte>(8192), r.key));
+  std::mt19937_64 rng(31);
+  AdamOnPool p = PutAdam(w, n, rng);
+  p.config.step = 1;
+  auto configured = SendOptConfig(w, p.config);
+  ASSERT_TRUE(configured) << configured.error().to_string();
+  OpenSocket();
+  std::vector<std::byte> ones(16384);
+  for (size_t i = 0; i < ones.size(); i += 4) core::store_le<int32_t>(ones.data() + i, 1);
+  auto sum = [&](uint64_t txn, const PoolAllocation& at, uint32_t len, uint8_t flags) {
+    core::Header h = Request(Opcode::kReduceMem, txn, at.base, len, at.key, flags);
+    h.dtype = DType::kI32;
+    h.redop = RedOp::kSum;
+    Send(h, std::span(ones).first(len));
+  };
+  auto step = [&](uint64_t txn) {
+    core::Header h = Request(Opcode::kOptStep, txn, w.base, static_cast<uint32_t>(p.S), w.key, 0);
+    h.dtype = DType::kF32;
+    Send(h, p.grad);
+  };
+  auto all_ok = [&](size_t expected) {
+    std::vector<Answer> got;
+    for (int i = 0; i < 10 && got.size() < expected; ++i)
+      for (Answer& ans : Receive()) got.push_back(std::move(ans));
+    ASSERT_EQ(got.size(), expected);
+    for (const Answer& ans : got) EXPECT_EQ(ans.h.status, Status::kOk) << ans.h.to_string();
+  };
+  for (int round = 0; round < 2; ++round) {
+    if (round == 1) {
+      ASSERT_TRUE(mmu_.crash_and_restart()) << mmu_.error();
+    }
+    sum(7000, a, 16384, 0);
+    sum(7001, a, 16384, kFlagDirect);  // two pieces on a device: the proxy serves it
+    sum(7002, r, 8192, kFlagDirect);   // replicated: the proxy serves it
+    step(7003);
+    all_ok(4);
+  }
+  std::vector<std::byte> got(16384);
+  ASSERT_FALSE(pool_->get(a.base, got, a.key));
+  for (size_t i = 0; i < got.size(); i += 4) ASSERT_EQ(core::load_le<int32_t>(got.data() + i), 2) << i;
+  const auto copies = ReadLiveCopies(r, 0, 8192);
+  ASSERT_EQ(copies.size(), 2u);
+  for (const auto& c : copies)
+    for (size_t i = 0; i < c.size(); i += 4) ASSERT_EQ(core::load_le<int32_t>(c.data() + i), 1) << i;
+  core::optimizer_step(p.config, p.grad, p.ref, p.m, p.v);  // one step
+  const auto stepped = ReadLiveCopies(w, 0, 3 * p.S);
+  ASSERT_EQ(stepped.size(), 2u);
+  for (const auto& c : stepped) {
+    EXPECT_TRUE(std::equal(p.ref.begin(), p.ref.end(), c.begin())) << "weights";
+    EXPECT_TRUE(std::equal(p.m.begin(), p.m.end(), c.begin() + p.S)) << "first moment";
+  }
+}
+
 // A device stops (SIGSTOP) while an atomic through the proxy waits for it:
 // the proxy answers UNAVAILABLE, not knowing whether the device ran it. The
 // device, continued, runs the chain waiting in its socket. The client

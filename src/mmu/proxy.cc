@@ -33,6 +33,11 @@ constexpr size_t kRxBatch = 32;
 // --device-timeout, when its hop has not come back: the floor the clients
 // use for a device process that may wait for a core (PROTOCOL.md 9.3).
 constexpr transport::Duration kHopFirstRto = 20ms;
+// Pieces of one REDUCE_MEM or OPT_STEP on one device that run as chains:
+// each takes a segment index, and the chain's unrun segments cost 24 bytes
+// each on top of the piece (at most 232 bytes here: below what a datagram
+// of the device's max_payload leaves free under its MTU).
+constexpr size_t kMaxHopPieces = 8;
 // A device region's key (32-bit on the wire). 0 is never a key and 1 is
 // netdamd's default region key.
 uint32_t random_device_key() {
@@ -595,7 +600,9 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   } else {  // the data or operand, cut into pieces below
     job->buf.assign(payload.begin(), payload.end());
   }
-  const auto pieces = pool::split_merged(a->layout, off, len);
+  std::vector<pool::Piece> pieces = pool::split_merged(a->layout, off, len);
+  if (job->mutation && (h.opcode == Opcode::kReduceMem || h.opcode == Opcode::kOptStep))
+    job->hops = plan_hops(*a, pieces);
   for (const auto& pc : pieces) {
     Status s = start_piece(*job, *a, pc.offset, pc.length, pc.offset - off, write);
     if (s != Status::kOk) {
@@ -1011,8 +1018,21 @@ Status Proxy::start_piece(Job& j, const Allocation& a, uint64_t off, uint32_t le
     Client* cl = client(e.device_id);
     const uint64_t addr = e.base + pl.extent_offset;
     auto span = std::span(j.buf).subspan(buf_off, len);
-    sub.op = device_op(j, *cl, addr, span, e.key);
+    if (j.hops) {
+      sub.hop = true;
+      sub.device_id = e.device_id;
+      sub.device_key = e.key;
+      sub.device_addr = addr;
+      sub.seg = static_cast<uint8_t>(
+          std::count_if(j.subs.begin(), j.subs.end(), [&](const Job::Sub& o) { return o.device_id == e.device_id; }));
+      sub.hop_first = listen_->now();
+      sub.hop_rto = kHopFirstRto;
+      hops_[{j.from.key(), j.req.txn}] = &j;
+    } else {
+      sub.op = device_op(j, *cl, addr, span, e.key);
+    }
     j.subs.push_back(std::move(sub));
+    if (j.hops) send_piece_hop(j, j.subs.size() - 1, j.subs.back().hop_first);
     started = true;
     if (!write) break;  // a read needs one copy
   }
@@ -1029,6 +1049,86 @@ Status Proxy::start_piece(Job& j, const Allocation& a, uint64_t off, uint32_t le
   return any_lost && a.layout.copies == 1 ? Status::kDeviceLost
          : any_lost && catalog_.state(a) == AllocState::kLost ? Status::kDeviceLost
                                                                : Status::kUnavailable;
+}
+
+// Whether a REDUCE_MEM or OPT_STEP the proxy runs can run as chains
+// (send_piece_hop): its pieces, cut here to what every device takes, put at
+// most kMaxHopPieces on any device. Otherwise the devices' clients run it
+// and only the proxy's window keeps it once.
+bool Proxy::plan_hops(const Allocation& a, std::vector<pool::Piece>& pieces) {
+  uint32_t most = 0;
+  for (const auto& c : conns_)
+    if (c->client) most = most == 0 ? c->client->device_info().max_payload : std::min(most, c->client->device_info().max_payload);
+  most -= most % 8;  // whole elements of any type
+  if (most == 0) return false;
+  std::vector<pool::Piece> cut;
+  for (const pool::Piece& pc : pieces)
+    for (uint32_t at = 0; at < pc.length; at += most)
+      cut.push_back(pool::Piece{pc.offset + at, std::min(most, pc.length - at), pc.stripe});
+  pieces = std::move(cut);
+  std::map<uint32_t, size_t> per_device;
+  for (const pool::Piece& pc : pieces)
+    for (uint32_t c = 0; c < a.layout.copies; ++c)
+      if (++per_device[a.slots[pool::locate(a.layout, pc.offset, c).slot].device_id] > kMaxHopPieces) return false;
+  return true;
+}
+
+// A piece of a REDUCE_MEM or OPT_STEP as a chain: `seg` segments that are
+// never run (the packet starts past them), the device's segment, then the
+// proxy's, which the device hands the piece on to when it has run it.
+void Proxy::send_piece_hop(Job& j, size_t index, transport::TimePoint now) {
+  Job::Sub& sub = j.subs[index];
+  const Endpoint& dev = catalog_.devices()[sub.device_id].endpoint;
+  core::Header fh;
+  fh.opcode = Opcode::kChain;
+  fh.dtype = j.req.dtype;
+  fh.redop = j.req.redop;
+  fh.seg_count = static_cast<uint8_t>(sub.seg + 2);
+  fh.seg_index = sub.seg;
+  fh.txn = j.req.txn;
+  fh.addr = j.req.addr;
+  fh.length = sub.len;
+  std::vector<std::byte> body((sub.seg + 2) * kSegmentSize);
+  body.reserve(body.size() + sub.len);
+  const core::Segment run{dev.ip, dev.port, j.req.opcode, 0, sub.device_key, 0, sub.device_addr};
+  for (size_t i = 0; i <= sub.seg; ++i) core::encode_segment(run, body.data() + i * kSegmentSize);
+  core::encode_segment(core::Segment{hop_ip(sub.device_id), listen_->local().port, j.req.opcode, 0,
+                                     static_cast<uint32_t>(hop_key_), static_cast<uint32_t>(hop_key_ >> 32),
+                                     pool::global_address(j.alloc_id, sub.off)},
+                       body.data() + (sub.seg + 1) * kSegmentSize);
+  const auto piece = std::span(j.buf).subspan(sub.buf_off, sub.len);
+  body.insert(body.end(), piece.begin(), piece.end());
+  send_chain(dev, fh, {}, j.from, std::move(body), false);
+  sub.hop_next = now + sub.hop_rto;
+}
+
+// The pieces whose hop is late: sent again (the device's window answers a
+// copy that already ran), until the device timeout, the allocation's end or
+// the loss of the copy's device fails the piece.
+void Proxy::hop_timers(Job& j) {
+  const auto now = listen_->now();
+  const Allocation* a = catalog_.find(j.alloc_id);
+  for (size_t i = 0; i < j.subs.size(); ++i) {
+    Job::Sub& sub = j.subs[i];
+    if (!sub.hop || sub.hop_done) continue;
+    Status why = Status::kUnavailable;
+    if (!a) {
+      why = Status::kNoSuchAllocation;
+    } else {
+      const ExtentRow& e = a->slots[sub.slot];
+      const Conn& conn = *conns_[e.device_id];
+      if (e.state == ExtentState::kLost || (conn.client && conn.boot != e.boot)) why = Status::kDeviceLost;
+    }
+    if (why != Status::kUnavailable || !usable(*a, sub.slot) || now - sub.hop_first >= opts_.device_timeout) {
+      sub.hop_done = true;
+      sub.status = why;
+      continue;
+    }
+    if (now >= sub.hop_next) {
+      sub.hop_rto = std::min<transport::Duration>(2 * sub.hop_rto, opts_.device_timeout);
+      send_piece_hop(j, i, now);
+    }
+  }
 }
 
 // An atomic runs on its device as the first segment of a two-segment
@@ -1107,16 +1207,27 @@ void Proxy::send_hop(Job& j, const Allocation& a, transport::TimePoint now) {
 // a chain this proxy serves.
 void Proxy::hop(const Endpoint& from, const core::Packet& pkt) {
   const core::Header& h = pkt.h;
-  const core::Segment sg = pkt.segments.size() >= 2 * kSegmentSize
-                               ? core::decode_segment(pkt.segments.data() + kSegmentSize)
-                               : core::Segment{};
-  if (h.seg_count != 2 || h.seg_index != 1 || !is_atomic(sg.opcode) ||
+  const size_t at = h.seg_index * kSegmentSize;
+  const core::Segment sg = pkt.segments.size() >= at + kSegmentSize ? core::decode_segment(pkt.segments.data() + at)
+                                                                     : core::Segment{};
+  const bool piece = sg.opcode == Opcode::kReduceMem || sg.opcode == Opcode::kOptStep;
+  if (h.seg_index + 1 != h.seg_count || !(is_atomic(sg.opcode) || piece) ||
       (uint64_t{sg.aux} << 32 | sg.rkey) != hop_key_)
     return reply(from, h, Status::kBadSegment);
   const Endpoint client{pkt.sr.reply_ip, pkt.sr.reply_port};
   auto it = hops_.find({client.key(), h.txn});
   if (it == hops_.end()) return;  // a duplicate, or its job is over
   Job& j = *it->second;
+  if (piece) {
+    for (Job::Sub& sub : j.subs)
+      if (sub.hop && !sub.hop_done && sub.seg + 1 == h.seg_index &&
+          from == catalog_.devices()[sub.device_id].endpoint) {
+        sub.hop_done = true;
+        return;
+      }
+    return;
+  }
+  if (h.seg_count != 2) return;
   const Allocation* a = catalog_.find(j.alloc_id);
   if (!a || j.phase != 0 || j.hop_answered || pkt.payload.size() != 8 ||
       !(from == catalog_.devices()[a->slots[j.primary].device_id].endpoint))
@@ -1129,9 +1240,23 @@ void Proxy::hop(const Endpoint& from, const core::Packet& pkt) {
 // reply-to, the client (its destination policy, PROTOCOL.md 10.7): the
 // atomic did not run.
 void Proxy::hop_refused(const Endpoint& from, const core::Header& h) {
-  if (h.status != Status::kNotPermitted || h.seg_index != 0) return;
+  if (h.status != Status::kNotPermitted) return;
   for (const auto& [key, job] : hops_) {
     Job& j = *job;
+    if (j.hops) {  // a piece's chain (send_piece_hop)
+      if (key.second != h.txn || h.addr != j.req.addr) continue;
+      for (Job::Sub& sub : j.subs)
+        if (sub.hop && !sub.hop_done && sub.seg == h.seg_index && from == catalog_.devices()[sub.device_id].endpoint) {
+          spdlog::warn("device {} refuses to answer {} ({}): a {} through the proxy needs the client's address in "
+                       "the device's destination policy",
+                       from.to_string(), j.from.to_string(), to_string(h.status), to_string(j.req.opcode));
+          sub.hop_done = true;
+          sub.status = h.status;
+          return;
+        }
+      continue;
+    }
+    if (h.seg_index != 0) continue;
     const Allocation* a = catalog_.find(j.alloc_id);
     // The refusal echoes the chain's header: txn, addr, rkey (PROTOCOL.md 10.4).
     if (key.second != h.txn || h.addr != j.req.addr || h.rkey != 8 || j.phase != 0 || j.hop_answered ||
@@ -1189,8 +1314,9 @@ void Proxy::progress() {
 // job's status. True when the job is finished.
 bool Proxy::progress(Job& j) {
   if (is_atomic(j.req.opcode)) return progress_atomic(j);
+  if (j.hops) hop_timers(j);
   for (auto& sub : j.subs)
-    if (!sub.handled && !sub.op.done()) return false;
+    if (!sub.handled && !sub.finished()) return false;
   Allocation* a = catalog_.find(j.alloc_id);
   if (std::optional<bool> finished = recover_failures(j, a)) return *finished;
   if (j.req.opcode == Opcode::kCopy && j.phase == 0) {
@@ -1370,7 +1496,7 @@ void Proxy::settle_pieces(Job& j, Allocation* a) {
 }
 
 void Proxy::finish(Job& j) {
-  if (is_atomic(j.req.opcode))
+  if (is_atomic(j.req.opcode) || j.hops)
     if (auto it = hops_.find({j.from.key(), j.req.txn}); it != hops_.end() && it->second == &j) hops_.erase(it);
   resync_written(j);
   std::vector<std::byte> payload;
@@ -1385,7 +1511,7 @@ void Proxy::finish(Job& j) {
   // An atomic's device keeps it exactly once (its window, keyed by the
   // client): an UNAVAILABLE one is forgotten here, so that the client's
   // retry with the same txn reaches the device, which answers what it did.
-  if (j.mutation && is_atomic(j.req.opcode) && j.status == Status::kUnavailable)
+  if (j.mutation && (is_atomic(j.req.opcode) || j.hops) && j.status == Status::kUnavailable)
     replay_.forget(j.from.key(), j.req.txn);
   else if (j.mutation)
     replay_.done(j.from.key(), j.req.txn, j.status, payload);

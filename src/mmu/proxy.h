@@ -157,6 +157,9 @@ class Proxy {
   void send_hop(Job& j, const Allocation& a, transport::TimePoint now);
   uint32_t hop_ip(uint32_t device_id);
   void hop(const transport::Endpoint& from, const core::Packet& pkt);
+  bool plan_hops(const Allocation& a, std::vector<pool::Piece>& pieces);
+  void send_piece_hop(Job& j, size_t sub, transport::TimePoint now);  // j.subs[sub]
+  void hop_timers(Job& j);
   void hop_refused(const transport::Endpoint& from, const core::Header& h);
   bool progress_atomic(Job& j);
   bool atomic_step(Job& j);

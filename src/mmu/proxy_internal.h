@@ -49,8 +49,23 @@ struct Proxy::Job {
     bool write = false;
     bool handled = false;
     Status status = Status::kOk;
+    // A REDUCE_MEM or OPT_STEP piece the proxy runs (Job::hops) is the
+    // first segment run of a chain whose reply-to is the client and whose
+    // next segment is the proxy (PROTOCOL.md 17.7): `seg` is the index of
+    // that segment, distinct for each piece of the job on one device, so
+    // that the device's window keeps each piece once per client, txn and
+    // index, whichever proxy incarnation sends it.
+    bool hop = false;
+    bool hop_done = false;  // the hop came back, or the piece failed (status)
+    uint8_t seg = 0;
+    uint32_t device_id = 0, device_key = 0;
+    uint64_t device_addr = 0;
+    transport::TimePoint hop_first{}, hop_next{};
+    transport::Duration hop_rto{};
+    bool finished() const { return hop ? hop_done : op.done(); }
   };
   std::vector<Sub> subs;
+  bool hops = false;  // REDUCE_MEM/OPT_STEP pieces run as chains (Sub::hop); in Proxy::hops_
   size_t pieces = 0;
   Status status = Status::kOk;
   // Atomics (PROTOCOL.md 17.7). Phase 0: the
