@@ -430,12 +430,7 @@ TEST_F(PoolDirect, ReduceAndStepRetriedAcrossProxyRestartRunOnce) {
   for (const auto& c : copies)
     for (size_t i = 0; i < c.size(); i += 4) ASSERT_EQ(core::load_le<int32_t>(c.data() + i), 1) << i;
   core::optimizer_step(p.config, p.grad, p.ref, p.m, p.v);  // one step
-  const auto stepped = ReadLiveCopies(w, 0, 3 * p.S);
-  ASSERT_EQ(stepped.size(), 2u);
-  for (const auto& c : stepped) {
-    EXPECT_TRUE(std::equal(p.ref.begin(), p.ref.end(), c.begin())) << "weights";
-    EXPECT_TRUE(std::equal(p.m.begin(), p.m.end(), c.begin() + p.S)) << "first moment";
-  }
+  ExpectAdamCopies(w, p);
 }
 
 // A device stops (SIGSTOP) while an atomic through the proxy waits for it:

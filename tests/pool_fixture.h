@@ -231,6 +231,17 @@ class PoolTest : public ::testing::Test {
     p.v.assign(p.S, std::byte{0});
     return p;
   }
+  // Both copies of a replicated Adam allocation hold the host's reference
+  // weights and moments (none was given up).
+  void ExpectAdamCopies(const PoolAllocation& a, const AdamOnPool& p) {
+    const auto copies = ReadLiveCopies(a, 0, 3 * p.S);
+    ASSERT_EQ(copies.size(), 2u) << "a copy was given up by a step\n" << mmu_.log();
+    for (size_t k = 0; k < copies.size(); ++k) {
+      EXPECT_TRUE(std::equal(p.ref.begin(), p.ref.end(), copies[k].begin())) << "weights, copy " << k;
+      EXPECT_TRUE(std::equal(p.m.begin(), p.m.end(), copies[k].begin() + p.S)) << "first moment, copy " << k;
+      EXPECT_TRUE(std::equal(p.v.begin(), p.v.end(), copies[k].begin() + 2 * p.S)) << "second moment, copy " << k;
+    }
+  }
   // OPT_CONFIG of `c` at a.base + `at` through the proxy (raw: the proxy
   // translates the state distances).
   Result<std::vector<std::byte>> SendOptConfig(const PoolAllocation& a, const OptimizerConfig& c, uint64_t at = 0) {

@@ -745,7 +745,6 @@ TEST_F(PoolProxyTest, ReSyncRestoresOptimizerConfig) {
   ASSERT_EQ(r.copies, 2);
   std::mt19937_64 rng(23);
   AdamOnPool p = PutAdam(r, n, rng);
-  const uint64_t S = p.S;
   Client& cl = pool_->proxy_client();
   auto configure = [&](uint64_t t) {
     p.config.step = t;
@@ -762,13 +761,7 @@ TEST_F(PoolProxyTest, ReSyncRestoresOptimizerConfig) {
   configure(2);  // reaches the live copy only: the other's region is gone
   ASSERT_TRUE(WaitState("adam", "ok", 10s)) << mmu_.log();
   step(2);
-  const auto copies = ReadLiveCopies(r, 0, 3 * S);
-  ASSERT_EQ(copies.size(), 2u) << "a copy was given up by the step\n" << mmu_.log();
-  for (size_t k = 0; k < copies.size(); ++k) {
-    EXPECT_TRUE(std::equal(p.ref.begin(), p.ref.end(), copies[k].begin())) << "weights, copy " << k;
-    EXPECT_TRUE(std::equal(p.m.begin(), p.m.end(), copies[k].begin() + S)) << "first moment, copy " << k;
-    EXPECT_TRUE(std::equal(p.v.begin(), p.v.end(), copies[k].begin() + 2 * S)) << "second moment, copy " << k;
-  }
+  ExpectAdamCopies(r, p);
 }
 
 // The same after a proxy restart with a state file: the config is in the
@@ -785,7 +778,6 @@ TEST_F(PoolProxyTest, ReSyncAfterProxyRestartRestoresOptimizerConfig) {
   PoolAllocation r = Alloc("adam", 3 * 4 * n, rep);
   std::mt19937_64 rng(29);
   AdamOnPool p = PutAdam(r, n, rng);
-  const uint64_t S = p.S;
   Client& cl = pool_->proxy_client();
   p.config.step = 1;
   auto configured = SendOptConfig(r, p.config);
@@ -801,11 +793,5 @@ TEST_F(PoolProxyTest, ReSyncAfterProxyRestartRestoresOptimizerConfig) {
     ASSERT_FALSE(cl.opt_step(r.base, p.grad, r.key)) << t;
     core::optimizer_step(p.config, p.grad, p.ref, p.m, p.v);
   }
-  const auto copies = ReadLiveCopies(r, 0, 3 * S);
-  ASSERT_EQ(copies.size(), 2u) << "a copy was given up by the step\n" << mmu_.log();
-  for (size_t k = 0; k < copies.size(); ++k) {
-    EXPECT_TRUE(std::equal(p.ref.begin(), p.ref.end(), copies[k].begin())) << "weights, copy " << k;
-    EXPECT_TRUE(std::equal(p.m.begin(), p.m.end(), copies[k].begin() + S)) << "first moment, copy " << k;
-    EXPECT_TRUE(std::equal(p.v.begin(), p.v.end(), copies[k].begin() + 2 * S)) << "second moment, copy " << k;
-  }
+  ExpectAdamCopies(r, p);
 }
