@@ -433,6 +433,41 @@ TEST_F(PoolDirect, ReduceAndStepRetriedAcrossProxyRestartRunOnce) {
   ExpectAdamCopies(w, p);
 }
 
+// An OPT_STEP the proxy runs (replicated) on an allocation that has no
+// optimizer config: the devices refuse the pieces' chains to the client,
+// which ignores them, so the proxy asks each device with a step over no
+// elements and answers the client with the devices' reason, NO_OPTIMIZER,
+// not UNAVAILABLE at its device timeout.
+TEST_F(PoolDirect, PieceRefusedByItsDeviceIsAnsweredByName) {
+  Start(2);
+  AllocOptions rep;
+  rep.policy = PoolPolicy::kReplicated;
+  rep.stripe = 4096;
+  PoolAllocation w = Alloc("weights", 3 * 8192, rep);
+  ASSERT_FALSE(pool_->put(w.base, std::vector<std::byte>(3 * 8192), w.key));
+  OpenSocket();
+  core::Header h = Request(Opcode::kOptStep, 800, w.base, 8192, w.key, 0);
+  h.dtype = DType::kF32;
+  Send(h, std::vector<std::byte>(8192));
+  std::vector<Answer> got;
+  for (Answer& ans : Receive(1000ms)) {
+    // The devices' refusals of the chains come to the client too (it is
+    // their reply-to): a client matches them to nothing it sent.
+    if (ans.h.opcode == Opcode::kChain) {
+      EXPECT_EQ(ans.h.status, Status::kNoOptimizer) << ans.h.to_string();
+      continue;
+    }
+    got.push_back(std::move(ans));
+  }
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].from, proxy_);
+  EXPECT_EQ(got[0].h.status, Status::kNoOptimizer) << got[0].h.to_string();
+  // Nothing was stepped, on either copy.
+  const auto copies = ReadLiveCopies(w, 0, 8192);
+  ASSERT_EQ(copies.size(), 2u);
+  for (const auto& c : copies) EXPECT_TRUE(std::all_of(c.begin(), c.end(), [](std::byte b) { return b == std::byte{0}; }));
+}
+
 // A device stops (SIGSTOP) while an atomic through the proxy waits for it:
 // the proxy answers UNAVAILABLE, not knowing whether the device ran it. The
 // device, continued, runs the chain waiting in its socket. The client

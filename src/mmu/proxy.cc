@@ -113,6 +113,9 @@ Proxy::Proxy(const ProxyOptions& o, std::unique_ptr<StateStore> store)
     : opts_(o), catalog_(std::move(store)), replay_(o.replay_window, o.replay_requesters),
       liveness_(Health::Options{o.ping_interval}),
       hop_key_(random_allocation_key()),
+      probe_txn_(static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+              .count())),
       rx_(kRxBatch * kRxBufferSize) {}
 
 Proxy::~Proxy() = default;
@@ -284,8 +287,10 @@ void Proxy::handle(std::span<std::byte> datagram, const Endpoint& from) {
     case core::ParseError::kNone: break;
     case core::ParseError::kBadVersion: return reply(from, pkt.h, Status::kBadVersion);
     case core::ParseError::kBadSegments: return reply(from, pkt.h, Status::kBadSegment);
-    case core::ParseError::kIsResponse:  // a device refusing an atomic's chain
-      if (pkt.h.opcode == Opcode::kChain && pkt.h.status != Status::kOk) hop_refused(from, pkt.h);
+    case core::ParseError::kIsResponse:  // a device refusing an atomic's chain, or a piece's probe
+      if (pkt.h.status == Status::kOk) return;
+      if (pkt.h.opcode == Opcode::kChain) hop_refused(from, pkt.h);
+      if (pkt.h.opcode == Opcode::kReduceMem || pkt.h.opcode == Opcode::kOptStep) piece_refused(from, pkt.h);
       return;
     default: return;  // truncated, bad magic: dropped
   }
@@ -1125,9 +1130,44 @@ void Proxy::hop_timers(Job& j) {
       continue;
     }
     if (now >= sub.hop_next) {
+      if (sub.probe_txn == 0) send_piece_probe(j, i);
       sub.hop_rto = std::min<transport::Duration>(2 * sub.hop_rto, opts_.device_timeout);
       send_piece_hop(j, i, now);
     }
+  }
+}
+
+// The piece's opcode with no data, from the proxy's own socket: the
+// device's checks without an effect (a step or a sum over no elements).
+void Proxy::send_piece_probe(Job& j, size_t index) {
+  Job::Sub& sub = j.subs[index];
+  sub.probe_txn = ++probe_txn_;
+  core::Header h;
+  h.opcode = j.req.opcode;
+  h.dtype = j.req.dtype;
+  h.redop = j.req.opcode == Opcode::kOptStep ? RedOp::kNone : j.req.redop;
+  h.rkey = sub.device_key;
+  h.txn = sub.probe_txn;
+  h.addr = sub.device_addr;
+  h.length = 0;
+  Answer& f = answers_.emplace_back();
+  f.to = catalog_.devices()[sub.device_id].endpoint;
+  f.arrival = arrival_;
+  f.arrival.opcode = -1;  // not a request's latency
+  core::encode_header(h, f.head.data());
+}
+
+// A device's refusal of a piece's probe is the piece's: it did not run.
+void Proxy::piece_refused(const Endpoint& from, const core::Header& h) {
+  if (h.status == Status::kStaleTxn || h.status == Status::kTxnAhead) return;  // about the probe's own txn
+  for (const auto& [key, job] : hops_) {
+    if (!job->hops) continue;
+    for (Job::Sub& sub : job->subs)
+      if (sub.hop && !sub.hop_done && sub.probe_txn == h.txn && from == catalog_.devices()[sub.device_id].endpoint) {
+        sub.hop_done = true;
+        sub.status = catalog_.find(job->alloc_id) ? h.status : Status::kNoSuchAllocation;  // freed meanwhile
+        return;
+      }
   }
 }
 

@@ -160,6 +160,8 @@ class Proxy {
   bool plan_hops(const Allocation& a, std::vector<pool::Piece>& pieces);
   void send_piece_hop(Job& j, size_t sub, transport::TimePoint now);  // j.subs[sub]
   void hop_timers(Job& j);
+  void send_piece_probe(Job& j, size_t sub);
+  void piece_refused(const transport::Endpoint& from, const core::Header& h);
   void hop_refused(const transport::Endpoint& from, const core::Header& h);
   bool progress_atomic(Job& j);
   bool atomic_step(Job& j);
@@ -206,6 +208,10 @@ class Proxy {
   // Shown by an atomic chain's second segment (its rkey and aux): only the
   // chains this proxy incarnation made are taken as hops.
   uint64_t hop_key_ = 0;
+  // Txns of the proxy's own requests from its listening socket (the
+  // pieces' probes): from the clock, above any an earlier incarnation on
+  // the same port used (PROTOCOL.md 9.1).
+  uint64_t probe_txn_ = 0;
   std::unique_ptr<Resync> resync_;       // one at a time
   // The last OPT_CONFIG of each allocation, its distances translated (as
   // every slot's region holds it): a region made again by a re-sync gets it

@@ -62,6 +62,11 @@ struct Proxy::Job {
     uint64_t device_addr = 0;
     transport::TimePoint hop_first{}, hop_next{};
     transport::Duration hop_rto{};
+    // A device refuses a chain's segment to the reply-to (the client), not
+    // to the proxy: when the hop is late, the same opcode with no data
+    // (a no-op) asks the device what it would refuse (NO_OPTIMIZER, a
+    // region that is gone) and answers the proxy (Proxy::piece_refused).
+    uint64_t probe_txn = 0;
     bool finished() const { return hop ? hop_done : op.done(); }
   };
   std::vector<Sub> subs;
