@@ -54,6 +54,9 @@ Settings (every rank must use the same values; checked at creation):
                       devices (netdam.optim, see optimizer_group(); default 0)
     NETDAM_SPIN_US    microseconds a rank looks for answers before it sleeps
                       (default 0: never, so backward keeps the cores; per rank)
+    NETDAM_SMALL_DSCP DSCP of a rank's datagrams of at most 512 bytes, for a
+                      network that serves them first (default -1: unmarked;
+                      per rank)
 
 See docs/TORCH.md.
 """
@@ -137,6 +140,12 @@ class _Settings:
         if not spin.isdigit():
             raise ValueError(f"netdam: NETDAM_SPIN_US={spin!r} is not a number of microseconds")
         self.spin_us = int(spin)
+        # Per sender too: the DSCP of the rank's datagrams of at most 512
+        # bytes, for a network that serves that class first (docs/CONGESTION.md).
+        dscp = os.environ.get("NETDAM_SMALL_DSCP", "-1").strip()
+        if not dscp.lstrip("-").isdigit() or not -1 <= int(dscp) <= 63:
+            raise ValueError(f"netdam: NETDAM_SMALL_DSCP={dscp!r} must be -1 (unmarked) or a DSCP 0..63")
+        self.small_dscp = int(dscp)
         self.world_size = world_size
         for name, cap in (("NETDAM_CAPACITY", self.capacity), ("NETDAM_SUBGROUP_CAPACITY", self.sub_capacity)):
             if cap < 64 * world_size or cap % 8:
@@ -337,7 +346,8 @@ def create_process_group(store, rank, size, timeout):
                             slots=settings.slots, timeout=settings.timeout, device=device, base=base,
                             key_base=key_base, liveness=settings.liveness, mailbox=mailbox,
                             algorithm=settings.algorithm, congestion=settings.congestion,
-                            aggregator_shm=aggregator_shm, spin_us=settings.spin_us, job=facts[0]["job"])
+                            aggregator_shm=aggregator_shm, spin_us=settings.spin_us,
+                            small_dscp=settings.small_dscp, job=facts[0]["job"])
     _groups.add(pg)
     if place0:
         _place0 = weakref.ref(pg)

@@ -46,14 +46,16 @@ def launch():
     # NETDAM_OFFLOAD_MEMORY: device memory for the offloaded optimizer.
     # NETDAM_CONGESTION: this suite's clients run the depth controller
     # (test_lifecycle.py keeps the default, fixed), half the ranks swift:
-    # ranks need not agree on it.
+    # ranks need not agree on it. NETDAM_SMALL_DSCP: two ranks mark their
+    # small datagrams, which nothing here may depend on.
     env = dict(os.environ, NETDAM_CAPACITY=str(CAPACITY), NETDAM_OFFLOAD_MEMORY="64MiB")
     env.pop("NETDAM_DEVICE", None)
     env.pop("NETDAM_DEVICES", None)
     env.pop("NETDAM_TIMEOUT", None)
     start = time.monotonic()
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(WORLD), str(port)],
-                              env=dict(env, NETDAM_CONGESTION="depth" if r % 2 == 0 else "swift"),
+                              env=dict(env, NETDAM_CONGESTION="depth" if r % 2 == 0 else "swift",
+                                       NETDAM_SMALL_DSCP="46" if r < 2 else "-1"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(WORLD)]
     failed = False
@@ -402,6 +404,24 @@ def worker(rank, size, port):
         t = torch.ones(5)
         dist.all_reduce(t)
         expect_equal(t, torch.full((5,), float(size)), "after errors")
+        # A bad setting is refused by name when a group is made.
+        import datetime
+        import netdam.distributed as nd
+        kept = os.environ.get("NETDAM_SMALL_DSCP")
+        for bad in ("64", "-2", "ef"):
+            os.environ["NETDAM_SMALL_DSCP"] = bad
+            try:
+                nd._Settings(size, datetime.timedelta(seconds=5))
+            except ValueError as e:
+                if "NETDAM_SMALL_DSCP" not in str(e):
+                    raise AssertionError(f"error {e!r} does not name NETDAM_SMALL_DSCP")
+            else:
+                raise AssertionError(f"NETDAM_SMALL_DSCP={bad} accepted")
+            finally:
+                if kept is None:
+                    os.environ.pop("NETDAM_SMALL_DSCP", None)
+                else:
+                    os.environ["NETDAM_SMALL_DSCP"] = kept
 
     def timeout():
         # A group of its own (its own devices): rank size-1 never calls the

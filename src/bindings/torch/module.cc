@@ -61,7 +61,8 @@ PYBIND11_MODULE(_torch_backend, m) {
                        uint64_t capacity, int slots, double timeout_s, std::shared_ptr<LocalDevice> device,
                        uint64_t base, uint32_t key_base, double liveness_s, uint64_t mailbox,
                        const std::string& algorithm, const std::string& congestion,
-                       const std::vector<std::string>& aggregator_shm, int64_t spin_us, uint64_t job) {
+                       const std::vector<std::string>& aggregator_shm, int64_t spin_us, int small_dscp,
+                       uint64_t job) {
              NetdamOptions o;
              netdam::GroupOptions& g = o.runner.group;
              g.rank = rank;
@@ -75,6 +76,7 @@ PYBIND11_MODULE(_torch_backend, m) {
                g.aggregate_stride = netdam::mapped_aggregate_stride(capacity, static_cast<int>(devices.size()));
              if (spin_us < 0) throw std::invalid_argument("netdam: spin_us must be >= 0");
              g.client.spin = std::chrono::microseconds(spin_us);
+             g.client.small_dscp = small_dscp;  // checked where the socket opens
              g.admin_key = admin_key;
              g.job = job;
              g.capacity = capacity;
@@ -108,7 +110,7 @@ PYBIND11_MODULE(_torch_backend, m) {
            py::arg("liveness") = 5.0, py::arg("mailbox") = 1 << 20, py::arg("algorithm") = "auto",
            py::arg("congestion") = "fixed", py::arg("aggregator_shm") = std::vector<std::string>{},
            py::arg("spin_us") = netdam::ClientOptions{}.spin.count(),
-           py::arg("job") = 0,
+           py::arg("small_dscp") = netdam::ClientOptions{}.small_dscp, py::arg("job") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("_shutdown", &ProcessGroupNetdam::shutdown, py::call_guard<py::gil_scoped_release>(),
            "Finishes what was queued and stops the group's thread (also done when the group is deleted).")
