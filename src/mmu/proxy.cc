@@ -738,6 +738,20 @@ std::optional<pool::Place> Proxy::first_copy(const Allocation& a, uint64_t off, 
 // The pieces of a request and the device of each: the first usable copy
 // (`usable_only`), or copy 0 (the layout alone). False if some piece has
 // no usable copy.
+// The payload a device takes (its PING's max_payload, at least 64), 0 if
+// the proxy has no client for it.
+uint32_t Proxy::device_payload(uint32_t device_id) const {
+  const Client* cl = conns_[device_id]->client.get();
+  return cl ? std::max<uint32_t>(cl->device_info().max_payload, 64) : 0;
+}
+
+// The smallest device_payload() of the allocation's devices, at most `cap`.
+uint32_t Proxy::smallest_payload(const Allocation& a, uint32_t cap) const {
+  for (const ExtentRow& e : a.slots)
+    if (const uint32_t p = device_payload(e.device_id)) cap = std::min(cap, p);
+  return cap;
+}
+
 bool Proxy::plan_pieces(const core::Header& h, const Allocation& a, bool usable_only, std::vector<Target>& out) {
   const bool atomic = is_atomic(h.opcode);
   for (const pool::Piece& pc : pool::split_merged(a.layout, pool::offset_of(h.addr), atomic ? 8 : h.length)) {
@@ -745,8 +759,8 @@ bool Proxy::plan_pieces(const core::Header& h, const Allocation& a, bool usable_
     if (!at) return false;
     const ExtentRow& e = a.slots[at->slot];
     // A device answers at most its own payload: larger pieces go in parts.
-    const Client* cl = conns_[e.device_id]->client.get();
-    const uint32_t limit = atomic ? 8 : cl ? std::max<uint32_t>(cl->device_info().max_payload, 64) : pc.length;
+    const uint32_t payload = device_payload(e.device_id);
+    const uint32_t limit = atomic ? 8 : payload ? payload : pc.length;
     for (uint32_t done = 0; done < pc.length; done += limit)
       out.push_back({e.device_id, e.key, e.base + at->extent_offset + done, pc.offset + done,
                      std::min(limit, pc.length - done)});
@@ -837,10 +851,7 @@ bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const
 bool Proxy::forward_gathered(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
                              const Allocation& a) {
   const uint64_t off = pool::offset_of(h.addr);
-  uint64_t limit = core::kGatheredMaxLength;
-  for (const ExtentRow& e : a.slots)
-    if (const Client* cl = conns_[e.device_id]->client.get())
-      limit = std::min<uint64_t>(limit, std::max<uint32_t>(cl->device_info().max_payload, 64));
+  const uint64_t limit = smallest_payload(a, core::kGatheredMaxLength);
   const std::vector<pool::Gather> parts = pool::gather(a.layout, off, h.length, 0, limit);
   for (const pool::Gather& g : parts)
     if (!usable(a, g.slot)) return false;  // served here: UNAVAILABLE or DEVICE_LOST, named
@@ -1057,15 +1068,14 @@ Status Proxy::start_piece(Job& j, const Allocation& a, uint64_t off, uint32_t le
 }
 
 // Whether a REDUCE_MEM or OPT_STEP the proxy runs can run as chains
-// (send_piece_hop): its pieces, cut here to what every device takes, put at
+// (send_piece_hop): its pieces, cut here to what each of its devices takes, put at
 // most kMaxHopPieces on any device. Otherwise the devices' clients run it
 // and only the proxy's window keeps it once.
 bool Proxy::plan_hops(const Allocation& a, std::vector<pool::Piece>& pieces) {
-  uint32_t most = 0;
-  for (const auto& c : conns_)
-    if (c->client) most = most == 0 ? c->client->device_info().max_payload : std::min(most, c->client->device_info().max_payload);
-  most -= most % 8;  // whole elements of any type
-  if (most == 0) return false;
+  constexpr uint32_t kNone = UINT32_MAX;
+  uint32_t most = smallest_payload(a, kNone);
+  if (most == kNone) return false;  // no device of it connected: start_piece says why
+  most -= most % 8;                  // whole elements of any type
   std::vector<pool::Piece> cut;
   for (const pool::Piece& pc : pieces)
     for (uint32_t at = 0; at < pc.length; at += most)
@@ -1083,27 +1093,13 @@ bool Proxy::plan_hops(const Allocation& a, std::vector<pool::Piece>& pieces) {
 // proxy's, which the device hands the piece on to when it has run it.
 void Proxy::send_piece_hop(Job& j, size_t index, transport::TimePoint now) {
   Job::Sub& sub = j.subs[index];
-  const Endpoint& dev = catalog_.devices()[sub.device_id].endpoint;
   core::Header fh;
-  fh.opcode = Opcode::kChain;
   fh.dtype = j.req.dtype;
   fh.redop = j.req.redop;
-  fh.seg_count = static_cast<uint8_t>(sub.seg + 2);
-  fh.seg_index = sub.seg;
-  fh.txn = j.req.txn;
   fh.addr = j.req.addr;
   fh.length = sub.len;
-  std::vector<std::byte> body((sub.seg + 2) * kSegmentSize);
-  body.reserve(body.size() + sub.len);
-  const core::Segment run{dev.ip, dev.port, j.req.opcode, 0, sub.device_key, 0, sub.device_addr};
-  for (size_t i = 0; i <= sub.seg; ++i) core::encode_segment(run, body.data() + i * kSegmentSize);
-  core::encode_segment(core::Segment{hop_ip(sub.device_id), listen_->local().port, j.req.opcode, 0,
-                                     static_cast<uint32_t>(hop_key_), static_cast<uint32_t>(hop_key_ >> 32),
-                                     pool::global_address(j.alloc_id, sub.off)},
-                       body.data() + (sub.seg + 1) * kSegmentSize);
-  const auto piece = std::span(j.buf).subspan(sub.buf_off, sub.len);
-  body.insert(body.end(), piece.begin(), piece.end());
-  send_chain(dev, fh, {}, j.from, std::move(body), false);
+  send_hop_chain(j, sub.device_id, sub.device_key, sub.device_addr, sub.seg, fh, pool::global_address(j.alloc_id, sub.off),
+                 std::span(j.buf).subspan(sub.buf_off, sub.len));
   sub.hop_next = now + sub.hop_rto;
 }
 
@@ -1222,24 +1218,35 @@ uint32_t Proxy::hop_ip(uint32_t device_id) {
 
 void Proxy::send_hop(Job& j, const Allocation& a, transport::TimePoint now) {
   const ExtentRow& e = a.slots[j.primary];
-  const Endpoint& dev = catalog_.devices()[e.device_id].endpoint;
   core::Header fh;
-  fh.opcode = Opcode::kChain;
-  fh.seg_count = 2;
-  fh.txn = j.req.txn;
   fh.rkey = 8;
   fh.addr = j.req.addr;
   fh.length = 8;
-  std::vector<std::byte> body(2 * kSegmentSize);
-  body.reserve(2 * kSegmentSize + j.buf.size());
-  core::encode_segment(core::Segment{dev.ip, dev.port, j.req.opcode, 0, e.key, 0, j.primary_addr}, body.data());
-  core::encode_segment(core::Segment{hop_ip(e.device_id), listen_->local().port, j.req.opcode, 0,
-                                     static_cast<uint32_t>(hop_key_), static_cast<uint32_t>(hop_key_ >> 32),
-                                     j.req.addr},
-                       body.data() + kSegmentSize);
-  body.insert(body.end(), j.buf.begin(), j.buf.end());
-  send_chain(dev, fh, {}, j.from, std::move(body), false);
+  send_hop_chain(j, e.device_id, e.key, j.primary_addr, 0, fh, j.req.addr, j.buf);
   j.hop_next = now + j.hop_rto;
+}
+
+// The chains of atomics and pieces (PROTOCOL.md 17.7): the device's
+// segment (the request's opcode on `key` at `device_addr`) at index `seg`,
+// after `seg` copies of it that are never run; then the proxy's segment,
+// showing the hop key, at `hop_addr`; reply-to the client. `fh` brings
+// the header fields that differ (dtype, redop, rkey, addr, length).
+void Proxy::send_hop_chain(const Job& j, uint32_t device_id, uint32_t key, uint64_t device_addr, uint8_t seg,
+                           core::Header fh, uint64_t hop_addr, std::span<const std::byte> payload) {
+  const Endpoint& dev = catalog_.devices()[device_id].endpoint;
+  fh.opcode = Opcode::kChain;
+  fh.seg_count = static_cast<uint8_t>(seg + 2);
+  fh.seg_index = seg;
+  fh.txn = j.req.txn;
+  std::vector<std::byte> body((seg + 2) * kSegmentSize);
+  body.reserve(body.size() + payload.size());
+  const core::Segment run{dev.ip, dev.port, j.req.opcode, 0, key, 0, device_addr};
+  for (size_t i = 0; i <= seg; ++i) core::encode_segment(run, body.data() + i * kSegmentSize);
+  core::encode_segment(core::Segment{hop_ip(device_id), listen_->local().port, j.req.opcode, 0,
+                                     static_cast<uint32_t>(hop_key_), static_cast<uint32_t>(hop_key_ >> 32), hop_addr},
+                       body.data() + (seg + 1) * kSegmentSize);
+  body.insert(body.end(), payload.begin(), payload.end());
+  send_chain(dev, fh, {}, j.from, std::move(body), false);
 }
 
 // The second segment of an atomic's chain, from the device that ran the

@@ -159,6 +159,10 @@ class Proxy {
   void hop(const transport::Endpoint& from, const core::Packet& pkt);
   bool plan_hops(const Allocation& a, std::vector<pool::Piece>& pieces);
   void send_piece_hop(Job& j, size_t sub, transport::TimePoint now);  // j.subs[sub]
+  void send_hop_chain(const Job& j, uint32_t device_id, uint32_t key, uint64_t device_addr, uint8_t seg,
+                      core::Header fh, uint64_t hop_addr, std::span<const std::byte> payload);
+  uint32_t device_payload(uint32_t device_id) const;
+  uint32_t smallest_payload(const Allocation& a, uint32_t cap) const;
   void hop_timers(Job& j);
   void send_piece_probe(Job& j, size_t sub);
   void piece_refused(const transport::Endpoint& from, const core::Header& h);
