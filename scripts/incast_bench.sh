@@ -21,6 +21,8 @@
 #                    device mark their datagrams of at most 512 bytes with it
 #                    (--small-dscp): the probe's READs skip the writers'
 #                    queue (default: one queue, nothing marked)
+#   --netdamd-args "ARGS"  more options for the device's netdamd (e.g.
+#                    "--spin-us 0"), after the ones this script sets
 #   --prefix NAME    cluster name prefix (default nic)
 #   --out DIR        flow logs and summary.csv (default a new /tmp dir)
 #   --check          CI mode: exit 1 unless every run completed exactly
@@ -33,8 +35,12 @@
 # rate, datagrams lost in the queues in front of the device (its link's
 # tbf queue and its socket) per datagram sent, the lowest Jain fairness
 # index over the writers in any 100 ms window after the first, and the
-# READ probe's p99 against its idle p99 (measured alone first). Medians of
-# the rounds, with the spread.
+# READ probe's p99 against its idle p99: the probe alone for --seconds
+# right before each run, so that both figures of a ratio come from the same
+# minute of a machine whose own speed drifts. Also per run: the idle p99
+# itself and the time the hypervisor took from the VM's CPUs during the
+# run (/proc/stat steal, in 10 ms ticks). Medians of the rounds, with the
+# spread.
 #
 # Environment: BUILD_DIR (default build).
 # Exit status: 0; 1 a run failed or --check failed; 2 usage; the cluster's
@@ -47,7 +53,7 @@ build="$repo/${BUILD_DIR:-build}"
 [[ "${BUILD_DIR:-}" == /* ]] && build="$BUILD_DIR"
 incast="$build/bench/netdam-incast"
 
-writers=8 rate=500mbit seconds=1 rounds=3 ccs=fixed,depth,swift target_us="" loss=0 priority="" prefix=nic out="" check=0 max_loss=0.001
+writers=8 rate=500mbit seconds=1 rounds=3 ccs=fixed,depth,swift target_us="" loss=0 priority="" netdamd_args="" prefix=nic out="" check=0 max_loss=0.001
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 while (($#)); do
   case "$1" in
@@ -60,6 +66,7 @@ while (($#)); do
     --target-us) target_us=$2; shift 2 ;;
     --loss) loss=$2; shift 2 ;;
     --priority) priority=$2; shift 2 ;;
+    --netdamd-args) netdamd_args=$2; shift 2 ;;
     --prefix) prefix=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --check) check=1; shift ;;
@@ -89,6 +96,7 @@ up() {  # up LOSS
   teardown
   local extra="${marking[*]}"
   [[ "$1" != 0 ]] && extra+=" --inject-drop $1"
+  [[ -n "$netdamd_args" ]] && extra+=" $netdamd_args"
   CLUSTER_QUIET=1 "${cl[@]}" --hosts $((writers + 1)) --devices 1 --rate "$rate" --build "$build" --netdamd \
     ${priority:+--priority "$priority"} ${extra:+--netdamd-args "$extra"} up >/dev/null || { rc=$?; echo "incast_bench: cluster did not come up ($rc)" >&2; exit "$rc"; }
   set -a
@@ -110,9 +118,15 @@ drops() {
 }
 
 status=0
+steal() { awk '/^cpu / { print $9; exit }' /proc/stat; }  # ticks of 10 ms, all CPUs
+
 run() {  # run LABEL CC ROUND: one incast; files in $out/LABEL-CC-ROUND.*
   local label=$1 cc=$2 r=$3 base="$out/$1-$2-$3" pids=() i
+  ip netns exec "${host_ns[$writers]}" "$incast" read --device "$device" --seconds "$seconds" "${marking[@]}" \
+    --out "$base.idle" 2>>"$base.err" || { echo "incast_bench: $label $cc round $r: the idle probe failed" >&2; status=1; }
   read -r q0 s0 < <(drops)
+  local st0
+  st0=$(steal)
   local start=$(( $(date +%s%N) + 400000000 ))
   for ((i = 0; i < writers; i++)); do
     ip netns exec "${host_ns[$i]}" "$incast" write --device "$device" --start-at "$start" --seconds "$seconds" \
@@ -124,7 +138,7 @@ run() {  # run LABEL CC ROUND: one incast; files in $out/LABEL-CC-ROUND.*
   pids+=($!)
   for p in "${pids[@]}"; do wait "$p" || { echo "incast_bench: $label $cc round $r: a flow failed (see $base.err)" >&2; status=1; }; done
   read -r q1 s1 < <(drops)
-  echo "qdisc_drops=$((q1 - q0)) socket_drops=$((s1 - s0))" >"$base.drops"
+  echo "qdisc_drops=$((q1 - q0)) socket_drops=$((s1 - s0)) steal_ticks=$(($(steal) - st0))" >"$base.drops"
 }
 
 settings=(0)
@@ -134,7 +148,8 @@ for setting in "${settings[@]}"; do
   label=clean
   [[ "$setting" != 0 ]] && label="loss$setting"
   echo "== $label: $writers writers -> 1 device at $rate, ${seconds}s per run, $rounds rounds of: ${cc_list[*]}${priority:+; small datagrams marked DSCP $priority and served first}"
-  # The probe alone first: its idle latency.
+  # The probe alone first: its idle latency (the report's header; each run
+  # is compared with the probe alone right before it).
   ip netns exec "${host_ns[$writers]}" "$incast" read --device "$device" --seconds 1 "${marking[@]}" \
     --out "$out/$label-idle.read" ||
     status=1

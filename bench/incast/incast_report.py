@@ -4,7 +4,8 @@ Per run: goodput (payload bytes the writers had answered in the run, per
 second, over the device's link rate), datagrams lost in front of the device
 per datagram the writers sent, the lowest Jain index over the writers in
 the 100 ms windows after the first, and the READ probe's p99 over its idle
-p99. Per controller and loss setting: the median of the runs and the range.
+p99 (the probe alone right before that run). Per controller and loss
+setting: the median of the runs and the range.
 """
 
 import argparse
@@ -37,6 +38,13 @@ def jain(xs):
     return s * s / (len(xs) * s2) if s2 else 0.0
 
 
+def read_latencies(path):
+    with open(path) as f:
+        f.readline()
+        f.readline()
+        return [int(x) for x in f if x.strip()]
+
+
 def run_figures(base, writers, rate_bps, seconds):
     flows = [read_flow(f"{base}.w{i}") for i in range(writers)]
     ok = all(t["failed"] == "0" and t["wrong"] == "0" for t, _ in flows)
@@ -58,10 +66,9 @@ def run_figures(base, writers, rate_bps, seconds):
     with open(f"{base}.drops") as f:
         d = dict(kv.split("=") for kv in f.read().split())
     lost = int(d["qdisc_drops"]) + int(d["socket_drops"])
-    with open(f"{base}.read") as f:
-        f.readline()
-        f.readline()
-        lat = [int(x) for x in f if x.strip()]
+    lat = read_latencies(f"{base}.read")
+    # Logs from before the idle probe ran per run have none: the header's.
+    idle = read_latencies(f"{base}.idle") if os.path.exists(f"{base}.idle") else None
     return {
         "ok": ok,
         "goodput": goodput,
@@ -70,6 +77,8 @@ def run_figures(base, writers, rate_bps, seconds):
         "sent": sent,
         "jain_min": min(jains) if jains else float("nan"),
         "read_p99_us": percentile(lat, 99) / 1000,
+        "idle_p99_us": percentile(idle, 99) / 1000 if idle else None,
+        "steal_ms": int(d.get("steal_ticks", 0)) * 10,
         "retransmits": sum(int(t["retransmits"]) for t, _ in flows),
         "decreases": sum(int(t["window_decreases"]) for t, _ in flows),
     }
@@ -97,23 +106,23 @@ def main():
     summary = []
     clean_goodput = {}
     for label in labels:
-        with open(f"{a.out}/{label}-idle.read") as f:
-            f.readline()
-            f.readline()
-            idle = [int(x) for x in f if x.strip()]
-        idle_p99 = percentile(idle, 99) / 1000
-        print(f"\n{label}: idle READ p99 {idle_p99:.0f} us")
+        idle_p99 = percentile(read_latencies(f"{a.out}/{label}-idle.read"), 99) / 1000
+        print(f"\n{label}: idle READ p99 {idle_p99:.0f} us at the start; each run against the probe alone "
+              f"right before it")
         print(f"{'controller':<10} {'goodput/link':>20} {'lost/sent':>24} {'min Jain':>20} "
-              f"{'READ p99/idle':>20} {'rexmit':>8} {'decr':>8}  runs")
+              f"{'READ p99/idle':>20} {'idle p99 us':>16} {'steal ms':>12} {'rexmit':>8} {'decr':>8}  runs")
         for cc in ccs:
             bases = sorted({m.group(1) for p in glob.glob(f"{a.out}/{label}-{cc}-*.w0")
                             if (m := re.match(r"(.*)\.w0$", p))})
             runs = [run_figures(b, a.writers, a.rate_bps, a.seconds) for b in bases]
             if not runs:
                 continue
+            for r in runs:
+                if r["idle_p99_us"] is None:
+                    r["idle_p99_us"] = idle_p99
+                r["read_ratio"] = r["read_p99_us"] / r["idle_p99_us"]
             for b, r in zip(bases, runs):
                 summary.append({"setting": label, "controller": cc, "run": os.path.basename(b),
-                                "idle_read_p99_us": round(idle_p99, 1),
                                 **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}})
             g = [r["goodput"] for r in runs]
             if label == "clean":
@@ -123,7 +132,9 @@ def main():
                 extra = f"  goodput vs clean {statistics.median(g) / clean_goodput[cc]:.2f}"
             print(f"{cc:<10} {spread(g, '{:.3f}'):>20} {spread([r['loss'] for r in runs], '{:.5f}'):>24} "
                   f"{spread([r['jain_min'] for r in runs], '{:.3f}'):>20} "
-                  f"{spread([r['read_p99_us'] / idle_p99 for r in runs], '{:.1f}'):>20} "
+                  f"{spread([r['read_ratio'] for r in runs], '{:.1f}'):>20} "
+                  f"{spread([r['idle_p99_us'] for r in runs], '{:.0f}'):>16} "
+                  f"{spread([r['steal_ms'] for r in runs], '{:.0f}'):>12} "
                   f"{statistics.median([r['retransmits'] for r in runs]):>8.0f} "
                   f"{statistics.median([r['decreases'] for r in runs]):>8.0f}  {len(runs)}{extra}")
             if not all(r["ok"] for r in runs):
