@@ -502,7 +502,9 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   // run by the proxy on a retransmission, and one the proxy keeps must
   // never be forwarded.
   Allocation* a = catalog_.find(pool::allocation_of(h.addr));
-  const bool by_devices = a && served_by_devices(h, *a);
+  // One exception, for what is not a mutation: a client whose answers a
+  // device refused to send (forward_refused) is served here for a while.
+  const bool by_devices = a && served_by_devices(h, *a) && (mutation || !refused_client(from));
   if (mutation && !by_devices) {
     const ProxyReplay::Answer* remembered = nullptr;
     switch (replay_.check(from.key(), h.txn, h.opcode, &remembered)) {
@@ -838,6 +840,7 @@ bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const
     if (atomic) body.insert(body.end(), payload.begin(), payload.end());
     if (carries) body.insert(body.end(), payload.begin() + (t.off - off), payload.begin() + (t.off - off) + t.len);
     send_chain(dev, fh, {}, from, std::move(body), &t == &targets.front());  // the request is timed once
+    remember_forward(dev, from, h, fh.addr);
   }
   return true;
 }
@@ -879,6 +882,7 @@ bool Proxy::forward_gathered(const Endpoint& from, const core::Header& h, std::s
       }
     }
     send_chain(dev, fh, {}, from, std::move(body), std::exchange(first, false));
+    remember_forward(dev, from, h, fh.addr);
   }
   return true;
 }
@@ -937,6 +941,7 @@ void Proxy::chain(const Endpoint& from, const core::Packet& pkt) {
   fh.flags = 0;  // ACK_REQ means nothing to a chain; DIRECT nothing to a device
   fh.boot = 0;
   send_chain(first, fh, pkt.sr, from, std::move(body), true);
+  remember_forward(first, from, h, fh.addr);
 }
 
 // Queues a chain for a device (DIRECT's pieces, chains on pool memory):
@@ -1315,6 +1320,70 @@ void Proxy::hop_refused(const Endpoint& from, const core::Header& h) {
     j.status = h.status;
     return;
   }
+  forward_refused(from, h);
+}
+
+namespace {
+// How long a client that a device refused to answer is served here before
+// DIRECT is tried again (the device may have been given an --allow since).
+constexpr auto kRefusedFor = std::chrono::seconds(10);
+}  // namespace
+
+void Proxy::remember_forward(const Endpoint& device, const Endpoint& client, const core::Header& req, uint64_t addr) {
+  if (forwarded_.empty()) forwarded_.resize(kForwardedRing);
+  forwarded_[forwarded_next_] = Forwarded{device, client, req, addr};
+  forwarded_next_ = (forwarded_next_ + 1) % kForwardedRing;
+}
+
+// A device refused to send a forwarded request's answer to its client
+// (PROTOCOL.md 10.7), and told the proxy, its source: nothing ran. Without
+// word the client would wait out its timeout. A DIRECT part is answered as
+// a device answers a part it cannot serve, a CHAIN answer with the status,
+// which makes the client ask the proxy again without DIRECT (17.5), and the
+// proxy serves that client's READs and WRITEs itself for kRefusedFor; a
+// chain on pool memory gets the refusal as its answer.
+void Proxy::forward_refused(const Endpoint& from, const core::Header& h) {
+  if (h.seg_index != 0) return;  // refusals of a first segment only: the proxy sent those
+  for (Forwarded& f : forwarded_) {
+    if (f.client.port == 0 || f.req.txn != h.txn || f.addr != h.addr || !(f.device == from)) continue;
+    const Endpoint client = f.client;
+    const core::Header req = f.req;
+    for (Forwarded& g : forwarded_)  // once per request: the refusals of its other parts find nothing
+      if (g.client == client && g.req.txn == req.txn) g.client = {};
+    const auto now = listen_->now();
+    if (req.opcode != Opcode::kChain) {
+      // Bounded: an entry takes a valid key and the device's word.
+      if (refused_clients_.size() >= kForwardedRing)
+        std::erase_if(refused_clients_, [&](const auto& kv) { return kv.second <= now; });
+      if (refused_clients_.size() >= kForwardedRing) refused_clients_.clear();
+      auto [it, added] = refused_clients_.try_emplace(client.ip, now + kRefusedFor);
+      if (added || it->second <= now)
+        spdlog::warn("device {} refuses to answer {} directly ({}: its destination policy, PROTOCOL.md 10.7); "
+                     "that client's READs and WRITEs are served by the proxy for the next {} s. Add the "
+                     "client's subnet to the device's --allow for DIRECT answers",
+                     from.to_string(), client.to_string(), to_string(h.status),
+                     std::chrono::duration_cast<std::chrono::seconds>(kRefusedFor).count());
+      it->second = now + kRefusedFor;
+    } else {
+      spdlog::warn("device {} refuses to answer {} ({}): a chain on pool memory needs the client's address in the "
+                   "destination policy of every device it crosses",
+                   from.to_string(), client.to_string(), to_string(h.status));
+    }
+    core::Header a = req;
+    a.opcode = Opcode::kChain;
+    a.seg_index = 0;
+    reply(client, a, h.status);
+    return;
+  }
+}
+
+bool Proxy::refused_client(const Endpoint& client) {
+  if (refused_clients_.empty()) return false;
+  const auto it = refused_clients_.find(client.ip);
+  if (it == refused_clients_.end()) return false;
+  if (it->second > listen_->now()) return true;
+  refused_clients_.erase(it);
+  return false;
 }
 
 Status Proxy::failure_status(const Error& e, uint64_t alloc_id) const {

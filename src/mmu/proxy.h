@@ -20,6 +20,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <poll.h>
@@ -167,6 +168,14 @@ class Proxy {
   void send_piece_probe(Job& j, size_t sub);
   void piece_refused(const transport::Endpoint& from, const core::Header& h);
   void hop_refused(const transport::Endpoint& from, const core::Header& h);
+  // DIRECT parts and chains on pool memory, forwarded with a client as
+  // their reply-to (forward, forward_gathered, chain): whom to tell when
+  // the device refuses to answer that client (its destination policy,
+  // PROTOCOL.md 10.7), which it says to the proxy, not to the client.
+  void remember_forward(const transport::Endpoint& device, const transport::Endpoint& client, const core::Header& req,
+                        uint64_t addr);
+  void forward_refused(const transport::Endpoint& from, const core::Header& h);
+  bool refused_client(const transport::Endpoint& client);
   bool progress_atomic(Job& j);
   bool atomic_step(Job& j);
   void atomic_failed(Job& j, Allocation& a, Status why);
@@ -209,6 +218,20 @@ class Proxy {
   // Atomics started and not finished, by (client endpoint key, txn): where
   // their hops find them.
   std::map<std::pair<uint64_t, uint64_t>, Job*> hops_;
+  // The last kForwardedRing requests forwarded with a client as reply-to,
+  // overwritten in turn: no more state per request than a slot of this.
+  struct Forwarded {
+    transport::Endpoint device, client;  // client.port 0: told already, or never used
+    core::Header req;                    // the client's request
+    uint64_t addr = 0;                   // the forwarded chain's, which the device's refusal echoes
+  };
+  static constexpr size_t kForwardedRing = 4096;
+  std::vector<Forwarded> forwarded_;
+  size_t forwarded_next_ = 0;
+  // Clients (IPv4) a device refused to answer, until when: their READs and
+  // WRITEs with DIRECT are served here meanwhile. Mutations are not: who
+  // runs one must never depend on what answered since (data()).
+  std::unordered_map<uint32_t, transport::TimePoint> refused_clients_;
   // Shown by an atomic chain's second segment (its rkey and aux): only the
   // chains this proxy incarnation made are taken as hops.
   uint64_t hop_key_ = 0;
