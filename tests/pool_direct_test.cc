@@ -365,6 +365,16 @@ TEST_F(PoolDirect, AtomicRetriedAcrossProxyRestartRunsOnce) {
   const auto copies = ReadLiveCopies(r, 64, 8);
   ASSERT_EQ(copies.size(), 2u);
   EXPECT_EQ(copies[0], copies[1]);
+  // The restarted proxy's counters: the four FETCH_ADDs above and the
+  // three of Word(), and no CHAIN, though its atomics' hops came back to it
+  // as chains.
+  auto px = Client::connect(mmu_.endpoint());
+  ASSERT_TRUE(px) << px.error().to_string();
+  auto st = (*px)->stats();
+  ASSERT_TRUE(st) << st.error().to_string();
+  std::map<std::string, uint64_t> counters(st->begin(), st->end());
+  EXPECT_EQ(counters["op.FETCH_ADD"], 7u);
+  EXPECT_EQ(counters["op.CHAIN"], 0u);
 }
 
 // REDUCE_MEM and OPT_STEP the proxy runs itself (pieces on one device,

@@ -295,8 +295,12 @@ void Proxy::handle(std::span<std::byte> datagram, const Endpoint& from) {
     default: return;  // truncated, bad magic: dropped
   }
   const core::Header& h = pkt.h;
-  core::Stats::inc(stats_.requests[static_cast<uint8_t>(h.opcode)]);
-  arrival_.opcode = static_cast<uint8_t>(h.opcode);
+  // A chain past its first segment is the proxy's own coming back from a
+  // device (an atomic's or a piece's hop, hop()), not a client's request.
+  if (h.opcode != Opcode::kChain || h.seg_index == 0) {
+    core::Stats::inc(stats_.requests[static_cast<uint8_t>(h.opcode)]);
+    arrival_.opcode = static_cast<uint8_t>(h.opcode);
+  }
   if ((h.flags & ~(kFlagAckReq | kFlagDirect | kFlagGather)) || ((h.flags & kFlagGather) && !(h.flags & kFlagDirect)))
     return reply(from, h, Status::kBadFlags);
   if (h.opcode == Opcode::kChain) return h.seg_index == 0 ? chain(from, pkt) : hop(from, pkt);
