@@ -21,16 +21,11 @@ namespace {
 
 using namespace std::chrono_literals;
 using testing::build_path;
+using testing::ip_tool;
 using testing::run_process;
 
 constexpr int kRanks = 4;
 const char* kGroupAddr = "239.77.0.1:7600";
-
-std::string ip_tool() {
-  for (const char* p : {"/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"})
-    if (std::filesystem::exists(p)) return p;
-  return {};
-}
 
 // The namespaces, the bridge and the daemons; torn down by the destructor.
 class Netns {

@@ -94,6 +94,14 @@ inline std::vector<std::string> environment(const std::vector<std::string>& chan
 
 }  // namespace detail
 
+// The iproute2 `ip` program (run_process takes a path, not a name to look
+// up in PATH); "" if this machine has none.
+inline std::string ip_tool() {
+  for (const char* p : {"/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"})
+    if (std::filesystem::exists(p)) return p;
+  return {};
+}
+
 struct ProcessResult {
   int exit_code = -1;  // 128 + N if killed by signal N; -1 if it could not run
   std::string out, err;

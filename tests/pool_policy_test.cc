@@ -43,12 +43,7 @@ class OwnNetns {
       return;
     }
     entered_ = true;
-    std::string ip;
-    for (const char* p : {"/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"})
-      if (access(p, X_OK) == 0) {
-        ip = p;
-        break;
-      }
+    const std::string ip = testing::ip_tool();
     if (ip.empty()) {
       why_ = "no ip command (iproute2)";
       return;

@@ -45,7 +45,7 @@ def read_latencies(path):
         return [int(x) for x in f if x.strip()]
 
 
-def run_figures(base, writers, rate_bps, seconds):
+def run_figures(base, writers, rate_bps, seconds, header_idle_p99_us):
     flows = [read_flow(f"{base}.w{i}") for i in range(writers)]
     ok = all(t["failed"] == "0" and t["wrong"] == "0" for t, _ in flows)
     windows = int(round(seconds * 10))  # 100 ms windows
@@ -66,9 +66,10 @@ def run_figures(base, writers, rate_bps, seconds):
     with open(f"{base}.drops") as f:
         d = dict(kv.split("=") for kv in f.read().split())
     lost = int(d["qdisc_drops"]) + int(d["socket_drops"])
-    lat = read_latencies(f"{base}.read")
+    read_p99_us = percentile(read_latencies(f"{base}.read"), 99) / 1000
     # Logs from before the idle probe ran per run have none: the header's.
-    idle = read_latencies(f"{base}.idle") if os.path.exists(f"{base}.idle") else None
+    idle_p99_us = (percentile(read_latencies(f"{base}.idle"), 99) / 1000 if os.path.exists(f"{base}.idle")
+                   else header_idle_p99_us)
     return {
         "ok": ok,
         "goodput": goodput,
@@ -76,8 +77,9 @@ def run_figures(base, writers, rate_bps, seconds):
         "lost": lost,
         "sent": sent,
         "jain_min": min(jains) if jains else float("nan"),
-        "read_p99_us": percentile(lat, 99) / 1000,
-        "idle_p99_us": percentile(idle, 99) / 1000 if idle else None,
+        "read_p99_us": read_p99_us,
+        "idle_p99_us": idle_p99_us,
+        "read_ratio": read_p99_us / idle_p99_us,
         "steal_ms": int(d.get("steal_ticks", 0)) * 10,
         "retransmits": sum(int(t["retransmits"]) for t, _ in flows),
         "decreases": sum(int(t["window_decreases"]) for t, _ in flows),
@@ -114,13 +116,9 @@ def main():
         for cc in ccs:
             bases = sorted({m.group(1) for p in glob.glob(f"{a.out}/{label}-{cc}-*.w0")
                             if (m := re.match(r"(.*)\.w0$", p))})
-            runs = [run_figures(b, a.writers, a.rate_bps, a.seconds) for b in bases]
+            runs = [run_figures(b, a.writers, a.rate_bps, a.seconds, idle_p99) for b in bases]
             if not runs:
                 continue
-            for r in runs:
-                if r["idle_p99_us"] is None:
-                    r["idle_p99_us"] = idle_p99
-                r["read_ratio"] = r["read_p99_us"] / r["idle_p99_us"]
             for b, r in zip(bases, runs):
                 summary.append({"setting": label, "controller": cc, "run": os.path.basename(b),
                                 **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}})

@@ -741,9 +741,6 @@ std::optional<pool::Place> Proxy::first_copy(const Allocation& a, uint64_t off, 
   return std::nullopt;
 }
 
-// The pieces of a request and the device of each: the first usable copy
-// (`usable_only`), or copy 0 (the layout alone). False if some piece has
-// no usable copy.
 // The payload a device takes (its PING's max_payload, at least 64), 0 if
 // the proxy has no client for it.
 uint32_t Proxy::device_payload(uint32_t device_id) const {
@@ -758,6 +755,9 @@ uint32_t Proxy::smallest_payload(const Allocation& a, uint32_t cap) const {
   return cap;
 }
 
+// The pieces of a request and the device of each: the first usable copy
+// (`usable_only`), or copy 0 (the layout alone). False if some piece has
+// no usable copy.
 bool Proxy::plan_pieces(const core::Header& h, const Allocation& a, bool usable_only, std::vector<Target>& out) {
   const bool atomic = is_atomic(h.opcode);
   for (const pool::Piece& pc : pool::split_merged(a.layout, pool::offset_of(h.addr), atomic ? 8 : h.length)) {
@@ -844,7 +844,7 @@ bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const
     if (atomic) body.insert(body.end(), payload.begin(), payload.end());
     if (carries) body.insert(body.end(), payload.begin() + (t.off - off), payload.begin() + (t.off - off) + t.len);
     send_chain(dev, fh, {}, from, std::move(body), &t == &targets.front());  // the request is timed once
-    remember_forward(dev, from, h, fh.addr);
+    remember_forward(dev, from, h.txn, fh.addr, false);
   }
   return true;
 }
@@ -886,7 +886,7 @@ bool Proxy::forward_gathered(const Endpoint& from, const core::Header& h, std::s
       }
     }
     send_chain(dev, fh, {}, from, std::move(body), std::exchange(first, false));
-    remember_forward(dev, from, h, fh.addr);
+    remember_forward(dev, from, h.txn, fh.addr, false);
   }
   return true;
 }
@@ -945,7 +945,7 @@ void Proxy::chain(const Endpoint& from, const core::Packet& pkt) {
   fh.flags = 0;  // ACK_REQ means nothing to a chain; DIRECT nothing to a device
   fh.boot = 0;
   send_chain(first, fh, pkt.sr, from, std::move(body), true);
-  remember_forward(first, from, h, fh.addr);
+  remember_forward(first, from, h.txn, fh.addr, true);
 }
 
 // Queues a chain for a device (DIRECT's pieces, chains on pool memory):
@@ -1333,9 +1333,10 @@ namespace {
 constexpr auto kRefusedFor = std::chrono::seconds(10);
 }  // namespace
 
-void Proxy::remember_forward(const Endpoint& device, const Endpoint& client, const core::Header& req, uint64_t addr) {
+void Proxy::remember_forward(const Endpoint& device, const Endpoint& client, uint64_t txn, uint64_t addr,
+                             bool chain) {
   if (forwarded_.empty()) forwarded_.resize(kForwardedRing);
-  forwarded_[forwarded_next_] = Forwarded{device, client, req, addr};
+  forwarded_[forwarded_next_] = Forwarded{device, client, txn, addr, chain};
   forwarded_next_ = (forwarded_next_ + 1) % kForwardedRing;
 }
 
@@ -1349,13 +1350,13 @@ void Proxy::remember_forward(const Endpoint& device, const Endpoint& client, con
 void Proxy::forward_refused(const Endpoint& from, const core::Header& h) {
   if (h.seg_index != 0) return;  // refusals of a first segment only: the proxy sent those
   for (Forwarded& f : forwarded_) {
-    if (f.client.port == 0 || f.req.txn != h.txn || f.addr != h.addr || !(f.device == from)) continue;
+    if (f.client.port == 0 || f.txn != h.txn || f.addr != h.addr || !(f.device == from)) continue;
     const Endpoint client = f.client;
-    const core::Header req = f.req;
+    const bool chain = f.chain;
     for (Forwarded& g : forwarded_)  // once per request: the refusals of its other parts find nothing
-      if (g.client == client && g.req.txn == req.txn) g.client = {};
+      if (g.client == client && g.txn == h.txn) g.client = {};
     const auto now = listen_->now();
-    if (req.opcode != Opcode::kChain) {
+    if (!chain) {
       // Bounded: an entry takes a valid key and the device's word.
       if (refused_clients_.size() >= kForwardedRing)
         std::erase_if(refused_clients_, [&](const auto& kv) { return kv.second <= now; });
@@ -1373,10 +1374,7 @@ void Proxy::forward_refused(const Endpoint& from, const core::Header& h) {
                    "destination policy of every device it crosses",
                    from.to_string(), client.to_string(), to_string(h.status));
     }
-    core::Header a = req;
-    a.opcode = Opcode::kChain;
-    a.seg_index = 0;
-    reply(client, a, h.status);
+    reply(client, h, h.status);  // a CHAIN answer to the client's txn, segment 0, as checked above
     return;
   }
 }

@@ -172,8 +172,8 @@ class Proxy {
   // their reply-to (forward, forward_gathered, chain): whom to tell when
   // the device refuses to answer that client (its destination policy,
   // PROTOCOL.md 10.7), which it says to the proxy, not to the client.
-  void remember_forward(const transport::Endpoint& device, const transport::Endpoint& client, const core::Header& req,
-                        uint64_t addr);
+  void remember_forward(const transport::Endpoint& device, const transport::Endpoint& client, uint64_t txn,
+                        uint64_t addr, bool chain);
   void forward_refused(const transport::Endpoint& from, const core::Header& h);
   bool refused_client(const transport::Endpoint& client);
   bool progress_atomic(Job& j);
@@ -220,10 +220,12 @@ class Proxy {
   std::map<std::pair<uint64_t, uint64_t>, Job*> hops_;
   // The last kForwardedRing requests forwarded with a client as reply-to,
   // overwritten in turn: no more state per request than a slot of this.
+  // The refusal echoes the forwarded chain's header (txn, addr), from which
+  // the client's answer is made: only what it does not say is kept.
   struct Forwarded {
     transport::Endpoint device, client;  // client.port 0: told already, or never used
-    core::Header req;                    // the client's request
-    uint64_t addr = 0;                   // the forwarded chain's, which the device's refusal echoes
+    uint64_t txn = 0, addr = 0;          // the forwarded chain's
+    bool chain = false;                  // a chain on pool memory, not a DIRECT part
   };
   static constexpr size_t kForwardedRing = 4096;
   std::vector<Forwarded> forwarded_;
