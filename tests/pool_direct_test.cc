@@ -265,6 +265,38 @@ TEST_F(PoolDirect, GatheredPartsOnTheWire) {
   EXPECT_EQ(got[0].h.status, Status::kBadFlags);
 }
 
+// The proxy forwards a WRITE's data as views into its receive buffers, so
+// each turn's forwarded parts must leave before its next receive reuses
+// them: a burst of many more requests than one receive takes (32), each
+// with its own data, pieced and gathered, must land exactly.
+TEST_F(PoolDirect, ABurstOfWritesLongerThanAReceiveBatchLandsExactly) {
+  Start(2);
+  constexpr size_t kWrites = 256, kValue = 1536;  // 1.5 stripes: two pieces on two devices
+  PoolAllocation a = AllocStriped("burst", kWrites * 2048, 1024);
+  ASSERT_FALSE(HasFailure());
+  OpenSocket();
+  std::mt19937_64 rng(11);
+  std::vector<std::vector<std::byte>> values(kWrites, std::vector<std::byte>(kValue));
+  std::vector<std::array<std::byte, kHeaderSize>> heads(kWrites);
+  std::vector<transport::OutMsg> burst;
+  for (size_t i = 0; i < kWrites; ++i) {
+    for (auto& b : values[i]) b = static_cast<std::byte>(rng());
+    const uint8_t flags = kFlagDirect | kFlagAckReq | (i % 2 ? kFlagGather : 0);
+    core::encode_header(Request(Opcode::kWrite, 1000 + i, a.base + i * 2048 + 512, kValue, a.key, flags),
+                        heads[i].data());
+    burst.push_back({proxy_, {std::span<const std::byte>(heads[i]), values[i]}});
+  }
+  ASSERT_EQ(sock_->send_batch(burst), kWrites);
+  size_t acks = 0;
+  for (const Answer& r : Receive()) acks += r.h.status == Status::kOk;
+  EXPECT_EQ(acks, 2 * kWrites);  // a part per device each
+  for (size_t i = 0; i < kWrites; ++i) {
+    std::vector<std::byte> back(kValue);
+    ASSERT_FALSE(pool_->get(a.base + i * 2048 + 512, back, a.key));
+    ASSERT_EQ(back, values[i]) << "write " << i;
+  }
+}
+
 // Faults at the proxy and at every device (drops, duplicates, reordering of
 // everything they send: forwarded pieces, the devices' answers): random
 // reads and writes that split over three devices stay exact against a

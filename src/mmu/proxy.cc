@@ -152,6 +152,7 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
     // released here, before the next request is handled, not at some later
     // send (a WRITE's late copy must not land after the client's next
     // request, which it has already acknowledged).
+    if (!borrowed_.empty()) send_answers();  // they view the buffers this receive reuses
     const size_t n = out_->recv_batch(in, 0ns);
     for (size_t i = 0; i < n; ++i) {
       if (!in[i].truncated) {
@@ -237,7 +238,9 @@ void Proxy::send_answers() {
   std::vector<transport::OutMsg> msgs;
   msgs.reserve(answers_.size());
   for (const Answer& a : answers_)
-    msgs.push_back({a.to, {std::span<const std::byte>(a.head).first(a.head_size), a.payload}});
+    msgs.push_back({a.to,
+                    {std::span<const std::byte>(a.head).first(a.head_size), a.payload},
+                    std::span(borrowed_).subspan(a.borrowed_first, a.borrowed_count)});
   for (size_t sent = 0; sent < msgs.size();) {
     const size_t n = out_->send_batch(std::span(msgs).subspan(sent));
     if (n == 0) break;  // the socket refused everything for ~100 ms: the clients retransmit
@@ -253,6 +256,7 @@ void Proxy::send_answers() {
   }
   unanswered_.clear();
   answers_.clear();
+  borrowed_.clear();
 }
 
 void Proxy::answer_ping(const Endpoint& to, const core::Header& h) {
@@ -839,11 +843,10 @@ bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const
     fh.addr = h.addr + (t.off - off);
     fh.length = t.len;
     std::vector<std::byte> body(kSegmentSize);
-    body.reserve(kSegmentSize + (carries ? t.len : payload.size()));
     core::encode_segment(core::Segment{dev.ip, dev.port, h.opcode, 0, t.key, 0, t.device_addr}, body.data());
     if (atomic) body.insert(body.end(), payload.begin(), payload.end());
-    if (carries) body.insert(body.end(), payload.begin() + (t.off - off), payload.begin() + (t.off - off) + t.len);
-    send_chain(dev, fh, {}, from, std::move(body), &t == &targets.front());  // the request is timed once
+    Answer& f = send_chain(dev, fh, {}, from, std::move(body), &t == &targets.front());  // the request is timed once
+    if (carries) borrow(f, payload.subspan(t.off - off, t.len));
     remember_forward(dev, from, h.txn, fh.addr, false);
   }
   return true;
@@ -874,18 +877,12 @@ bool Proxy::forward_gathered(const Endpoint& from, const core::Header& h, std::s
     fh.rkey = core::encode_gathered({n, a.layout.stripe, a.layout.slots});
     fh.addr = h.addr + (g.runs[0].offset - off);
     fh.length = n;
-    // Built by appending, not sized first: a vector sized to the part
-    // would be zero-filled, a pass over every byte for nothing.
     std::vector<std::byte> body(kSegmentSize);
     core::encode_segment(core::Segment{dev.ip, dev.port, h.opcode, 0, e.key, 0, e.base + g.extent_offset}, body.data());
+    Answer& f = send_chain(dev, fh, {}, from, std::move(body), std::exchange(first, false));
     if (h.opcode == Opcode::kWrite) {
-      body.reserve(kSegmentSize + n);
-      for (const pool::Run& r : g.runs) {
-        const auto from = payload.subspan(r.offset - off, r.length);
-        body.insert(body.end(), from.begin(), from.end());
-      }
+      for (const pool::Run& r : g.runs) borrow(f, payload.subspan(r.offset - off, r.length));
     }
-    send_chain(dev, fh, {}, from, std::move(body), std::exchange(first, false));
     remember_forward(dev, from, h.txn, fh.addr, false);
   }
   return true;
@@ -911,7 +908,6 @@ void Proxy::chain(const Endpoint& from, const core::Packet& pkt) {
   if (pkt.sr.reply_ip != 0 && (pkt.sr.reply_ip != from.ip || pkt.sr.reply_port != from.port))
     return refuse(Status::kNotPermitted, 0);
   std::vector<std::byte> body(pkt.segments.size());
-  body.reserve(pkt.segments.size() + pkt.payload.size());
   Endpoint first{};
   for (size_t i = 0; i < h.seg_count; ++i) {
     const core::Segment sg = core::decode_segment(pkt.segments.data() + i * kSegmentSize);
@@ -939,12 +935,11 @@ void Proxy::chain(const Endpoint& from, const core::Packet& pkt) {
     core::encode_segment(core::Segment{dev.ip, dev.port, sg.opcode, 0, e.key, 0, e.base + at->extent_offset},
                          body.data() + i * kSegmentSize);
   }
-  body.insert(body.end(), pkt.payload.begin(), pkt.payload.end());
   core::Header fh = h;
   fh.seg_index = 0;
   fh.flags = 0;  // ACK_REQ means nothing to a chain; DIRECT nothing to a device
   fh.boot = 0;
-  send_chain(first, fh, pkt.sr, from, std::move(body), true);
+  borrow(send_chain(first, fh, pkt.sr, from, std::move(body), true), pkt.payload);
   remember_forward(first, from, h.txn, fh.addr, true);
 }
 
@@ -952,8 +947,8 @@ void Proxy::chain(const Endpoint& from, const core::Packet& pkt) {
 // header `fh`, the preamble `sr` with `reply_to` as the chain's reply-to,
 // then `body`, the encoded segments and the payload. `timed`: this is the
 // datagram the request's latency is charged to.
-void Proxy::send_chain(const Endpoint& to, const core::Header& fh, core::SrPreamble sr, const Endpoint& reply_to,
-                       std::vector<std::byte> body, bool timed) {
+Proxy::Answer& Proxy::send_chain(const Endpoint& to, const core::Header& fh, core::SrPreamble sr,
+                                 const Endpoint& reply_to, std::vector<std::byte> body, bool timed) {
   Answer& f = answers_.emplace_back();
   f.to = to;
   f.arrival = arrival_;
@@ -967,6 +962,28 @@ void Proxy::send_chain(const Endpoint& to, const core::Header& fh, core::SrPream
   core::Stats::inc(stats_.forwarded);
   core::Stats::inc(stats_.tx_packets);
   core::Stats::inc(stats_.tx_bytes, f.head_size + f.payload.size());
+  return f;
+}
+
+void Proxy::borrow(Answer& a, std::span<const std::byte> data) {
+  core::Stats::inc(stats_.tx_bytes, data.size());
+  if (data.empty()) return;
+  if (a.borrowed_count == 0) a.borrowed_first = borrowed_.size();
+  // An answer's views are consecutive in borrowed_, so only the newest
+  // answer can take another (each is filled right after send_chain queues
+  // it), and a send takes at most kMaxOutMore: otherwise its views become
+  // a copy, in order, and so does the rest.
+  if (a.borrowed_first + a.borrowed_count == borrowed_.size() && a.borrowed_count < transport::kMaxOutMore) {
+    borrowed_.push_back(data);
+    ++a.borrowed_count;
+    return;
+  }
+  for (size_t k = 0; k < a.borrowed_count; ++k) {
+    const auto view = borrowed_[a.borrowed_first + k];
+    a.payload.insert(a.payload.end(), view.begin(), view.end());
+  }
+  a.borrowed_count = 0;
+  a.payload.insert(a.payload.end(), data.begin(), data.end());
 }
 
 // A piece of a job's request on one device: [addr, addr + piece) of the

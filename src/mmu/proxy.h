@@ -132,8 +132,14 @@ class Proxy {
   std::optional<pool::Place> first_copy(const Allocation& a, uint64_t off, bool usable_only) const;
   // A chain on global addresses, translated and sent to its first device.
   void chain(const transport::Endpoint& from, const core::Packet& pkt);
-  void send_chain(const transport::Endpoint& to, const core::Header& fh, core::SrPreamble sr,
-                  const transport::Endpoint& reply_to, std::vector<std::byte> body, bool timed);
+  // Returns the queued datagram, to which borrow() may add the data.
+  struct Answer;
+  Answer& send_chain(const transport::Endpoint& to, const core::Header& fh, core::SrPreamble sr,
+                     const transport::Endpoint& reply_to, std::vector<std::byte> body, bool timed);
+  // Appends `data`, a view into the datagram being handled, to a queued
+  // datagram without copying it: the turn's answers then leave before the
+  // next receive overwrites it.
+  void borrow(Answer& a, std::span<const std::byte> data);
   bool served_by_devices(const core::Header& h, const Allocation& a);
   Op device_op(const Job& j, Client& cl, uint64_t addr, std::span<std::byte> piece, uint32_t key);
   void start_opt_config(std::unique_ptr<Job> job, const Allocation& a, std::span<const std::byte> payload);
@@ -261,15 +267,21 @@ class Proxy {
   };
   Arrival arrival_;
   // An answer to a client, or a request forwarded to a device (a chain:
-  // header and preamble in `head`, the segments and the data in `payload`).
+  // header and preamble in `head`, the segments and the data in `payload`,
+  // then `borrowed_count` views of borrowed_, from `borrowed_first`).
   struct Answer {
     transport::Endpoint to;
     std::array<std::byte, kHeaderSize + kSrPreambleSize> head;
     size_t head_size = kHeaderSize;
     std::vector<std::byte> payload;
+    size_t borrowed_first = 0, borrowed_count = 0;
     Arrival arrival;
   };
   std::vector<Answer> answers_;  // queued by reply() and forward(), sent by send_answers()
+  // Forwarded data, viewed in the receive buffers rather than copied (a
+  // 64 KiB WRITE's copy was a twentieth of the proxy's time): valid until
+  // the next receive, so poll_once sends the answers first.
+  std::vector<std::span<const std::byte>> borrowed_;
   std::vector<Arrival> unanswered_;  // finished this turn without an answer (WRITE without ACK_REQ)
   core::Stats stats_;  // written by the loop only
   uint64_t integrity_drops_seen_ = 0;
