@@ -747,6 +747,41 @@ TEST(AggregateGroup, LostResultIsAskedForAgainWithinATimeout) {
   }
 }
 
+// The only block of a small AllReduce: nothing can overtake it, so a lost
+// result is asked for again after one timeout (alone at its aggregator),
+// not after the held timer's eight.
+TEST(AggregateGroup, LostResultOfTheOnlyBlockIsAskedForWithinATimeout) {
+  AggCluster c(3, 1, {}, 1u << 20, 5s);
+  const transport::Endpoint rank0{0x0B000000u, 5000};
+  int dropped = 0;
+  c.fabric.set_drop_filter([&](transport::Endpoint from, transport::Endpoint to, std::span<const std::byte> d) {
+    if (dropped > 0 || !(from == AggCluster::agg_addr(0)) || !(to == rank0) || d.size() < 48 ||
+        d[5] != static_cast<std::byte>(Opcode::kChain) || d[6] != std::byte{1} ||
+        (core::load_be<uint32_t>(d.data() + 44) & core::kAggHeld))
+      return false;
+    ++dropped;
+    return true;
+  });
+  std::vector<std::vector<std::byte>> in, out;
+  for (int r = 0; r < 3; ++r) {
+    in.push_back(random_elements(DType::kF32, 4096, static_cast<uint64_t>(r + 21)));
+    out.emplace_back(in.back().size());
+  }
+  const auto start = c.fabric.now();
+  std::vector<Work> works = start_allreduce(c.groups, in, out, 3);
+  c.run(works);
+  const auto took = c.fabric.now() - start;
+  const auto want = reference(in, DType::kF32, RedOp::kSum);
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
+    EXPECT_EQ(out[static_cast<size_t>(r)], want);
+  }
+  EXPECT_EQ(dropped, 1);
+  // Held (its answer came), then one least timeout (20 ms) and a round
+  // trip: far from 8 timeouts (160 ms).
+  EXPECT_LT(took, 60ms) << std::chrono::duration_cast<std::chrono::microseconds>(took).count() << " us";
+}
+
 // Placement in runs (plan.h): every block has its own place on its
 // aggregator, inside the region the group sizes, consecutive blocks of a
 // run share an aggregator, and a window of kAggregateSpread blocks reaches

@@ -122,6 +122,11 @@ constexpr size_t kRxBatch = 32;
 // A chain refused as NOT_READY waits this long before it is sent again: the
 // host of that device has not armed its buffer yet.
 constexpr auto kNotReadyDelay = 100us;
+// A held AGGREGATE contribution is asked again after this many timeouts
+// (doubling each time), so that ranks waiting for a late one do not flood
+// the aggregator with their blocks; a lost result is found sooner where a
+// later block's result overtakes it, or where nothing else is in flight.
+constexpr int kHeldTimeouts = 8;
 }  // namespace
 
 struct Client::Recovery {
@@ -988,6 +993,23 @@ void Client::check_timers() {
   TimePoint next = now + std::chrono::nanoseconds(opts_.min_rto) / 2;
   std::vector<uint64_t> expired;
   std::array<bool, Recovery::kCount> probed{};
+  // AGGREGATE contributions in flight per aggregator. A held one alone at
+  // its aggregator can never be overtaken (no later result can come
+  // first), so a lost result of the last or only block would wait out
+  // the whole held timer: it is asked again after one timeout instead.
+  std::vector<std::pair<const client_detail::LossRecovery*, size_t>> in_flight_at;
+  for (auto& [txn, p] : inflight_) {
+    if (!p->aggregate) continue;
+    const client_detail::LossRecovery* at = &recovery_->route(*p);
+    auto it = std::find_if(in_flight_at.begin(), in_flight_at.end(), [&](const auto& e) { return e.first == at; });
+    if (it == in_flight_at.end()) in_flight_at.emplace_back(at, 1);
+    else ++it->second;
+  }
+  const auto alone = [&](const client_detail::LossRecovery& lr) {
+    for (const auto& [at, n] : in_flight_at)
+      if (at == &lr) return n == 1;
+    return false;
+  };
   for (auto& [txn, p] : inflight_) {
     if (now - p->first_sent >= opts_.timeout) {
       expired.push_back(txn);
@@ -1011,14 +1033,15 @@ void Client::check_timers() {
         p->overtaken_since = now;
       const TimePoint overtaken_at =
           p->overtaken_since != TimePoint{} && !p->overtaken_asked ? p->overtaken_since + rto : TimePoint::max();
+      const int held_timeouts = alone(lr) ? 1 : kHeldTimeouts;
       const TimePoint at =
-          p->held ? std::min(overtaken_at, p->held_since + transport::Duration(8 * rto) *
+          p->held ? std::min(overtaken_at, p->held_since + transport::Duration(held_timeouts * rto) *
                                                                 (1 << std::min(p->held_resends, 6)))
                   : std::min(lr.lost_at(p->last_sent), p->last_sent + rto);
       if (now >= at) {
         resend = true;
         if (p->held) {
-          if (now >= overtaken_at) {
+          if (overtaken_at != TimePoint::max()) {  // overtaken, whichever timer came first
             p->overtaken_asked = true;
             ++counters_.overtaken_resends;
           } else {
