@@ -174,6 +174,10 @@ int collectives_main(int argc, char** argv) {
                  "the ranks' clients (and --local devices) look for datagrams this long before sleeping "
                  "(default 100, ClientOptions::spin; 0: never)")
       ->check(CLI::Range(0, 1'000'000));
+  int64_t min_rto_us = c.min_rto.count();
+  app.add_option("--min-rto-us", min_rto_us,
+                 "the ranks' clients' least retransmission timeout (default 20000, ClientOptions::min_rto)")
+      ->check(CLI::Range(1, 1'000'000));
   app.add_option("--max-payload", max_payload_s,
                  "--local: the devices' largest payload (default 63KiB: loopback's MTU is 64 KiB; "
                  "8K models 9000-byte jumbo frames)");
@@ -191,6 +195,7 @@ int collectives_main(int argc, char** argv) {
   c.congestion = *parse_congestion(congestion);
   c.congestion_target = std::chrono::microseconds(target_us);
   c.spin = std::chrono::microseconds(spin_us);
+  c.min_rto = std::chrono::microseconds(min_rto_us);
 
   const std::string op_name = !op_flag.empty() ? op_flag : !op_pos.empty() ? op_pos : "allreduce";
   auto op = parse_op(op_name);

@@ -338,6 +338,7 @@ int run_rank(const BenchConfig& c) {
   o.client.congestion = c.congestion;
   o.client.congestion_target = c.congestion_target;
   o.client.spin = c.spin;
+  o.client.min_rto = c.min_rto;
   o.result_multicast = c.result_multicast;
   auto created = Group::create(o);
   if (!created) return fail("cannot create the group: " + created.error().to_string());

@@ -53,6 +53,7 @@ struct BenchConfig {
   Congestion congestion = ClientOptions{}.congestion;                  // ClientOptions::congestion
   std::chrono::microseconds congestion_target = ClientOptions{}.congestion_target;
   std::chrono::microseconds spin = ClientOptions{}.spin;                // ClientOptions::spin
+  std::chrono::microseconds min_rto = ClientOptions{}.min_rto;          // ClientOptions::min_rto
 
   std::string csv;             // rank 0 writes the rows here
   std::string faults_note;     // for the header: what the devices inject
