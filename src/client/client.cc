@@ -993,19 +993,22 @@ void Client::check_timers() {
   TimePoint next = now + std::chrono::nanoseconds(opts_.min_rto) / 2;
   std::vector<uint64_t> expired;
   std::array<bool, Recovery::kCount> probed{};
-  // AGGREGATE contributions in flight per aggregator. A held one alone at
-  // its aggregator can never be overtaken (no later result can come
-  // first), so a lost result of the last or only block would wait out
-  // the whole held timer: it is asked again after one timeout instead.
+  // Whether a held AGGREGATE contribution is the only one in flight to its
+  // aggregator: then nothing can overtake it (no later result can come
+  // first), so a lost result of the last or only block would wait out the
+  // whole held timer; it is asked again after one timeout instead. The
+  // counts per aggregator are taken on first need, i.e. only in a check
+  // that meets a held contribution.
   std::vector<std::pair<const client_detail::LossRecovery*, size_t>> in_flight_at;
-  for (auto& [txn, p] : inflight_) {
-    if (!p->aggregate) continue;
-    const client_detail::LossRecovery* at = &recovery_->route(*p);
-    auto it = std::find_if(in_flight_at.begin(), in_flight_at.end(), [&](const auto& e) { return e.first == at; });
-    if (it == in_flight_at.end()) in_flight_at.emplace_back(at, 1);
-    else ++it->second;
-  }
   const auto alone = [&](const client_detail::LossRecovery& lr) {
+    if (in_flight_at.empty())
+      for (auto& [txn, q] : inflight_) {
+        if (!q->aggregate) continue;
+        const client_detail::LossRecovery* at = &recovery_->route(*q);
+        auto it = std::find_if(in_flight_at.begin(), in_flight_at.end(), [&](const auto& e) { return e.first == at; });
+        if (it == in_flight_at.end()) in_flight_at.emplace_back(at, 1);
+        else ++it->second;
+      }
     for (const auto& [at, n] : in_flight_at)
       if (at == &lr) return n == 1;
     return false;
@@ -1033,11 +1036,14 @@ void Client::check_timers() {
         p->overtaken_since = now;
       const TimePoint overtaken_at =
           p->overtaken_since != TimePoint{} && !p->overtaken_asked ? p->overtaken_since + rto : TimePoint::max();
-      const int held_timeouts = alone(lr) ? 1 : kHeldTimeouts;
-      const TimePoint at =
-          p->held ? std::min(overtaken_at, p->held_since + transport::Duration(held_timeouts * rto) *
-                                                                (1 << std::min(p->held_resends, 6)))
-                  : std::min(lr.lost_at(p->last_sent), p->last_sent + rto);
+      TimePoint at;
+      if (p->held) {
+        const int timeouts = alone(lr) ? 1 : kHeldTimeouts;
+        at = std::min(overtaken_at,
+                      p->held_since + transport::Duration(timeouts * rto) * (1 << std::min(p->held_resends, 6)));
+      } else {
+        at = std::min(lr.lost_at(p->last_sent), p->last_sent + rto);
+      }
       if (now >= at) {
         resend = true;
         if (p->held) {
