@@ -38,6 +38,9 @@ constexpr transport::Duration kHopFirstRto = 20ms;
 // each on top of the piece (at most 232 bytes here: below what a datagram
 // of the device's max_payload leaves free under its MTU).
 constexpr size_t kMaxHopPieces = 8;
+// A hop to a device that answers its PINGs is waited for this many device
+// timeouts (hop_overdue).
+constexpr int kHopPatience = 8;
 // A device region's key (32-bit on the wire). 0 is never a key and 1 is
 // netdamd's default region key.
 uint32_t random_device_key() {
@@ -499,6 +502,24 @@ bool Proxy::usable(const Allocation& a, uint32_t slot) const {
 }
 
 Client* Proxy::client(uint32_t device_id) { return conns_[device_id]->client.get(); }
+
+// A hop is given up (the request answered UNAVAILABLE) after the device
+// timeout only when its device has been silent that long too. A device
+// that answers PINGs is alive, and a lossy path loses a chain and its
+// resends several times in a row now and then (10% round-trip loss: one
+// piece in 10^4 loses four); failing those would cry wolf. A live device
+// that never returns the hop (nothing we can see) is given up after
+// kHopPatience timeouts, so a job never stays forever.
+bool Proxy::hop_overdue(uint32_t device_id, transport::TimePoint first, transport::TimePoint now) const {
+  const auto waited = now - first;
+  if (waited < opts_.device_timeout) return false;
+  const bool answering = now - conns_[device_id]->last_answer < opts_.device_timeout;
+  if (!answering) return true;
+  if (waited < kHopPatience * opts_.device_timeout) return false;
+  spdlog::warn("device {} answers PINGs but has not returned a hop in {} ms: its request is answered UNAVAILABLE",
+               device_id, std::chrono::duration_cast<std::chrono::milliseconds>(waited).count());
+  return true;
+}
 
 void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload) {
   const bool atomic = is_atomic(h.opcode);
@@ -1146,7 +1167,7 @@ void Proxy::hop_timers(Job& j) {
       const Conn& conn = *conns_[e.device_id];
       if (e.state == ExtentState::kLost || (conn.client && conn.boot != e.boot)) why = Status::kDeviceLost;
     }
-    if (why != Status::kUnavailable || !usable(*a, sub.slot) || now - sub.hop_first >= opts_.device_timeout) {
+    if (why != Status::kUnavailable || !usable(*a, sub.slot) || hop_overdue(sub.device_id, sub.hop_first, now)) {
       sub.hop_done = true;
       sub.status = why;
       continue;
@@ -1500,7 +1521,7 @@ bool Proxy::atomic_step(Job& j) {
     if (j.probe.valid() && j.probe_slot == j.primary && j.probe.done() &&
         j.probe.error().code() == Error::Code::kNak)
       why = j.probe.error().status();  // its region is gone: the atomic did not run
-    if (!usable(*a, j.primary) || now - j.hop_first >= opts_.device_timeout || why != Status::kUnavailable) {
+    if (!usable(*a, j.primary) || hop_overdue(e.device_id, j.hop_first, now) || why != Status::kUnavailable) {
       atomic_failed(j, *a, why);
       return j.status != Status::kOk;
     }

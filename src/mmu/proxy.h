@@ -157,6 +157,8 @@ class Proxy {
 
   // Jobs.
   bool usable(const Allocation& a, uint32_t slot) const;
+  // Whether a hop first sent at `first` to device `device_id` is given up.
+  bool hop_overdue(uint32_t device_id, transport::TimePoint first, transport::TimePoint now) const;
   Status start_piece(Job& j, const Allocation& a, uint64_t off, uint32_t len, size_t buf_off, bool write);
   void start_atomic(Job& j);
   // An atomic's chain to its device, and what comes back of it to the
