@@ -138,7 +138,10 @@ class PoolTest : public ::testing::Test {
     std::string why;
     ASSERT_TRUE(start_devices(devs_, devices, flags_, &why, memory, device_extra)) << why;
     std::vector<std::string> args = flags_;
-    args.insert(args.end(), {"--ping-interval", "50", "--device-timeout", "300", "--log-level", "warn"});
+    // Quick health for the tests, unless `extra` sets its own.
+    for (const auto& [flag, value] : {std::pair{"--ping-interval", "50"}, {"--device-timeout", "300"}})
+      if (std::find(extra.begin(), extra.end(), flag) == extra.end()) args.insert(args.end(), {flag, value});
+    args.insert(args.end(), {"--log-level", "warn"});
     args.insert(args.end(), extra.begin(), extra.end());
     ASSERT_TRUE(mmu_.start(args)) << mmu_.error();
     Connect();
