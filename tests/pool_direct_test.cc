@@ -955,7 +955,7 @@ TEST_F(PoolDirect, ChainRefusals) {
 TEST_F(PoolDirect, ChainsExactUnderFaults) {
   const std::vector<std::string> faults = {"--inject-drop", "0.05", "--inject-dup", "0.05", "--inject-reorder", "0.1"};
   std::vector<std::string> mmu_faults = faults;
-  mmu_faults.insert(mmu_faults.end(), {"--inject-seed", "8"});
+  mmu_faults.insert(mmu_faults.end(), {"--inject-seed", "8", "--device-timeout", "2000"});  // as ExactUnderFaults
   Start(3, mmu_faults, "8MiB", faults);
   const uint32_t G = 1024;
   PoolAllocation x = AllocStriped("x", 3 * G, G), z = AllocStriped("z", 3 * G, G);
