@@ -315,6 +315,61 @@ TEST(Client, SilentDeviceTimesOutInBoundedTime) {
   EXPECT_GE(fabric.now() - start, 300ms);
 }
 
+// Patience (ClientOptions::patience): a packet older than the timeout is
+// waited for while its owner reports the device alive (as netdam-mmu does
+// from its PINGs), up to patience x timeout; without such reports the
+// timeout is final, as it always was.
+TEST(Client, PatienceWaitsForADeviceKnownAlive) {
+  struct Outcome {
+    Error error;
+    transport::Duration took;
+  };
+  // The device's answers are lost for `silent`; `alive`: the owner reports
+  // the device alive every 10 ms of fabric time.
+  auto run = [](bool alive, transport::Duration silent) {
+    Fabric fabric;
+    FabricDevice dev(fabric, kDeviceAddr, 7);
+    ClientOptions opts;
+    opts.timeout = 300ms;
+    opts.patience = 4;
+    auto c = connect(fabric, opts);
+    EXPECT_TRUE(c);
+    if (!c) return Outcome{Error::invalid("no client"), {}};
+    auto tick = fabric.attach(Endpoint{0x0A000003, 40001});  // moves fabric time on
+    const auto start = fabric.now();
+    fabric.set_drop_filter([&](Endpoint from, Endpoint, std::span<const std::byte>) {
+      return from == kDeviceAddr && fabric.now() - start < silent;
+    });
+    std::vector<std::byte> buf(100);
+    Op op = c->read_async(0, buf);
+    std::array<std::byte, 16> scratch;
+    std::array<transport::InMsg, 1> in;
+    in[0].buf = scratch;
+    while (!op.done()) {
+      if (alive) c->peer_alive(fabric.now());
+      c->poll();
+      tick->recv_batch(in, 10ms);
+    }
+    return Outcome{op.error(), fabric.now() - start};
+  };
+  // Silent for 500 ms, reported alive: answered after the timeout (by the
+  // resend at 620 ms: 20 ms, doubling).
+  Outcome o = run(true, 500ms);
+  EXPECT_FALSE(o.error) << o.error.to_string();
+  EXPECT_GE(o.took, 500ms);
+  // The same without reports: the timeout is final.
+  o = run(false, 500ms);
+  EXPECT_EQ(o.error.code(), Error::Code::kTimeout) << o.error.to_string();
+  EXPECT_GE(o.took, 300ms);
+  EXPECT_LT(o.took, 400ms);
+  // Reported alive but never answering: patience runs out at 4 x 300 ms.
+  o = run(true, 10s);
+  EXPECT_EQ(o.error.code(), Error::Code::kTimeout) << o.error.to_string();
+  EXPECT_GE(o.took, 1200ms);
+  EXPECT_LT(o.took, 1300ms);
+  EXPECT_NE(o.error.to_string().find("no answer within 12"), std::string::npos) << o.error.to_string();
+}
+
 // The least retransmission timeout is an option (a fabric of hardware
 // devices can take a few round trips; loopback keeps 20 ms): a lost answer
 // is repaired that long after, and nonsense is refused.

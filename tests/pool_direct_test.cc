@@ -360,29 +360,38 @@ TEST_F(PoolDirect, ExactUnderFaults) {
   EXPECT_EQ(c.direct_fallbacks, 0u);
 }
 
-// A device that answers its PINGs is alive. REDUCE_MEMs that the proxy runs
-// as hops (two pieces on one device) through devices that lose a quarter
-// of what they send lose a piece's hop and its resends past the device
-// timeout now and then (4 sends in 300 ms); every one must still complete
-// exactly rather than fail UNAVAILABLE, as one of the 600 pieces almost
-// surely did when the device timeout alone gave a hop up. The devices'
-// fault seed is one whose drops never run longer than 5 datagrams (seed 1
-// drops its 56th to 63rd: 300 ms of true silence, rightly UNAVAILABLE).
-TEST_F(PoolDirect, HopsLostPastTheDeviceTimeoutToALiveDeviceAreWaitedFor) {
-  Start(3, {}, "8MiB", {"--inject-drop", "0.25", "--inject-seed", "2"});
+// Devices that lose 40% of what they send, and the proxy's own operations
+// on them (no DIRECT: REDUCE_MEMs run as hops, READs and WRITEs through its
+// device clients), round after round of REDUCE_MEM then READ:
+// - A device that answers (PINGs every 10 ms here) is alive: a request
+//   whose resends are all lost past the device timeout (4 sends in 300 ms)
+//   is waited for, not failed UNAVAILABLE (hop_overdue, and the device
+//   clients' ClientOptions::patience; without the latter a READ fails in
+//   about one run of three, without the former a REDUCE_MEM in most).
+// - The client's WRITE, retransmitted while the proxy ran it, ran again
+//   beside the first copy, and that copy's pieces, resent after a loss,
+//   landed after the proxy had answered and undid the first REDUCE_MEM
+//   (every run, at round 0): a WRITE's copies now run once.
+// The devices' fault seed is one whose drops never run past 6 datagrams.
+TEST_F(PoolDirect, OperationsLostPastTheDeviceTimeoutToALiveDeviceAreWaitedFor) {
+  Start(3, {"--ping-interval", "10"}, "8MiB", {"--inject-drop", "0.4", "--inject-seed", "20"});
+  Connect(Congestion::kFixed, /*direct_answers=*/false);
   PoolAllocation a = Alloc("lossy", 64 * 1024, AllocOptions{.stripe = 1024, .devices = 3});
   ASSERT_EQ(a.devices, 3) << mmu_.log();
   std::vector<std::byte> ones(4096);
   for (size_t i = 0; i < ones.size(); i += 4) core::store_le<int32_t>(ones.data() + i, 1);
   ASSERT_FALSE(pool_->put(a.base, std::vector<std::byte>(4096), a.key));
-  constexpr int kReduces = 150;  // four pieces each (stripes on devices 0, 1, 2, 0)
-  for (int i = 0; i < kReduces; ++i) {
+  constexpr int kRounds = 60;  // four pieces each way (stripes on devices 0, 1, 2, 0)
+  std::vector<std::byte> sums(4096);
+  for (int i = 0; i < kRounds; ++i) {
     Error err = pool_->proxy_client().reduce(a.base, DType::kI32, RedOp::kSum, ones, Sparse::kAuto, a.key);
     ASSERT_FALSE(err) << i << ": " << err.to_string() << "\n" << mmu_.log();
+    err = pool_->get(a.base, sums, a.key);
+    ASSERT_FALSE(err) << i << ": " << err.to_string() << "\n" << mmu_.log();
+    for (size_t at = 0; at < sums.size(); at += 1024)  // one word per stripe
+      ASSERT_EQ(core::load_le<int32_t>(sums.data() + at), i + 1) << i << " " << at;
   }
-  std::vector<std::byte> sums(4096);
-  ASSERT_FALSE(pool_->get(a.base, sums, a.key));
-  for (size_t i = 0; i < sums.size(); i += 4) ASSERT_EQ(core::load_le<int32_t>(sums.data() + i), kReduces) << i;
+  for (size_t i = 0; i < sums.size(); i += 4) ASSERT_EQ(core::load_le<int32_t>(sums.data() + i), kRounds) << i;
 }
 
 // The same FETCH_ADD datagram (same txn) sent before and after the proxy

@@ -66,6 +66,14 @@ std::optional<Congestion> parse_congestion(std::string_view name);  // "fixed", 
 struct ClientOptions {
   uint64_t rkey = 1;                              // default key (64-bit only for a pool proxy)
   std::chrono::milliseconds timeout{2000};        // per packet, see above
+  // A packet unanswered for `timeout` is waited for up to `patience` x
+  // `timeout` (1..1000) while the device is known to be alive: heard from
+  // within the last `timeout`, by an answer to this client or by
+  // peer_alive(), which the owner calls on evidence the client cannot see
+  // (netdam-mmu: its PINGs). A lossy path loses a request and its resends
+  // several times in a row now and then; failing it while the device
+  // answers would cry wolf. 1: `timeout` is final.
+  int patience = 1;
   // The most in flight at once; with a congestion controller the window
   // moves below window_bytes, as the queues on the path report.
   size_t window_packets = 64;
@@ -180,6 +188,8 @@ class Client {
   Client& operator=(const Client&) = delete;
 
   const DeviceInfo& device_info() const { return info_; }
+  // The device was heard from at `at` (ClientOptions::patience).
+  void peer_alive(std::chrono::steady_clock::time_point at) { peer_alive_ = std::max(peer_alive_, at); }
   const ClientOptions& options() const { return opts_; }
   std::string device_address() const;
   // This client's device as a chain's hop: its ip and port, the rest to fill.
@@ -401,6 +411,7 @@ class Client {
   ClientOptions opts_;
   DeviceInfo info_;
   uint64_t next_txn_;
+  std::chrono::steady_clock::time_point peer_alive_{};  // see peer_alive()
   std::deque<std::unique_ptr<Packet>> queue_;
   bool defer_sends_ = false;
   std::map<uint64_t, std::unique_ptr<Packet>> inflight_;  // by txn: oldest first

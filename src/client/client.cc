@@ -252,6 +252,8 @@ Result<std::unique_ptr<Client>> Client::connect(std::unique_ptr<transport::Trans
     return Error::invalid("window_packets and window_bytes must be positive");
   if (opts.congestion_target <= std::chrono::microseconds::zero())
     return Error::invalid("congestion_target must be positive");
+  if (opts.patience < 1 || opts.patience > 1000)
+    return Error::invalid(fmt::format("patience of {}: 1 to 1000 timeouts", opts.patience));
   std::unique_ptr<Client> c(new Client(std::move(t), device, opts));
   if (Error e = c->handshake()) return e;
   return c;
@@ -1013,8 +1015,10 @@ void Client::check_timers() {
       if (at == &lr) return n == 1;
     return false;
   };
+  const bool alive = now - peer_alive_ < opts_.timeout;
   for (auto& [txn, p] : inflight_) {
-    if (now - p->first_sent >= opts_.timeout) {
+    if (const auto waited = now - p->first_sent;
+        waited >= opts_.timeout && !(alive && waited < opts_.patience * opts_.timeout)) {
       expired.push_back(txn);
       continue;
     }
@@ -1105,12 +1109,15 @@ void Client::send_now(Packet& p, TimePoint now) {
 
 // The error of a packet unanswered for the whole timeout, naming where it went.
 Error Client::timed_out(const Packet& p) const {
+  // The timeout, or longer with patience (ClientOptions::patience).
+  const auto waited_ms = [&](const Packet& q) {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(transport_->now() - q.first_sent).count();
+  };
   if (p.aggregate && p.held) {
     auto seg = core::decode_segment(p.chain_head.data() + kHeaderSize + kSrPreambleSize);
     return Error::timeout(fmt::format("AGGREGATE block {} on {}: timeout: the device holds this block, but not "
                                       "every contributor's block arrived within {} ms (a rank is late or gone)",
-                                      seg.aux, transport::Endpoint{seg.ip, seg.port}.to_string(),
-                                      opts_.timeout.count()));
+                                      seg.aux, transport::Endpoint{seg.ip, seg.port}.to_string(), waited_ms(p)));
   }
   if (p.is_chain()) {
     std::string route;
@@ -1120,10 +1127,10 @@ Error Client::timed_out(const Packet& p) const {
     }
     return Error::timeout(fmt::format("CHAIN {}: no answer within {} ms ({} sends); a device on the route is not "
                                       "answering",
-                                      route, opts_.timeout.count(), p.sends));
+                                      route, waited_ms(p), p.sends));
   }
   return Error::timeout(fmt::format("{} to {} at {:#x}: no answer within {} ms ({} sends)", to_string(p.h.opcode),
-                                    device_address(), p.h.addr, opts_.timeout.count(), p.sends));
+                                    device_address(), p.h.addr, waited_ms(p), p.sends));
 }
 
 void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from) {
@@ -1146,6 +1153,7 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
     return;
   }
   ++counters_.answers;
+  if (opts_.patience > 1 && from == *device_) peer_alive_ = transport_->now();  // its own evidence
   Packet& p = *it->second;
   if (piece) return receive_piece(p, h, {buf + kHeaderSize, len - kHeaderSize}, from);
   // Karn: only a request sent once times the path. An aggregate's first

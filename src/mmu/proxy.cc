@@ -38,9 +38,9 @@ constexpr transport::Duration kHopFirstRto = 20ms;
 // each on top of the piece (at most 232 bytes here: below what a datagram
 // of the device's max_payload leaves free under its MTU).
 constexpr size_t kMaxHopPieces = 8;
-// A hop to a device that answers its PINGs is waited for this many device
-// timeouts (hop_overdue).
-constexpr int kHopPatience = 8;
+// A hop or device operation to a device that answers its PINGs is waited
+// for this many device timeouts (hop_overdue, ClientOptions::patience).
+constexpr int kPatience = 8;
 // A device region's key (32-bit on the wire). 0 is never a key and 1 is
 // netdamd's default region key.
 uint32_t random_device_key() {
@@ -504,19 +504,28 @@ bool Proxy::usable(const Allocation& a, uint32_t slot) const {
 Client* Proxy::client(uint32_t device_id) { return conns_[device_id]->client.get(); }
 
 // A hop is given up (the request answered UNAVAILABLE) after the device
-// timeout only when its device has been silent that long too. A device
-// that answers PINGs is alive, and a lossy path loses a chain and its
+// timeout only when its device has been silent that long too (the rule
+// its client follows for device operations: ClientOptions::patience). A
+// device that answers is alive, and a lossy path loses a chain and its
 // resends several times in a row now and then (10% round-trip loss: one
 // piece in 10^4 loses four); failing those would cry wolf. A live device
 // that never returns the hop (nothing we can see) is given up after
-// kHopPatience timeouts, so a job never stays forever.
+// kPatience timeouts, so a job never stays forever.
+// Evidence that a device is alive: a PING answered, an answer to its
+// client, a hop. Its client waits longer for a device heard from lately.
+void Proxy::heard_from(uint32_t device_id, transport::TimePoint at) {
+  Conn& c = *conns_[device_id];
+  c.last_answer = std::max(c.last_answer, at);
+  if (c.client) c.client->peer_alive(at);
+}
+
 bool Proxy::hop_overdue(uint32_t device_id, transport::TimePoint first, transport::TimePoint now) const {
   const auto waited = now - first;
   if (waited < opts_.device_timeout) return false;
   const bool answering = now - conns_[device_id]->last_answer < opts_.device_timeout;
   if (!answering) return true;
-  if (waited < kHopPatience * opts_.device_timeout) return false;
-  spdlog::warn("device {} answers PINGs but has not returned a hop in {} ms: its request is answered UNAVAILABLE",
+  if (waited < kPatience * opts_.device_timeout) return false;
+  spdlog::warn("device {} answers but has not returned a hop in {} ms: its request is answered UNAVAILABLE",
                device_id, std::chrono::duration_cast<std::chrono::milliseconds>(waited).count());
   return true;
 }
@@ -534,7 +543,15 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   // One exception, for what is not a mutation: a client whose answers a
   // device refused to send (forward_refused) is served here for a while.
   const bool by_devices = a && served_by_devices(h, *a) && (mutation || !refused_client(from));
-  if (mutation && !by_devices) {
+  // WRITE and FILL are idempotent, but a copy that the proxy runs beside
+  // another (a retransmission), its pieces resent after a loss, can land
+  // after the proxy has answered the other and the client has moved on,
+  // and undo the client's next request (PROTOCOL.md 9.5). So the copies of
+  // one request (one txn, 9.1) run once here, as a mutation's do; one too
+  // old for the window runs unremembered, as on a device.
+  const bool idempotent_once = h.opcode == Opcode::kWrite || h.opcode == Opcode::kFill;
+  const bool once = !by_devices && (mutation || idempotent_once);
+  if (once) {
     const ProxyReplay::Answer* remembered = nullptr;
     switch (replay_.check(from.key(), h.txn, h.opcode, &remembered)) {
       case ProxyReplay::Verdict::kExecute: break;
@@ -542,7 +559,9 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
       case ProxyReplay::Verdict::kReplay:
         core::Stats::inc(stats_.replayed);
         return reply(from, h, remembered->status, remembered->payload);
-      case ProxyReplay::Verdict::kStale: return reply(from, h, Status::kStaleTxn);
+      case ProxyReplay::Verdict::kStale:
+        if (idempotent_once) break;
+        return reply(from, h, Status::kStaleTxn);
     }
   }
   auto job = std::make_unique<Job>();
@@ -550,6 +569,7 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   job->req = h;
   job->arrival = arrival_;
   job->mutation = mutation && !by_devices;
+  job->once = once;
   job->alloc_id = pool::allocation_of(h.addr);
   auto fail = [&](Status s) {
     job->status = s;
@@ -1317,6 +1337,7 @@ void Proxy::hop(const Endpoint& from, const core::Packet& pkt) {
       if (sub.hop && !sub.hop_done && sub.seg + 1 == h.seg_index &&
           from == catalog_.devices()[sub.device_id].endpoint) {
         sub.hop_done = true;
+        heard_from(sub.device_id, listen_->now());
         return;
       }
     return;
@@ -1328,6 +1349,7 @@ void Proxy::hop(const Endpoint& from, const core::Packet& pkt) {
     return;
   j.old_value = load_le<uint64_t>(pkt.payload.data());
   j.hop_answered = true;
+  heard_from(a->slots[j.primary].device_id, listen_->now());
 }
 
 // A device answers the chain's source (the proxy) only when it refuses the
@@ -1667,9 +1689,10 @@ void Proxy::finish(Job& j) {
   // An atomic's device keeps it exactly once (its window, keyed by the
   // client): an UNAVAILABLE one is forgotten here, so that the client's
   // retry with the same txn reaches the device, which answers what it did.
-  if (j.mutation && (is_atomic(j.req.opcode) || j.hops) && j.status == Status::kUnavailable)
+  // A WRITE or FILL that failed UNAVAILABLE runs again when retried.
+  if (j.once && j.status == Status::kUnavailable && (!j.mutation || is_atomic(j.req.opcode) || j.hops))
     replay_.forget(j.from.key(), j.req.txn);
-  else if (j.mutation)
+  else if (j.once)
     replay_.done(j.from.key(), j.req.txn, j.status, payload);
   if (j.req.opcode == Opcode::kWrite && j.status == Status::kOk && !(j.req.flags & kFlagAckReq)) {
     if (latency_) unanswered_.push_back(j.arrival);
@@ -1718,7 +1741,10 @@ void Proxy::health_tick() {
     Conn& c = *conns_[i];
     if (!c.client) continue;
     const uint64_t answers = c.client->counters().answers;
-    if (answers != c.answers_seen) liveness_.traffic_answered(i, now);
+    if (answers != c.answers_seen) {
+      liveness_.traffic_answered(i, now);
+      heard_from(i, now);
+    }
     c.answers_seen = answers;
   }
   std::vector<size_t> silent;
@@ -1778,8 +1804,8 @@ void Proxy::health_receive() {
 void Proxy::device_seen(uint32_t id, uint32_t boot, uint64_t capacity) {
   Conn& c = *conns_[id];
   PoolDevice& dev = catalog_.devices()[id];
-  c.last_answer = health_->now();
   if (c.client && c.boot == boot) {
+    heard_from(id, health_->now());
     if (dev.state != DeviceState::kUp) spdlog::info("device {} ({}) answers again", id, dev.row.address);
     dev.state = DeviceState::kUp;
     return;
@@ -1788,8 +1814,12 @@ void Proxy::device_seen(uint32_t id, uint32_t boot, uint64_t capacity) {
   if (const size_t lost = catalog_.device_restarted(id, boot))
     spdlog::warn("device {} ({}) restarted (boot id {:#010x}): {} extent(s) of its allocations are lost", id,
                  dev.row.address, boot, lost);
+  c.last_answer = health_->now();
   catalog_.set_device_seen(id, boot, capacity);
-  if (c.client) c.retired.push_back({std::move(c.client), c.fd, c.last_answer + 2 * opts_.device_timeout + 100ms});
+  // Kept until its operations have failed (or been answered): their
+  // patience, and then some.
+  if (c.client)
+    c.retired.push_back({std::move(c.client), c.fd, c.last_answer + (kPatience + 1) * opts_.device_timeout + 100ms});
   transport::UdpOptions u;
   u.bind = Endpoint{0, 0};
   auto t = transport::UdpTransport::open(u);
@@ -1800,6 +1830,7 @@ void Proxy::device_seen(uint32_t id, uint32_t boot, uint64_t capacity) {
   const int fd = (*t)->fd();
   ClientOptions co;
   co.timeout = opts_.device_timeout;
+  co.patience = kPatience;  // while the device answers (heard_from)  // while the device answers its PINGs (device_seen)
   co.congestion = opts_.congestion;
   auto cl = Client::connect(std::move(*t), dev.endpoint, co);
   if (!cl) {

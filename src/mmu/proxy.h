@@ -157,6 +157,7 @@ class Proxy {
 
   // Jobs.
   bool usable(const Allocation& a, uint32_t slot) const;
+  void heard_from(uint32_t device_id, transport::TimePoint at);
   // Whether a hop first sent at `first` to device `device_id` is given up.
   bool hop_overdue(uint32_t device_id, transport::TimePoint first, transport::TimePoint now) const;
   Status start_piece(Job& j, const Allocation& a, uint64_t off, uint32_t len, size_t buf_off, bool write);

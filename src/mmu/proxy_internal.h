@@ -38,6 +38,7 @@ struct Proxy::Job {
   Arrival arrival;
   uint64_t alloc_id = 0;
   bool mutation = false;
+  bool once = false;  // its copies run once, through replay_ (a mutation, a WRITE or a FILL)
   std::vector<std::byte> buf;  // READ answer, WRITE/FILL data, atomic operands
   struct Sub {
     Op op;
