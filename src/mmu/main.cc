@@ -92,7 +92,8 @@ int main(int argc, char** argv) {
   app.add_option("--ping-interval", ping_ms, "milliseconds between health PINGs of each device (default 100)")
       ->check(CLI::Range(5, 60000));
   app.add_option("--device-timeout", timeout_ms,
-                 "milliseconds after which an unanswered device operation fails (default 500; up to 8 times this while the device answers other traffic)")
+                 "milliseconds after which an unanswered device operation fails (default 500; up to 8 times "
+                 "this while the device answers other traffic)")
       ->check(CLI::Range(20, 600000));
   app.add_option("--max-payload", max_payload,
                  "largest payload clients may send (default: as netdamd, the largest power of two whose datagram "

@@ -503,14 +503,6 @@ bool Proxy::usable(const Allocation& a, uint32_t slot) const {
 
 Client* Proxy::client(uint32_t device_id) { return conns_[device_id]->client.get(); }
 
-// A hop is given up (the request answered UNAVAILABLE) after the device
-// timeout only when its device has been silent that long too (the rule
-// its client follows for device operations: ClientOptions::patience). A
-// device that answers is alive, and a lossy path loses a chain and its
-// resends several times in a row now and then (10% round-trip loss: one
-// piece in 10^4 loses four); failing those would cry wolf. A live device
-// that never returns the hop (nothing we can see) is given up after
-// kPatience timeouts, so a job never stays forever.
 // Evidence that a device is alive: a PING answered, an answer to its
 // client, a hop. Its client waits longer for a device heard from lately.
 void Proxy::heard_from(uint32_t device_id, transport::TimePoint at) {
@@ -519,6 +511,14 @@ void Proxy::heard_from(uint32_t device_id, transport::TimePoint at) {
   if (c.client) c.client->peer_alive(at);
 }
 
+// A hop is given up (the request answered UNAVAILABLE) after the device
+// timeout only when its device has been silent that long too (the rule
+// its client follows for device operations: ClientOptions::patience). A
+// device that answers is alive, and a lossy path loses a chain and its
+// resends several times in a row now and then (10% round-trip loss: one
+// piece in 10^4 loses four); failing those would cry wolf. A live device
+// that never returns the hop (nothing we can see) is given up after
+// kPatience timeouts, so a job never stays forever.
 bool Proxy::hop_overdue(uint32_t device_id, transport::TimePoint first, transport::TimePoint now) const {
   const auto waited = now - first;
   if (waited < opts_.device_timeout) return false;
@@ -550,7 +550,7 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   // one request (one txn, 9.1) run once here, as a mutation's do; one too
   // old for the window runs unremembered, as on a device.
   const bool idempotent_once = h.opcode == Opcode::kWrite || h.opcode == Opcode::kFill;
-  const bool once = !by_devices && (mutation || idempotent_once);
+  bool once = !by_devices && (mutation || idempotent_once);
   if (once) {
     const ProxyReplay::Answer* remembered = nullptr;
     switch (replay_.check(from.key(), h.txn, h.opcode, &remembered)) {
@@ -560,8 +560,9 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
         core::Stats::inc(stats_.replayed);
         return reply(from, h, remembered->status, remembered->payload);
       case ProxyReplay::Verdict::kStale:
-        if (idempotent_once) break;
-        return reply(from, h, Status::kStaleTxn);
+        if (!idempotent_once) return reply(from, h, Status::kStaleTxn);
+        once = false;  // nothing of its own in the window to complete
+        break;
     }
   }
   auto job = std::make_unique<Job>();
