@@ -111,6 +111,16 @@ struct ClientOptions {
   bool direct_answers = true;
 };
 
+// ClientOptions::patience's rule, shared with owners that wait for their
+// own requests to a device the same way (netdam-mmu's hops): a request
+// that has waited `waited` is given up once that is `timeout`, unless the
+// device was heard from within the last `timeout` (`since_heard` ago) and
+// it has waited less than `patience` timeouts.
+inline bool patience_exhausted(std::chrono::nanoseconds waited, std::chrono::nanoseconds since_heard,
+                               std::chrono::nanoseconds timeout, int patience) {
+  return waited >= timeout && (since_heard >= timeout || waited >= patience * timeout);
+}
+
 // When reduce() sends a block as (index, value) pairs.
 enum class Sparse : uint8_t { kAuto, kNever, kAlways };
 
@@ -412,6 +422,7 @@ class Client {
   DeviceInfo info_;
   uint64_t next_txn_;
   std::chrono::steady_clock::time_point peer_alive_{};  // see peer_alive()
+  bool heard_device_ = false;  // an answer from the device since the last check_timers()
   std::deque<std::unique_ptr<Packet>> queue_;
   bool defer_sends_ = false;
   std::map<uint64_t, std::unique_ptr<Packet>> inflight_;  // by txn: oldest first

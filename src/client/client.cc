@@ -1015,10 +1015,12 @@ void Client::check_timers() {
       if (at == &lr) return n == 1;
     return false;
   };
-  const bool alive = now - peer_alive_ < opts_.timeout;
+  if (heard_device_) {  // its own evidence, dated here: receive() reads no clock
+    peer_alive_ = std::max(peer_alive_, now);
+    heard_device_ = false;
+  }
   for (auto& [txn, p] : inflight_) {
-    if (const auto waited = now - p->first_sent;
-        waited >= opts_.timeout && !(alive && waited < opts_.patience * opts_.timeout)) {
+    if (patience_exhausted(now - p->first_sent, now - peer_alive_, opts_.timeout, opts_.patience)) {
       expired.push_back(txn);
       continue;
     }
@@ -1110,14 +1112,12 @@ void Client::send_now(Packet& p, TimePoint now) {
 // The error of a packet unanswered for the whole timeout, naming where it went.
 Error Client::timed_out(const Packet& p) const {
   // The timeout, or longer with patience (ClientOptions::patience).
-  const auto waited_ms = [&](const Packet& q) {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(transport_->now() - q.first_sent).count();
-  };
+  const auto waited_ms = std::chrono::duration_cast<std::chrono::milliseconds>(transport_->now() - p.first_sent).count();
   if (p.aggregate && p.held) {
     auto seg = core::decode_segment(p.chain_head.data() + kHeaderSize + kSrPreambleSize);
     return Error::timeout(fmt::format("AGGREGATE block {} on {}: timeout: the device holds this block, but not "
                                       "every contributor's block arrived within {} ms (a rank is late or gone)",
-                                      seg.aux, transport::Endpoint{seg.ip, seg.port}.to_string(), waited_ms(p)));
+                                      seg.aux, transport::Endpoint{seg.ip, seg.port}.to_string(), waited_ms));
   }
   if (p.is_chain()) {
     std::string route;
@@ -1127,10 +1127,10 @@ Error Client::timed_out(const Packet& p) const {
     }
     return Error::timeout(fmt::format("CHAIN {}: no answer within {} ms ({} sends); a device on the route is not "
                                       "answering",
-                                      route, waited_ms(p), p.sends));
+                                      route, waited_ms, p.sends));
   }
   return Error::timeout(fmt::format("{} to {} at {:#x}: no answer within {} ms ({} sends)", to_string(p.h.opcode),
-                                    device_address(), p.h.addr, waited_ms(p), p.sends));
+                                    device_address(), p.h.addr, waited_ms, p.sends));
 }
 
 void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from) {
@@ -1153,7 +1153,7 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
     return;
   }
   ++counters_.answers;
-  if (opts_.patience > 1 && from == *device_) peer_alive_ = transport_->now();  // its own evidence
+  heard_device_ = heard_device_ || from == *device_;
   Packet& p = *it->second;
   if (piece) return receive_piece(p, h, {buf + kHeaderSize, len - kHeaderSize}, from);
   // Karn: only a request sent once times the path. An aggregate's first

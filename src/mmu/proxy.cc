@@ -503,12 +503,13 @@ bool Proxy::usable(const Allocation& a, uint32_t slot) const {
 
 Client* Proxy::client(uint32_t device_id) { return conns_[device_id]->client.get(); }
 
-// Evidence that a device is alive: a PING answered, an answer to its
-// client, a hop. Its client waits longer for a device heard from lately.
+// Evidence besides its PINGs that a device is alive: an answer to its
+// client, a hop. Health judges it as it judges PING answers, and the
+// device's client waits longer for a device heard from lately.
 void Proxy::heard_from(uint32_t device_id, transport::TimePoint at) {
-  Conn& c = *conns_[device_id];
-  c.last_answer = std::max(c.last_answer, at);
-  if (c.client) c.client->peer_alive(at);
+  liveness_.resize(conns_.size());
+  liveness_.traffic_answered(device_id, at);
+  if (Client* c = client(device_id)) c->peer_alive(at);
 }
 
 // A hop is given up (the request answered UNAVAILABLE) after the device
@@ -521,12 +522,11 @@ void Proxy::heard_from(uint32_t device_id, transport::TimePoint at) {
 // kPatience timeouts, so a job never stays forever.
 bool Proxy::hop_overdue(uint32_t device_id, transport::TimePoint first, transport::TimePoint now) const {
   const auto waited = now - first;
-  if (waited < opts_.device_timeout) return false;
-  const bool answering = now - conns_[device_id]->last_answer < opts_.device_timeout;
-  if (!answering) return true;
-  if (waited < kPatience * opts_.device_timeout) return false;
-  spdlog::warn("device {} answers but has not returned a hop in {} ms: its request is answered UNAVAILABLE",
-               device_id, std::chrono::duration_cast<std::chrono::milliseconds>(waited).count());
+  const auto since_heard = now - liveness_.last_answer(device_id);
+  if (!patience_exhausted(waited, since_heard, opts_.device_timeout, kPatience)) return false;
+  if (since_heard < opts_.device_timeout)
+    spdlog::warn("device {} answers but has not returned a hop in {} ms: its request is answered UNAVAILABLE",
+                 device_id, std::chrono::duration_cast<std::chrono::milliseconds>(waited).count());
   return true;
 }
 
@@ -1742,10 +1742,7 @@ void Proxy::health_tick() {
     Conn& c = *conns_[i];
     if (!c.client) continue;
     const uint64_t answers = c.client->counters().answers;
-    if (answers != c.answers_seen) {
-      liveness_.traffic_answered(i, now);
-      heard_from(i, now);
-    }
+    if (answers != c.answers_seen) heard_from(i, now);
     c.answers_seen = answers;
   }
   std::vector<size_t> silent;
@@ -1805,8 +1802,9 @@ void Proxy::health_receive() {
 void Proxy::device_seen(uint32_t id, uint32_t boot, uint64_t capacity) {
   Conn& c = *conns_[id];
   PoolDevice& dev = catalog_.devices()[id];
+  c.last_answer = health_->now();
   if (c.client && c.boot == boot) {
-    heard_from(id, health_->now());
+    c.client->peer_alive(c.last_answer);  // Health has it already (probe_answered)
     if (dev.state != DeviceState::kUp) spdlog::info("device {} ({}) answers again", id, dev.row.address);
     dev.state = DeviceState::kUp;
     return;
@@ -1815,7 +1813,6 @@ void Proxy::device_seen(uint32_t id, uint32_t boot, uint64_t capacity) {
   if (const size_t lost = catalog_.device_restarted(id, boot))
     spdlog::warn("device {} ({}) restarted (boot id {:#010x}): {} extent(s) of its allocations are lost", id,
                  dev.row.address, boot, lost);
-  c.last_answer = health_->now();
   catalog_.set_device_seen(id, boot, capacity);
   // Kept until its operations have failed (or been answered): their
   // patience, and then some.
@@ -1831,7 +1828,7 @@ void Proxy::device_seen(uint32_t id, uint32_t boot, uint64_t capacity) {
   const int fd = (*t)->fd();
   ClientOptions co;
   co.timeout = opts_.device_timeout;
-  co.patience = kPatience;  // while the device answers (heard_from)  // while the device answers its PINGs (device_seen)
+  co.patience = kPatience;  // while the device answers (heard_from, device_seen)
   co.congestion = opts_.congestion;
   auto cl = Client::connect(std::move(*t), dev.endpoint, co);
   if (!cl) {
