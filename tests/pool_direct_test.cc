@@ -265,6 +265,125 @@ TEST_F(PoolDirect, GatheredPartsOnTheWire) {
   EXPECT_EQ(got[0].h.status, Status::kBadFlags);
 }
 
+// A READ longer than the payload (up to kPoolReadMax, PROTOCOL.md 17.5,
+// "Long READs"), proxy and devices at 4 KiB payloads: with DIRECT the
+// devices' parts, none longer than their payload; without, the proxy's own
+// chain answers, `addr` and `rkey` naming each piece; one byte past the
+// limit refused BAD_LENGTH.
+TEST_F(PoolDirect, LongReadsOnTheWire) {
+  const std::vector<std::string> small = {"--max-payload", "4096"};
+  Start(2, small, "8MiB", small);
+  PoolAllocation a = AllocStriped("long", 80 * 1024, 1024);
+  ASSERT_FALSE(HasFailure());
+  std::mt19937_64 rng(21);
+  std::vector<std::byte> data;
+  ASSERT_FALSE(PutRandom(a, rng, data));
+  OpenSocket();
+  const uint64_t off = 512, len = 20000;
+  const std::vector<std::byte> want(data.begin() + off, data.begin() + off + len);
+
+  Send(Request(Opcode::kRead, 300, a.base + off, len, a.key, kFlagDirect | kFlagGather));
+  std::vector<std::byte> got(len);
+  std::vector<bool> seen(len);
+  size_t parts = 0;
+  for (const Answer& r : Receive()) {
+    ASSERT_EQ(r.h.opcode, Opcode::kChain) << r.h.to_string();
+    ASSERT_EQ(r.h.status, Status::kOk);
+    ASSERT_EQ(r.h.txn, 300u);
+    EXPECT_FALSE(r.from == proxy_) << "a device answers its part";
+    const core::GatheredPart g = core::decode_gathered(r.h.rkey);
+    ASSERT_LE(g.length, 4096u);
+    ASSERT_EQ(r.payload.size(), g.length);
+    size_t at = 0;
+    core::for_each_gathered_run(r.h.addr, g, [&](uint64_t addr, uint32_t n) {
+      const uint64_t o = addr - a.base - off;
+      ASSERT_LE(o + n, len);
+      std::copy_n(r.payload.begin() + static_cast<std::ptrdiff_t>(at), n, got.begin() + static_cast<std::ptrdiff_t>(o));
+      std::fill_n(seen.begin() + static_cast<std::ptrdiff_t>(o), n, true);
+      at += n;
+    });
+    ++parts;
+  }
+  EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](bool b) { return b; }));
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(parts, 6u);  // 10000 bytes per device, in parts of at most 4096
+
+  Send(Request(Opcode::kRead, 301, a.base + off, len, a.key, 0));
+  auto pieces = Receive();
+  ASSERT_EQ(pieces.size(), 5u);  // 4 x 4096 + 3616, from the proxy
+  std::sort(pieces.begin(), pieces.end(), [](const Answer& x, const Answer& y) { return x.h.addr < y.h.addr; });
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const Answer& r = pieces[i];
+    const uint32_t n = i < 4 ? 4096 : 3616;
+    EXPECT_EQ(r.from, proxy_);
+    EXPECT_EQ(r.h.opcode, Opcode::kChain);
+    EXPECT_EQ(r.h.status, Status::kOk);
+    EXPECT_EQ(r.h.txn, 301u);
+    EXPECT_EQ(r.h.addr, a.base + off + 4096 * i);
+    EXPECT_EQ(r.h.rkey, n);
+    EXPECT_EQ(r.h.length, n);
+    EXPECT_TRUE(std::equal(r.payload.begin(), r.payload.end(), want.begin() + static_cast<std::ptrdiff_t>(4096 * i)));
+    EXPECT_EQ(r.payload.size(), n);
+  }
+  // PROTOCOL.md 17.5's example, byte for byte but the pool id (boot).
+  ASSERT_EQ(a.base, 0x0000010000000000u);
+  const uint8_t golden[36] = {0x4e, 0x44, 0x41, 0x4d, 0x01, 0x40, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00,
+                              0x00, 0x00, 0x10, 0x00, 0, 0, 0, 0, 0, 0, 0x01, 0x2d,
+                              0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00, 0x10, 0x00};
+  std::array<std::byte, kHeaderSize> head;
+  core::encode_header(pieces[0].h, head.data());
+  EXPECT_TRUE(std::equal(std::begin(golden), std::end(golden), head.begin(),
+                         [](uint8_t x, std::byte y) { return std::byte{x} == y; }));
+
+  Send(Request(Opcode::kRead, 302, a.base, kPoolReadMax, a.key, 0));
+  size_t bytes = 0;
+  for (const Answer& r : Receive()) bytes += r.h.status == Status::kOk ? r.payload.size() : 0;
+  EXPECT_EQ(bytes, kPoolReadMax);
+  for (const uint8_t flags : {uint8_t{0}, uint8_t{kFlagDirect | kFlagGather}}) {
+    Send(Request(Opcode::kRead, 303 + flags, a.base, kPoolReadMax + 1, a.key, flags));
+    auto refused = Receive();
+    ASSERT_EQ(refused.size(), 1u);
+    EXPECT_EQ(refused[0].from, proxy_);
+    EXPECT_EQ(refused[0].h.opcode, Opcode::kRead);
+    EXPECT_EQ(refused[0].h.status, Status::kBadLength);
+  }
+}
+
+// The reference client sends a READ of up to kPoolReadMax as one request
+// and assembles its pieces, whoever serves it: the devices (DIRECT) or the
+// proxy. Exact under drops, duplicates and reordering at the proxy and the
+// devices.
+TEST_F(PoolDirect, LongReadsAreOneRequestAndExactUnderFaults) {
+  const std::vector<std::string> faults = {"--inject-drop", "0.05", "--inject-dup", "0.05", "--inject-reorder", "0.1",
+                                           "--max-payload", "4096"};
+  std::vector<std::string> mmu_faults = faults;
+  mmu_faults.insert(mmu_faults.end(), {"--inject-seed", "9", "--device-timeout", "2000"});
+  Start(2, mmu_faults, "8MiB", faults);
+  const uint64_t size = 200 * 1024 + 7;
+  PoolAllocation a = AllocStriped("longfaulty", size, 1024);
+  std::mt19937_64 rng(13);
+  std::vector<std::byte> ref;
+  ASSERT_FALSE(PutRandom(a, rng, ref));
+  for (const bool direct : {true, false}) {
+    Connect(Congestion::kFixed, direct);
+    Client& c = pool_->proxy_client();
+    ASSERT_EQ(c.options().max_payload, 4096u);
+    uint64_t requests = 0;
+    for (int i = 0; i < 60; ++i) {
+      const uint64_t off = rng() % size;
+      const uint64_t len = 1 + rng() % std::min<uint64_t>(size - off, 3 * kPoolReadMax);
+      std::vector<std::byte> got(len);
+      const uint64_t sent = c.counters().packets_sent;
+      ASSERT_FALSE(pool_->get(a.base + off, got, a.key)) << direct << " " << i << "\n" << mmu_.log();
+      ASSERT_TRUE(std::equal(got.begin(), got.end(), ref.begin() + static_cast<std::ptrdiff_t>(off))) << direct << " " << i;
+      EXPECT_EQ(c.counters().packets_sent - sent, (len + kPoolReadMax - 1) / kPoolReadMax) << "one request per 64 KiB";
+      requests += (len + kPoolReadMax - 1) / kPoolReadMax;
+    }
+    EXPECT_GT(c.counters().direct_pieces, requests) << "answered in pieces";
+    EXPECT_GT(c.counters().retransmits, 0u) << "no fault reached the client: the test tests nothing";
+  }
+}
+
 // The proxy forwards a WRITE's data as views into its receive buffers, so
 // each turn's forwarded parts must leave before its next receive reuses
 // them: a burst of many more requests than one receive takes (32), each

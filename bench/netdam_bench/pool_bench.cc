@@ -76,7 +76,7 @@ struct Options {
   size_t iters = 2000;
   double duration = 0.5;
   size_t clients = 8, depth = 128;
-  bool skip_redis = false, skip_proxy = false, skip_ceiling = false;
+  bool skip_redis = false, skip_proxy = false, skip_direct = false, skip_ceiling = false;
   bool proxy_answers = false;  // the proxy answers everything itself (no DIRECT)
 };
 
@@ -348,6 +348,9 @@ int pool_main(int argc, char** argv) {
   app.add_option("--redis-server", o.redis_server, "redis-server to start (default: from PATH)");
   app.add_flag("--skip-redis", o.skip_redis, "netdam only");
   app.add_flag("--skip-proxy", o.skip_proxy, "direct path (and Redis) only, e.g. for profiling");
+  app.add_flag("--skip-direct", o.skip_direct,
+               "proxy path (and Redis) only, e.g. for profiling (the direct path still reads back what the proxy "
+               "wrote)")->excludes("--skip-proxy");
   app.add_flag("--skip-ceiling", o.skip_ceiling, "do not measure the raw UDP request/response ceiling");
   app.add_flag("--proxy-answers", o.proxy_answers,
                "the proxy path without DIRECT: the proxy answers every request itself instead of its devices");
@@ -578,14 +581,16 @@ int pool_main(int argc, char** argv) {
         Plan warm = p;
         warm.iters = std::max<size_t>(20, o.iters / 10);
         if (!o.skip_proxy) run_netdam(**proxy_io, warm, s, s.netdam_last);
-        run_netdam(**direct_io, warm, s, s.netdam_last);
+        if (!o.skip_direct) run_netdam(**direct_io, warm, s, s.netdam_last);
         Cell c;
         if (!o.skip_proxy) {
           c.proxy = run_netdam(**proxy_io, p, s, s.netdam_last);
           if (write) verify_netdam(**direct_io, p, s, s.netdam_last, c.proxy);
         }
-        c.direct = run_netdam(**direct_io, p, s, s.netdam_last);
-        if (write) verify_netdam(**proxy_io, p, s, s.netdam_last, c.direct);  // the other path reads it back
+        if (!o.skip_direct) {
+          c.direct = run_netdam(**direct_io, p, s, s.netdam_last);
+          if (write) verify_netdam(**proxy_io, p, s, s.netdam_last, c.direct);  // the other path reads it back
+        }
         if (!conns.empty()) {
           const size_t n = m.latency ? 1 : std::min<size_t>(conns.size(), 8);
           run_redis(conn_ptrs, n, std::max<size_t>(1, m.depth / n), warm, s, s.redis_last, keys);

@@ -402,6 +402,10 @@ class Client {
   Error deliver(Packet& p, std::span<const std::byte> payload);
   // Whether a request to a pool proxy asks for its answer from the devices.
   bool wants_direct(const Packet& p) const;
+  size_t read_chunk() const;
+  // A READ longer than the payload: only a pool proxy takes one, and it and
+  // its devices answer it in pieces (PROTOCOL.md 17.5).
+  bool long_read(const Packet& p) const;
   // Merges [lo, hi) into a DIRECT request's answered parts.
   void cover(Packet& p, uint64_t lo, uint64_t hi);
   void place(Packet& p, uint64_t off, const std::byte* from, size_t len);

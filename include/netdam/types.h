@@ -27,6 +27,11 @@ inline constexpr size_t kDefaultMaxPayload = 8192;
 // Payloads are capped at 65536 - 1024 so that a header and a full segment
 // list fit in a 64 KiB loopback datagram.
 inline constexpr size_t kMaxPayloadLimit = 64512;
+// A READ sent to a pool proxy may ask for this many bytes whatever the
+// proxy's max_payload: it is answered in pieces, each within the payload of
+// whoever sends it (PROTOCOL.md 17.5, "Long READs"). A 64 KiB value is one
+// request instead of two or more.
+inline constexpr size_t kPoolReadMax = 65536;
 // The largest datagram netdam itself produces, before the 4-byte integrity
 // trailer (transport::kTrailerSize) that every datagram carries.
 inline constexpr size_t kMaxDatagram =

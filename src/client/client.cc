@@ -330,7 +330,7 @@ Op Client::read_async(uint64_t addr, std::span<std::byte> out, uint64_t rkey, co
   op->opcode = Opcode::kRead;
   if ((at == nullptr && (op->error = check_range(addr, out.size()))) || (op->error = check_key(key(rkey))))
     return start(std::move(op));
-  const size_t chunk = opts_.max_payload;
+  const size_t chunk = at == nullptr ? read_chunk() : opts_.max_payload;
   for (size_t off = 0; off < out.size(); off += chunk) {
     const size_t n = std::min(chunk, out.size() - off);
     Packet& p = new_packet(op, Opcode::kRead, key(rkey), addr + off, static_cast<uint32_t>(n));
@@ -347,13 +347,21 @@ Op Client::read_async(uint64_t addr, std::span<const std::span<std::byte>> piece
   for (const auto& piece : pieces) total += piece.size();
   if ((op->error = check_range(addr, total)) || (op->error = check_key(key(rkey)))) return start(std::move(op));
   op->scatter.assign(pieces.begin(), pieces.end());
-  const size_t chunk = opts_.max_payload;
+  const size_t chunk = read_chunk();
   for (uint64_t off = 0; off < total; off += chunk) {
     const auto n = static_cast<uint32_t>(std::min<uint64_t>(chunk, total - off));
     Packet& p = new_packet(op, Opcode::kRead, key(rkey), addr + off, n);
     p.scatter_at = off;
   }
   return start(std::move(op));
+}
+
+// The longest READ request: a pool proxy answers up to kPoolReadMax in
+// pieces (PROTOCOL.md 17.5, "Long READs"), unless the caller asked for a
+// smaller payload than the proxy's.
+size_t Client::read_chunk() const {
+  return info_.pool_proxy && opts_.max_payload >= info_.max_payload ? std::max(opts_.max_payload, kPoolReadMax)
+                                                                     : opts_.max_payload;
 }
 
 // Bytes [off, off + len) of a packet's answer to where the caller wants them.
@@ -1143,9 +1151,10 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
     return receive_group_result({buf, len}, from);
   auto it = inflight_.find(h.txn);
   // A chain's answer comes from its last hop, a DIRECT request's from the
-  // pool's devices (as chain answers) or the proxy, any other answer from
-  // the device.
-  const bool piece = it != inflight_.end() && it->second->direct && h.opcode == Opcode::kChain;
+  // pool's devices (as chain answers) or the proxy, a long READ's in pieces
+  // (chain answers) from either, any other answer from the device.
+  const bool piece = it != inflight_.end() && h.opcode == Opcode::kChain &&
+                     (it->second->direct || long_read(*it->second));
   if (!h.is_response() || it == inflight_.end() ||
       (!piece && (it->second->h.opcode != h.opcode ||
                   (!it->second->is_chain() && !(from == (it->second->elsewhere ? it->second->to : *device_)))))) {
@@ -1199,6 +1208,10 @@ bool Client::wants_direct(const Packet& p) const {
   }
 }
 
+bool Client::long_read(const Packet& p) const {
+  return p.h.opcode == Opcode::kRead && p.h.length > opts_.max_payload && !p.routed();
+}
+
 // A device's answer to a forwarded part of a DIRECT request (PROTOCOL.md
 // 17.5): a chain answer whose echoed `addr` is where the part starts (a
 // global address) and `rkey` its length. Done when the parts cover the
@@ -1208,6 +1221,10 @@ bool Client::wants_direct(const Packet& p) const {
 void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std::byte> payload,
                            const transport::Endpoint& from) {
   if (h.status != Status::kOk) {
+    if (!p.direct) {  // a device's late refusal of a part sent before the proxy took the request over
+      ++counters_.ignored;
+      return;
+    }
     p.direct = false;
     p.proxied = true;
     p.covered.clear();
@@ -1222,8 +1239,9 @@ void Client::receive_piece(Packet& p, const core::Header& h, std::span<const std
   // asked for here, and ignored).
   const bool data = p.h.opcode != Opcode::kWrite && p.h.opcode != Opcode::kReduceMem;
   // A gathered part (GATHER): its runs, else the one range [addr, addr + rkey).
-  const bool gathered = p.h.flags & kFlagGather;
-  const core::GatheredPart g = gathered ? core::decode_gathered(h.rkey) : core::GatheredPart{h.rkey, 0, 0};
+  // A piece the proxy answers itself names no stripes (one slot): one range.
+  const core::GatheredPart g = p.h.flags & kFlagGather ? core::decode_gathered(h.rkey) : core::GatheredPart{h.rkey, 0, 1};
+  const bool gathered = g.slots > 1;
   const uint64_t n = g.length;
   auto each_run = [&](auto&& fn) {
     if (gathered)

@@ -580,7 +580,8 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   uint64_t len = h.length;
   switch (h.opcode) {
     case Opcode::kRead:
-      if (!payload.empty() || h.length > opts_.max_payload) return fail(Status::kBadLength);
+      if (!payload.empty() || h.length > std::max<size_t>(opts_.max_payload, kPoolReadMax))
+        return fail(Status::kBadLength);
       break;
     case Opcode::kWrite:
       if (h.length > opts_.max_payload || payload.size() != h.length) return fail(Status::kBadLength);
@@ -1700,7 +1701,23 @@ void Proxy::finish(Job& j) {
     return;
   }
   arrival_ = j.arrival;
+  if (payload.size() > opts_.max_payload) return reply_in_pieces(j.from, j.req, payload);
   reply(j.from, j.req, j.status, std::move(payload));
+}
+
+// A long READ (PROTOCOL.md 17.5) the proxy served itself: its bytes as the
+// devices would answer its parts, chain answers naming each piece by its
+// global address (`addr`) and length (`rkey`), none longer than our payload.
+void Proxy::reply_in_pieces(const Endpoint& to, const core::Header& req, std::span<const std::byte> bytes) {
+  core::Header h = req;
+  h.opcode = Opcode::kChain;
+  for (size_t off = 0; off < bytes.size(); off += opts_.max_payload) {
+    const size_t n = std::min(opts_.max_payload, bytes.size() - off);
+    h.addr = req.addr + off;
+    h.rkey = static_cast<uint32_t>(n);
+    reply(to, h, Status::kOk, bytes.subspan(off, n));
+    arrival_.opcode = -1;  // the request's latency is observed once, with its first piece
+  }
 }
 
 // The allocation's optimizer config as the devices have it now, and the

@@ -105,6 +105,7 @@ class Proxy {
   void reply(const transport::Endpoint& to, const core::Header& req, Status s,
              std::span<const std::byte> payload = {});
   void reply(const transport::Endpoint& to, const core::Header& req, Status s, std::vector<std::byte>&& payload);
+  void reply_in_pieces(const transport::Endpoint& to, const core::Header& req, std::span<const std::byte> bytes);
   void send_answers();
   void answer_ping(const transport::Endpoint& to, const core::Header& h);
   void answer_stats(const transport::Endpoint& to, const core::Header& h);
