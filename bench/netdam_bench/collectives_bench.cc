@@ -188,7 +188,7 @@ int collectives_main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--seed", seed, "--local: seed of the injected faults (device r uses N + r; default 1)");
   app.add_option("--netdamd", netdamd, "--local: the netdamd binary (default: the build tree's)");
-  app.add_flag("-v,--verbose", c.verbose, "every rank prints the time of every iteration (stderr)");
+  app.add_flag("-v,--verbose", c.verbose, "every rank prints the time of every iteration and when it started, in microseconds of the monotonic clock, which all namespaces of a machine share (stderr)");
   app.add_flag("--device-stats", c.device_stats, "every rank prints its device's counters at the end (stderr)");
   app.add_option("--csv", csv, "write rows impl,algo,op,size,time_us,algbw,busbw,wrong to FILE");
   CLI11_PARSE(app, argc, argv);

@@ -427,9 +427,10 @@ int run_rank(const BenchConfig& c) {
       if (Error e = run_one(g, c, s, in, out)) return e;
       us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
       if (c.verbose)
-        std::fprintf(stderr, "# rank %d size %llu iteration %d: %.1f us (client resends so far %llu)\n", c.rank,
+        std::fprintf(stderr, "# rank %d size %llu iteration %d: %.1f us (client resends so far %llu) start %.1f\n", c.rank,
                      static_cast<unsigned long long>(s.size), it, us,
-                     static_cast<unsigned long long>(g.client().counters().retransmits));
+                     static_cast<unsigned long long>(g.client().counters().retransmits),
+                     std::chrono::duration<double, std::micro>(t0.time_since_epoch()).count());
       if (timed_check) {
         const auto result = c.op == CollOp::kBroadcast ? std::span<const std::byte>(in).first(s.in_bytes)
                                                        : std::span<const std::byte>(out).first(s.out_bytes);

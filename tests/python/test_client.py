@@ -178,6 +178,21 @@ class ClientTest(unittest.TestCase):
             with self.assertRaises(ValueError):
                 netdam.Client(self.dev.endpoint, small_dscp=bad)
 
+    def test_tuning_options(self):
+        data = np.arange(64 * 1024, dtype=np.uint8).tobytes()
+        with netdam.Client(self.dev.endpoint, min_rto=0.005, window_packets=1, window_bytes=8192,
+                           patience=4, spin=0) as c:
+            c.write(3 << 20, data)
+            self.assertEqual(c.read(3 << 20, len(data)), data)
+        for bad, why in (({"min_rto": 0}, "min_rto"), ({"min_rto": 2.0}, "min_rto"),
+                         ({"window_packets": 0}, "window"), ({"window_bytes": 0}, "window"),
+                         ({"patience": 0}, "patience"), ({"patience": 1001}, "patience"),
+                         ({"spin": -1}, "spin"), ({"spin": float("nan")}, "spin")):
+            with self.assertRaisesRegex(ValueError, why, msg=str(bad)):
+                netdam.Client(self.dev.endpoint, **bad)
+        with self.assertRaises(TypeError):  # keyword-only
+            netdam.Client(self.dev.endpoint, 1, 2.0, 0, True, "fixed", -1, 0.02)
+
     def test_timeout_to_silent_port(self):
         silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         silent.bind(("127.0.0.1", 0))

@@ -198,6 +198,12 @@ std::chrono::milliseconds seconds_arg(double seconds, const char* what) {
   return std::chrono::milliseconds(std::max<int64_t>(1, std::llround(seconds * 1000.0)));
 }
 
+std::chrono::microseconds microseconds_arg(double seconds, const char* what) {
+  if (!(seconds >= 0) || !(seconds <= 1e6))
+    throw py::value_error(std::string(what) + ": must be a number of seconds from 0 to 10^6");
+  return std::chrono::microseconds(std::llround(seconds * 1e6));
+}
+
 uint64_t word_arg(py::handle v, const char* what) {
   if (!PyLong_Check(v.ptr()) && !PyIndex_Check(v.ptr()))
     throw py::type_error(std::string(what) + ": expected an int");

@@ -61,20 +61,9 @@ Sparse sparse_arg(const py::object& s) {
 
 class PyClient {
  public:
-  PyClient(const std::string& device, uint64_t rkey, double timeout, size_t max_payload, bool detect_restart,
-           const std::string& congestion, int small_dscp)
-      : client_(connect(device, rkey, timeout, max_payload, detect_restart, congestion, small_dscp), "client") {}
+  PyClient(const std::string& device, const ClientOptions& o) : client_(connect(device, o), "client") {}
 
-  static std::unique_ptr<Client> connect(const std::string& device, uint64_t rkey, double timeout,
-                                         size_t max_payload, bool detect_restart, const std::string& congestion,
-                                         int small_dscp) {
-    ClientOptions o;
-    o.congestion = parse_congestion_arg(congestion);
-    o.small_dscp = small_dscp;  // checked by the transport (InvalidArgument, a ValueError)
-    o.rkey = rkey;
-    o.timeout = seconds_arg(timeout, "timeout");
-    o.max_payload = max_payload;
-    o.detect_restart = detect_restart;
+  static std::unique_ptr<Client> connect(const std::string& device, const ClientOptions& o) {
     auto r = [&] {
       py::gil_scoped_release nogil;
       return Client::connect(device, o);
@@ -261,14 +250,37 @@ Every blocking call releases the GIL. A Client may be shared by threads
     c.write(0, b"hello")
     assert c.read(0, 5) == b"hello"
 )doc")
-      .def(py::init<const std::string&, uint64_t, double, size_t, bool, const std::string&, int>(), arg("device"),
-           arg("rkey") = 1, arg("timeout") = 2.0, arg("max_payload") = 0, arg("detect_restart") = true,
-           arg("congestion") = "fixed", arg("small_dscp") = -1,
+      .def(py::init([](const std::string& device, uint64_t rkey, double timeout, size_t max_payload,
+                       bool detect_restart, const std::string& congestion, int small_dscp, double min_rto,
+                       size_t window_packets, size_t window_bytes, int patience, double spin) {
+             ClientOptions o;
+             o.congestion = parse_congestion_arg(congestion);
+             o.small_dscp = small_dscp;  // checked by the transport (InvalidArgument, a ValueError)
+             o.rkey = rkey;
+             o.timeout = seconds_arg(timeout, "timeout");
+             o.max_payload = max_payload;
+             o.detect_restart = detect_restart;
+             // The rest are checked by Client::connect (a ValueError names the bad one).
+             o.min_rto = microseconds_arg(min_rto, "min_rto");
+             o.window_packets = window_packets;
+             o.window_bytes = window_bytes;
+             o.patience = patience;
+             o.spin = microseconds_arg(spin, "spin");
+             return std::make_unique<PyClient>(device, o);
+           }),
+           arg("device"), arg("rkey") = 1, arg("timeout") = 2.0, arg("max_payload") = 0, arg("detect_restart") = true,
+           arg("congestion") = "fixed", arg("small_dscp") = -1, py::kw_only(), arg("min_rto") = 0.02,
+           arg("window_packets") = 64, arg("window_bytes") = 2u << 20, arg("patience") = 1, arg("spin") = 100e-6,
            "__init__(device: str, rkey: int = 1, timeout: float = 2.0, max_payload: int = 0,\n"
-           "         detect_restart: bool = True, congestion: str = 'fixed', small_dscp: int = -1) -> None\n\n"
+           "         detect_restart: bool = True, congestion: str = 'fixed', small_dscp: int = -1, *,\n"
+           "         min_rto: float = 0.02, window_packets: int = 64, window_bytes: int = 2097152,\n"
+           "         patience: int = 1, spin: float = 0.0001) -> None\n\n"
            "Connects to \"HOST:PORT\" and PINGs the device. congestion: the window's controller, 'fixed',\n"
            "'depth' or 'swift' (docs/CONGESTION.md). small_dscp: DSCP of its datagrams of at most 512\n"
-           "bytes (-1: unmarked).")
+           "bytes (-1: unmarked). min_rto: the least retransmission timeout, seconds (1 us .. 1 s).\n"
+           "window_packets, window_bytes: the most in flight at once. patience: a packet whose device was\n"
+           "heard from within the last `timeout` may wait up to patience x timeout (1 .. 1000). spin:\n"
+           "seconds to look for answers before sleeping (0: never spin).")
       .def("close", &PyClient::close, "close() -> None\n\nCloses the socket; later calls raise ValueError.")
       .def("__enter__", [](py::object self) { return self; }, "__enter__() -> Client\n\nReturns self.")
       .def("__exit__", [](PyClient& c, py::args) { c.close(); }, "__exit__(*exc) -> None\n\nCloses it (see close()).")

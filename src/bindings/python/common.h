@@ -126,6 +126,9 @@ Reduction parse_reduction_arg(const std::string& op);   // sum, min, max, avg
 Algorithm parse_algorithm_arg(const std::string& a);    // auto, ring, direct, torus
 Congestion parse_congestion_arg(const std::string& c);  // fixed, depth, swift
 std::chrono::milliseconds seconds_arg(double seconds, const char* what);
+// Seconds (>= 0, at most 10^6) as whole microseconds, for the options whose
+// range the library checks itself.
+std::chrono::microseconds microseconds_arg(double seconds, const char* what);
 // A Python int as a 64-bit word: negative values wrap (two's complement).
 uint64_t word_arg(py::handle v, const char* what);
 // A chain segment as Python sees it: a dict with "device" ("HOST:PORT"),
