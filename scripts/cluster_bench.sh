@@ -29,6 +29,7 @@
 #
 # Environment: NETDAM_BENCH (netdam-bench path), NETDAM_ARGS (extra
 # netdam-bench arguments), NETDAMD_ARGS (extra netdamd arguments), GLOO_ALGOS (gloo_bench --algos; default all),
+# CLUSTER_ARGS (extra scripts/cluster.sh options for every system's cluster, e.g. "--burst 1M"),
 # BUILD_DIR (default build).
 #
 # Exit status: 0; 1 a system failed or netdam returned a wrong element
@@ -146,6 +147,7 @@ cl=("$cluster" --prefix "$prefix")
 up_args=(--hosts "$P" --devices "$M" --rate "$rate" --mtu "$mtu" --build "$build")
 ((need_devices)) && up_args+=(--netdamd)
 [[ -n "${NETDAMD_ARGS:-}" ]] && up_args+=(--netdamd-args "$NETDAMD_ARGS")
+[[ -n "${CLUSTER_ARGS:-}" ]] && up_args+=(${CLUSTER_ARGS})
 ((run_aggregate && colocated)) && up_args+=(--colocated)
 teardown() { "${cl[@]}" down >/dev/null 2>&1; cg_cleanup; }
 trap teardown EXIT
