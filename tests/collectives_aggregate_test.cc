@@ -840,6 +840,62 @@ TEST(AggregatePlacement, FewBlocksAreSpreadOverEveryAggregator) {
   }
 }
 
+// Rotation (docs/COLLECTIVES.md section 11): turn t moves every run t
+// aggregators on, keeping its place in the region; turn 0 is the layout's
+// placement. Within one turn no two blocks share a place.
+TEST(AggregatePlacement, RotationMovesEveryRunByTheTurn) {
+  for (size_t m : {1, 2, 3, 4, 5, 8}) {
+    std::vector<Hop> aggs;
+    for (size_t j = 0; j < m; ++j) aggs.push_back(Hop{.ip = 0x0A000001, .port = static_cast<uint16_t>(7000 + j)});
+    const uint64_t per_device = collectives::aggregate_blocks_per_device(1u << 20, 8192, 4, m);
+    const uint64_t run = collectives::aggregate_run(m);
+    for (uint64_t g : {uint64_t{0}, uint64_t{1}, uint64_t{2}, uint64_t{7}, uint64_t{0xFFFFFFFFFFFFFFFF}}) {
+      collectives::AggregateContext fixed{aggs, 0, 4, 5, 8192};
+      collectives::AggregateContext turning{aggs, 0, 4, 5, 8192};
+      turning.turn = g;
+      std::set<std::pair<uint16_t, uint64_t>> seen;
+      for (uint64_t i = 0; i < per_device * m; ++i) {
+        EXPECT_EQ(collectives::aggregator_of(fixed, i).port, 7000 + (i / run) % m);
+        EXPECT_EQ(collectives::aggregator_of(turning, i).port, 7000 + (i / run + g % m) % m) << "m=" << m << " g=" << g;
+        EXPECT_EQ(collectives::aggregate_local_block(turning, i), collectives::aggregate_local_block(fixed, i));
+        EXPECT_LT(collectives::aggregate_local_block(turning, i), per_device);
+        EXPECT_TRUE(seen.emplace(collectives::aggregator_of(turning, i).port,
+                                 collectives::aggregate_local_block(turning, i)).second)
+            << "m=" << m << " g=" << g << " block " << i;
+      }
+    }
+  }
+}
+
+// Small AllReduces one after the other (one block each) take turns on the
+// aggregators, so no device's link carries every one of them; exact under
+// loss, duplication and reordering, as every aggregation is.
+TEST(AggregateGroup, SmallAllReducesTakeTurnsOnTheAggregators) {
+  FaultModel f;
+  f.drop = f.duplicate = f.reorder = 0.05;
+  AggCluster c(4, 4, f, 64u << 10);
+  auto accepted = [&](size_t a) { return c.devices[a]->engine.stats().agg_contributions.load(); };
+  std::vector<uint64_t> before;
+  for (size_t a = 0; a < 4; ++a) before.push_back(accepted(a));
+  constexpr int kRounds = 12;
+  for (int round = 0; round < kRounds; ++round) {
+    std::vector<std::vector<std::byte>> in, out;
+    for (int r = 0; r < 4; ++r) {
+      in.push_back(random_elements(DType::kF32, 1024, static_cast<uint64_t>(round * 10 + r)));  // 4 KiB: one block
+      out.emplace_back(in.back().size());
+    }
+    std::vector<Work> works = start_allreduce(c.groups, in, out, 4);
+    c.run(works);
+    const auto want = reference(in, DType::kF32, RedOp::kSum);
+    for (int r = 0; r < 4; ++r) {
+      ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
+      ASSERT_EQ(out[static_cast<size_t>(r)], want) << "round " << round << " rank " << r;
+    }
+  }
+  // 12 AllReduces of 4 contributions over 4 devices: 12 each.
+  for (size_t a = 0; a < 4; ++a) EXPECT_EQ(accepted(a) - before[a], 4u * kRounds / 4) << "aggregator " << a;
+}
+
 // A dead aggregator fails every rank within the timeout, naming it.
 TEST(AggregateGroup, DeadAggregatorFailsEveryRankNamingIt) {
   // 60000 B: more than one run of blocks (plan.h), so both aggregators own some.

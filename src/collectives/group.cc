@@ -1079,8 +1079,15 @@ bool Group::start_aggregate(detail::WorkState& w) {
         return true;
       }
   }
-  const collectives::AggregateContext ctx{w.slot->aggregators, opts_.rank, ranks_, w.generation, agg_stride_,
-                                          opts_.skip_zero_blocks};
+  // Collectives take turns on the aggregators: the slots are used one
+  // after the other and each slot's generation counts its own uses, so
+  // generation x slots + slot counts collectives, alike on every rank. The
+  // optimizer's weights of a block live on one aggregator: no turns there.
+  size_t slot_index = 0;
+  while (slots_[slot_index].get() != w.slot) ++slot_index;
+  const uint64_t turn = w.config ? 0 : uint64_t{w.generation} * slots_.size() + slot_index;
+  const collectives::AggregateContext ctx{w.slot->aggregators, opts_.rank,  ranks_, w.generation,
+                                          agg_stride_,          opts_.skip_zero_blocks, 0, turn};
   w.requests = w.make_aggregate(ctx);
   // Every rank decides alike: from the block count, not from its data.
   if (w.zero_union && opts_.skip_zero_blocks && opts_.zero_union_blocks > 0 &&

@@ -243,6 +243,11 @@ struct AggregateContext {
   uint32_t stride;         // bytes per block
   bool skip_zero = true;   // send a marker instead of an all-zero block (OmniReduce)
   uint64_t run = 0;        // blocks per run; 0: aggregate_run(M) (a buffer of few blocks: 1)
+  // Aggregators every run moves on (aggregator_of): the Group turns it by
+  // one per collective, so that a buffer of fewer runs than aggregators (a
+  // small AllReduce: one block) does not load the same device's link every
+  // time. 0 where a block must stay on one device (the optimizer's weights).
+  uint64_t turn = 0;
 };
 
 // Blocks go to the aggregators in runs of R consecutive blocks: run
@@ -264,8 +269,13 @@ inline uint64_t aggregate_run(size_t aggregators) {
 inline uint64_t aggregate_run(const AggregateContext& c) {
   return c.run != 0 ? c.run : aggregate_run(c.aggregators.size());
 }
+// Run r goes to aggregator (r + turn) mod M: with the Group's turn, the
+// block of a one-block AllReduce is aggregated by each device in turn, and
+// each device's link carries p blocks every M-th collective instead of
+// every one (docs/COLLECTIVES.md section 11, "Rotation"). A block's local
+// index, its place in the device's region, does not move.
 inline const Hop& aggregator_of(const AggregateContext& c, uint64_t block) {
-  return c.aggregators[(block / aggregate_run(c)) % c.aggregators.size()];
+  return c.aggregators[(block / aggregate_run(c) + c.turn % c.aggregators.size()) % c.aggregators.size()];
 }
 inline uint64_t aggregate_local_block(const AggregateContext& c, uint64_t block) {
   const uint64_t m = c.aggregators.size(), run = aggregate_run(c);
