@@ -81,6 +81,7 @@ for s in ${systems//,/ }; do
 done
 out="${out:-$(mktemp -d /tmp/netdam-cluster-bench.XXXXXX)}"
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # written into the rsh agent, which runs elsewhere
 : >"$out/runs.txt"
 
 echo "== cluster_bench: p=$P hosts, M=$M devices, rate $rate each way, MTU $mtu, allreduce f32 sum $min..$max x$factor"
@@ -319,7 +320,12 @@ mpi_run() {
     for ((r = 0; r < P; r++)); do echo "  ${host_ip[$r]}) ns=${host_ns[$r]} ;;"; done
     echo '  *) echo "mpi agent: unknown host $host" >&2; exit 1 ;;'
     echo 'esac'
-    echo 'exec ip netns exec "$ns" sh -c "$*"'
+    # Every orted of this machine has the same node name, and they raced
+    # to make and remove their session directories under one /tmp/ompi.*
+    # ("mkdir ... No such file or directory", one start in six): each
+    # host's orted gets a directory of its own.
+    echo 'mkdir -p "'"$out"'/ompi-tmp/$ns"'
+    echo 'exec ip netns exec "$ns" env OMPI_MCA_orte_tmpdir_base="'"$out"'/ompi-tmp/$ns" sh -c "$*"'
   } >"$out/mpi.agent"
   chmod +x "$out/mpi.agent"
   timeout "$sys_timeout" ip netns exec "${host_ns[0]}" \
