@@ -384,6 +384,11 @@ class Group {
   uint64_t agg_base_ = 0;
   uint64_t agg_capacity_ = 0;  // largest buffer aggregated
   int home_aggregator_ = -1;  // index of the aggregator whose memory is mapped (local_)
+  // Collectives take turns on the aggregators (AggregateContext::turn),
+  // unless every rank maps every aggregator's memory (aggregator_shm names
+  // them all): then no block crosses a link, and a device kept busy
+  // answers sooner than one woken every M-th collective.
+  bool agg_turns_ = true;
   // Per aggregator, its memory if mapped here (local_ for the home one,
   // else aggregator_shm's mappings, owned by agg_mappings_).
   std::vector<std::span<std::byte>> agg_maps_;

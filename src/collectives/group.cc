@@ -443,6 +443,11 @@ Error Group::setup_aggregation() {
   if (!opts_.aggregator_shm.empty() && opts_.aggregator_shm.size() != aggs.size())
     return Error::invalid(fmt::format("aggregator_shm has {} names for {} aggregators", opts_.aggregator_shm.size(),
                                       aggs.size()));
+  // From the options, which every rank shares, not from what this rank
+  // happens to map (its own device): every rank must turn alike.
+  agg_turns_ = opts_.aggregator_shm.size() != aggs.size() ||
+               std::any_of(opts_.aggregator_shm.begin(), opts_.aggregator_shm.end(),
+                           [](const std::string& n) { return n.empty(); });
   for (size_t a = 0; a < opts_.aggregator_shm.size(); ++a) {
     const std::string& name = opts_.aggregator_shm[a];
     if (name.empty() || !agg_maps_[a].empty()) continue;
@@ -1079,13 +1084,14 @@ bool Group::start_aggregate(detail::WorkState& w) {
         return true;
       }
   }
-  // Collectives take turns on the aggregators: the slots are used one
-  // after the other and each slot's generation counts its own uses, so
-  // generation x slots + slot counts collectives, alike on every rank. The
-  // optimizer's weights of a block live on one aggregator: no turns there.
+  // Collectives take turns on the aggregators (agg_turns_): the slots are
+  // used one after the other and each slot's generation counts its own
+  // uses, so generation x slots + slot counts collectives, alike on every
+  // rank. The optimizer's weights of a block live on one aggregator: no
+  // turns there.
   size_t slot_index = 0;
   while (slots_[slot_index].get() != w.slot) ++slot_index;
-  const uint64_t turn = w.config ? 0 : uint64_t{w.generation} * slots_.size() + slot_index;
+  const uint64_t turn = w.config || !agg_turns_ ? 0 : uint64_t{w.generation} * slots_.size() + slot_index;
   const collectives::AggregateContext ctx{w.slot->aggregators, opts_.rank,  ranks_, w.generation,
                                           agg_stride_,          opts_.skip_zero_blocks, 0, turn};
   w.requests = w.make_aggregate(ctx);
