@@ -181,6 +181,58 @@ TEST(CollectivesProcess, AggregationThroughEveryDevicesMappingIsExact) {
   EXPECT_NE(g.error().message().find("netdam-ptest-no-such-memory"), std::string::npos) << g.error().message();
 }
 
+// Small AllReduces on the ranks' own devices (kAuto aggregates them) take
+// turns on the devices when blocks cross the network, and keep to one
+// device when every rank maps every device (only control datagrams
+// travel; a busy device answers sooner than a woken one): docs/COLLECTIVES.md
+// section 11, "Rotation".
+TEST(CollectivesProcess, SmallAllReducesTakeTurnsUnlessEveryDeviceIsMapped) {
+  for (const bool map_all : {false, true}) {
+    Devices d;
+    ASSERT_TRUE(d.error.empty()) << d.error;
+    d.map_all = map_all;
+    constexpr int kIters = 12;
+    auto res = run_ranks(d, 5000ms, [](int r, Group& g, RankResult& res) {
+      std::vector<float> in(1024), out(1024);  // 4 KiB: one block
+      for (int it = 0; it < kIters; ++it) {
+        for (size_t i = 0; i < in.size(); ++i) in[i] = input(r, i, it);
+        if (Error e = g.allreduce(std::as_bytes(std::span(in)), std::as_writable_bytes(std::span(out)), DType::kF32,
+                                  Reduction::kSum)) {
+          res.error = e.to_string();
+          return;
+        }
+        for (size_t i = 0; i < in.size(); ++i) res.wrong += out[i] != expected(i, it);
+        ++res.done;
+      }
+    });
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_EQ(res[r].error, "") << "rank " << r;
+      EXPECT_EQ(res[r].done, kIters);
+      EXPECT_EQ(res[r].wrong, 0u);
+    }
+    std::vector<uint64_t> got;
+    for (const auto& ep : d.endpoints) {
+      auto c = Client::connect(ep);
+      ASSERT_TRUE(c) << c.error().to_string();
+      auto st = c.value()->stats();
+      ASSERT_TRUE(st) << st.error().to_string();
+      uint64_t n = 0;
+      for (const auto& [name, v] : *st)
+        if (name == "agg.contributions") n = v;
+      got.push_back(n);
+    }
+    const uint64_t total = got[0] + got[1] + got[2];
+    EXPECT_GE(total, uint64_t{kIters} * kRanks) << "map_all " << map_all;
+    const auto [lo, hi] = std::minmax_element(got.begin(), got.end());
+    if (map_all) {
+      EXPECT_EQ(*hi, total) << "map_all: one device aggregates every small block (" << got[0] << ", " << got[1]
+                            << ", " << got[2] << ")";
+    } else {
+      EXPECT_LE(*hi - *lo, uint64_t{kRanks}) << "turns: " << got[0] << ", " << got[1] << ", " << got[2];
+    }
+  }
+}
+
 TEST(CollectivesProcess, AllReduceExactUnderInjectedFaults) {
   Devices d(injected_faults(1000));
   ASSERT_TRUE(d.error.empty()) << d.error;
