@@ -877,7 +877,7 @@ TEST(AggregateGroup, SmallAllReducesTakeTurnsOnTheAggregators) {
   auto accepted = [&](size_t a) { return c.devices[a]->engine.stats().agg_contributions.load(); };
   std::vector<uint64_t> before;
   for (size_t a = 0; a < 4; ++a) before.push_back(accepted(a));
-  constexpr int kRounds = 12;
+  constexpr int kRounds = 16;  // 8 on each of the 2 slots, each slot turning through the 4 devices twice
   for (int round = 0; round < kRounds; ++round) {
     std::vector<std::vector<std::byte>> in, out;
     for (int r = 0; r < 4; ++r) {
@@ -892,8 +892,32 @@ TEST(AggregateGroup, SmallAllReducesTakeTurnsOnTheAggregators) {
       ASSERT_EQ(out[static_cast<size_t>(r)], want) << "round " << round << " rank " << r;
     }
   }
-  // 12 AllReduces of 4 contributions over 4 devices: 12 each.
+  // 16 AllReduces of 4 contributions over 4 devices: 16 each.
   for (size_t a = 0; a < 4; ++a) EXPECT_EQ(accepted(a) - before[a], 4u * kRounds / 4) << "aggregator " << a;
+
+  // A barrier before each AllReduce, as a benchmark's iteration has: the
+  // two kinds alternate slots, and each must still reach every device (the
+  // AllReduces' bytes spread, not kept on half the devices).
+  auto received = [&](size_t a) { return c.devices[a]->engine.stats().rx_bytes.load(); };
+  std::vector<uint64_t> bytes_before;
+  for (size_t a = 0; a < 4; ++a) bytes_before.push_back(received(a));
+  for (int round = 0; round < kRounds; ++round) {
+    std::vector<Work> barriers;
+    for (auto& g : c.groups) barriers.push_back(g->barrier_async());
+    c.run(barriers);
+    std::vector<std::vector<std::byte>> in, out;
+    for (int r = 0; r < 4; ++r) {
+      in.push_back(random_elements(DType::kF32, 1024, static_cast<uint64_t>(round * 10 + r + 500)));
+      out.emplace_back(in.back().size());
+    }
+    std::vector<Work> works = start_allreduce(c.groups, in, out, 4);
+    c.run(works);
+    ASSERT_EQ(out[0], reference(in, DType::kF32, RedOp::kSum)) << "round " << round;
+  }
+  std::vector<uint64_t> got;
+  for (size_t a = 0; a < 4; ++a) got.push_back(received(a) - bytes_before[a]);
+  const auto [lo, hi] = std::minmax_element(got.begin(), got.end());
+  EXPECT_LT(*hi, 2 * *lo) << "bytes per aggregator: " << got[0] << ", " << got[1] << ", " << got[2] << ", " << got[3];
 }
 
 // A dead aggregator fails every rank within the timeout, naming it.

@@ -1084,14 +1084,14 @@ bool Group::start_aggregate(detail::WorkState& w) {
         return true;
       }
   }
-  // Collectives take turns on the aggregators (agg_turns_): the slots are
-  // used one after the other and each slot's generation counts its own
-  // uses, so generation x slots + slot counts collectives, alike on every
-  // rank. The optimizer's weights of a block live on one aggregator: no
-  // turns there.
-  size_t slot_index = 0;
-  while (slots_[slot_index].get() != w.slot) ++slot_index;
-  const uint64_t turn = w.config || !agg_turns_ ? 0 : uint64_t{w.generation} * slots_.size() + slot_index;
+  // Collectives take turns on the aggregators (agg_turns_): the turn is
+  // the slot's generation, which counts that slot's collectives alike on
+  // every rank. The slots advance together, so the collectives of one
+  // round of the slots (a barrier and the AllReduce after it) meet on one
+  // device, still busy from the first when the second comes, and the next
+  // round moves on (docs/COLLECTIVES.md section 11, "Rotation"). The
+  // optimizer's weights of a block live on one aggregator: no turns there.
+  const uint64_t turn = w.config || !agg_turns_ ? 0 : w.generation;
   const collectives::AggregateContext ctx{w.slot->aggregators, opts_.rank,  ranks_, w.generation,
                                           agg_stride_,          opts_.skip_zero_blocks, 0, turn};
   w.requests = w.make_aggregate(ctx);
