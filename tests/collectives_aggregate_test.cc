@@ -879,18 +879,8 @@ TEST(AggregateGroup, SmallAllReducesTakeTurnsOnTheAggregators) {
   for (size_t a = 0; a < 4; ++a) before.push_back(accepted(a));
   constexpr int kRounds = 16;  // 8 on each of the 2 slots, each slot turning through the 4 devices twice
   for (int round = 0; round < kRounds; ++round) {
-    std::vector<std::vector<std::byte>> in, out;
-    for (int r = 0; r < 4; ++r) {
-      in.push_back(random_elements(DType::kF32, 1024, static_cast<uint64_t>(round * 10 + r)));  // 4 KiB: one block
-      out.emplace_back(in.back().size());
-    }
-    std::vector<Work> works = start_allreduce(c.groups, in, out, 4);
-    c.run(works);
-    const auto want = reference(in, DType::kF32, RedOp::kSum);
-    for (int r = 0; r < 4; ++r) {
-      ASSERT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
-      ASSERT_EQ(out[static_cast<size_t>(r)], want) << "round " << round << " rank " << r;
-    }
+    check_allreduce(c, 4, 1024, static_cast<uint64_t>(round * 10));  // 4 KiB: one block
+    ASSERT_FALSE(HasFailure()) << "round " << round;
   }
   // 16 AllReduces of 4 contributions over 4 devices: 16 each.
   for (size_t a = 0; a < 4; ++a) EXPECT_EQ(accepted(a) - before[a], 4u * kRounds / 4) << "aggregator " << a;
@@ -905,14 +895,8 @@ TEST(AggregateGroup, SmallAllReducesTakeTurnsOnTheAggregators) {
     std::vector<Work> barriers;
     for (auto& g : c.groups) barriers.push_back(g->barrier_async());
     c.run(barriers);
-    std::vector<std::vector<std::byte>> in, out;
-    for (int r = 0; r < 4; ++r) {
-      in.push_back(random_elements(DType::kF32, 1024, static_cast<uint64_t>(round * 10 + r + 500)));
-      out.emplace_back(in.back().size());
-    }
-    std::vector<Work> works = start_allreduce(c.groups, in, out, 4);
-    c.run(works);
-    ASSERT_EQ(out[0], reference(in, DType::kF32, RedOp::kSum)) << "round " << round;
+    check_allreduce(c, 4, 1024, static_cast<uint64_t>(round * 10 + 500));
+    ASSERT_FALSE(HasFailure()) << "round " << round;
   }
   std::vector<uint64_t> got;
   for (size_t a = 0; a < 4; ++a) got.push_back(received(a) - bytes_before[a]);

@@ -139,6 +139,14 @@ uint64_t aggregate_region_bytes(uint64_t capacity, size_t p, size_t aggregators,
   const uint64_t blocks = collectives::aggregate_blocks_per_device(capacity, stride, static_cast<int>(p), aggregators);
   return ((p + 2) * blocks * stride + 4095) / 4096 * 4096;
 }
+// Whether every rank maps the memory of all `aggregators` (aggregator_shm
+// names each: one host), from the options, which every rank shares, not
+// from what one rank happens to map: decisions made on it are made alike.
+bool maps_every_aggregator(const GroupOptions& o, size_t aggregators) {
+  return o.aggregator_shm.size() == aggregators &&
+         std::none_of(o.aggregator_shm.begin(), o.aggregator_shm.end(), [](const std::string& n) { return n.empty(); });
+}
+
 // Whether a group aggregates on the ranks' own devices, and up to what size.
 // kAuto aggregates every size when every device's memory is mapped here
 // (one host: only control datagrams cross the kernel, and the ring's
@@ -147,11 +155,8 @@ uint64_t aggregate_region_bytes(uint64_t capacity, size_t p, size_t aggregators,
 uint64_t own_aggregation_capacity(const GroupOptions& o) {
   if (o.devices.empty() || !o.aggregators.empty()) return 0;
   if (o.algorithm == Algorithm::kAggregate) return o.capacity;
-  const bool all_mapped = o.aggregator_shm.size() == o.devices.size() &&
-                          std::none_of(o.aggregator_shm.begin(), o.aggregator_shm.end(),
-                                       [](const std::string& n) { return n.empty(); });
   if (o.algorithm == Algorithm::kAuto && o.admin_key != 0)
-    return all_mapped ? o.capacity : std::min(o.capacity, o.aggregate_auto_bytes);
+    return maps_every_aggregator(o, o.devices.size()) ? o.capacity : std::min(o.capacity, o.aggregate_auto_bytes);
   return 0;
 }
 
@@ -443,11 +448,7 @@ Error Group::setup_aggregation() {
   if (!opts_.aggregator_shm.empty() && opts_.aggregator_shm.size() != aggs.size())
     return Error::invalid(fmt::format("aggregator_shm has {} names for {} aggregators", opts_.aggregator_shm.size(),
                                       aggs.size()));
-  // From the options, which every rank shares, not from what this rank
-  // happens to map (its own device): every rank must turn alike.
-  agg_turns_ = opts_.aggregator_shm.size() != aggs.size() ||
-               std::any_of(opts_.aggregator_shm.begin(), opts_.aggregator_shm.end(),
-                           [](const std::string& n) { return n.empty(); });
+  agg_turns_ = !maps_every_aggregator(opts_, aggs.size());
   for (size_t a = 0; a < opts_.aggregator_shm.size(); ++a) {
     const std::string& name = opts_.aggregator_shm[a];
     if (name.empty() || !agg_maps_[a].empty()) continue;
