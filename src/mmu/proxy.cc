@@ -33,6 +33,14 @@ constexpr size_t kRxBatch = 32;
 // --device-timeout, when its hop has not come back: the floor the clients
 // use for a device process that may wait for a core (PROTOCOL.md 9.3).
 constexpr transport::Duration kHopFirstRto = 20ms;
+// ... and no longer than this (or the device timeout, if shorter). A hop
+// to a device that answers is waited for up to kPatience device timeouts
+// (hop_overdue), but a client gives up after its own timeout (2 s by
+// default): backing off to the 500 ms device timeout sent a hop only 8
+// times in 2 s, and at 40% loss one piece in 1500 lost all 8 and outlasted
+// its client. Resends at most every 100 ms cost a piece's bytes 10 times
+// a second, only while its device is alive and its hop late.
+constexpr transport::Duration kHopMaxRto = 100ms;
 // Pieces of one REDUCE_MEM or OPT_STEP on one device that run as chains:
 // each takes a segment index, and the chain's unrun segments cost 24 bytes
 // each on top of the piece (at most 232 bytes here: below what a datagram
@@ -1172,6 +1180,10 @@ void Proxy::send_piece_hop(Job& j, size_t index, transport::TimePoint now) {
   sub.hop_next = now + sub.hop_rto;
 }
 
+transport::Duration Proxy::next_hop_rto(transport::Duration rto) const {
+  return std::min<transport::Duration>({2 * rto, kHopMaxRto, opts_.device_timeout});
+}
+
 // The pieces whose hop is late: sent again (the device's window answers a
 // copy that already ran), until the device timeout, the allocation's end or
 // the loss of the copy's device fails the piece.
@@ -1196,7 +1208,7 @@ void Proxy::hop_timers(Job& j) {
     }
     if (now >= sub.hop_next) {
       if (sub.probe_txn == 0) send_piece_probe(j, i);
-      sub.hop_rto = std::min<transport::Duration>(2 * sub.hop_rto, opts_.device_timeout);
+      sub.hop_rto = next_hop_rto(sub.hop_rto);
       send_piece_hop(j, i, now);
     }
   }
@@ -1554,7 +1566,7 @@ bool Proxy::atomic_step(Job& j) {
         j.probe = client(e.device_id)->read_async(j.primary_addr, j.probe_word, e.key);
         j.probe_slot = j.primary;
       }
-      j.hop_rto = std::min<transport::Duration>(2 * j.hop_rto, opts_.device_timeout);
+      j.hop_rto = next_hop_rto(j.hop_rto);
       send_hop(j, *a, now);
     }
     return false;

@@ -175,6 +175,7 @@ class Proxy {
   uint32_t device_payload(uint32_t device_id) const;
   uint32_t smallest_payload(const Allocation& a, uint32_t cap) const;
   void hop_timers(Job& j);
+  transport::Duration next_hop_rto(transport::Duration rto) const;  // doubled, capped
   void send_piece_probe(Job& j, size_t sub);
   void piece_refused(const transport::Endpoint& from, const core::Header& h);
   void hop_refused(const transport::Endpoint& from, const core::Header& h);
