@@ -614,14 +614,13 @@ int pool_main(int argc, char** argv) {
         }
         if (m.latency) {
           auto l = [](const Run& r, double q) { return percentile(r.lat_us, q); };
-          fmt::print("{:>6} {:>5} {:>5} | {:>22} {:>22} {:>22} | {:>6} {:>6}\n", format_bytes(size), op, "p50",
-                     fmt::format("{:.1f}", l(c.proxy, 50)), fmt::format("{:.1f}", l(c.direct, 50)),
-                     c.redis.ops ? fmt::format("{:.1f}", l(c.redis, 50)) : "-",
-                     fmt_ratio(l(c.redis, 50), l(c.proxy, 50)), fmt_ratio(l(c.redis, 50), l(c.direct, 50)));
-          fmt::print("{:>6} {:>5} {:>5} | {:>22} {:>22} {:>22} | {:>6} {:>6}\n", "", "", "p99",
-                     fmt::format("{:.1f}", l(c.proxy, 99)), fmt::format("{:.1f}", l(c.direct, 99)),
-                     c.redis.ops ? fmt::format("{:.1f}", l(c.redis, 99)) : "-",
-                     fmt_ratio(l(c.redis, 99), l(c.proxy, 99)), fmt_ratio(l(c.redis, 99), l(c.direct, 99)));
+          // "-" for a system not run (--skip-*), as the throughput rows print it.
+          auto cell = [&](const Run& r, double q) { return r.ops ? fmt::format("{:.1f}", l(r, q)) : std::string("-"); };
+          for (const double q : {50.0, 99.0})
+            fmt::print("{:>6} {:>5} {:>5} | {:>22} {:>22} {:>22} | {:>6} {:>6}\n", q == 50 ? format_bytes(size) : "",
+                       q == 50 ? op : "", q == 50 ? "p50" : "p99", cell(c.proxy, q), cell(c.direct, q),
+                       cell(c.redis, q), fmt_ratio(l(c.redis, q), l(c.proxy, q)),
+                       fmt_ratio(l(c.redis, q), l(c.direct, q)));
         } else {
           fmt::print("{:>6} {:>5} {:>5} | {:>22} {:>22} {:>22} | {:>6} {:>6}\n", format_bytes(size), op, m.name,
                      fmt_rate(c.proxy, size), fmt_rate(c.direct, size), fmt_rate(c.redis, size),
