@@ -194,6 +194,12 @@ TEST(CollectivesProcess, SmallAllReducesTakeTurnsUnlessEveryDeviceIsMapped) {
     constexpr int kIters = 12;
     auto res = run_ranks(d, 5000ms, [](int r, Group& g, RankResult& res) {
       std::vector<float> in(1024), out(1024);  // 4 KiB: one block
+      // What kAuto chose, as netdam-bench reports it: aggregation for
+      // 4 KiB, not for more than the group's slots hold.
+      if (!g.use_aggregation(in.size() * sizeof(float)) || g.use_aggregation(size_t{1} << 30)) {
+        res.error = "use_aggregation does not say what kAuto runs";
+        return;
+      }
       for (int it = 0; it < kIters; ++it) {
         for (size_t i = 0; i < in.size(); ++i) in[i] = input(r, i, it);
         if (Error e = g.allreduce(std::as_bytes(std::span(in)), std::as_writable_bytes(std::span(out)), DType::kF32,

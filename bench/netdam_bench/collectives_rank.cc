@@ -35,11 +35,14 @@ std::string_view nccl_type_name(DType t) {
 // report it, so this mirrors its choice (group.cc): only AllReduce has an
 // alternative to ring by chains, kDirect, which kAuto takes up to
 // kDirectMaxBytes.
-Algorithm algorithm_for(CollOp op, Algorithm requested, uint64_t bytes) {
-  if (requested == Algorithm::kAggregate) return Algorithm::kAggregate;
+// What the group runs for one row (in_bytes / out_bytes of its Shape):
+// asked of the group where it aggregates, whose choice kAuto makes from
+// the devices it maps, not from the request alone.
+Algorithm algorithm_for(const Group& g, CollOp op, Algorithm requested, uint64_t in_bytes, uint64_t out_bytes) {
+  if (g.use_aggregation(op == CollOp::kAllGather ? out_bytes : in_bytes)) return Algorithm::kAggregate;
   if (op != CollOp::kAllReduce) return Algorithm::kRing;
   if (requested == Algorithm::kTorus) return Algorithm::kTorus;
-  if (requested == Algorithm::kDirect || (requested == Algorithm::kAuto && bytes <= kDirectMaxBytes))
+  if (requested == Algorithm::kDirect || (requested == Algorithm::kAuto && in_bytes <= kDirectMaxBytes))
     return Algorithm::kDirect;
   return Algorithm::kRing;
 }
@@ -358,11 +361,29 @@ int run_rank(const BenchConfig& c) {
                nccl_type_name(c.type), to_string(c.type),
                reduces ? fmt::format("redop {}", to_string(c.redop))
                : c.op == CollOp::kBroadcast ? fmt::format("root {}", c.root) : std::string("no reduction"), p);
-    const Algorithm small = algorithm_for(c.op, c.algorithm, 1);
-    const Algorithm large = algorithm_for(c.op, c.algorithm, ~uint64_t{0});
-    const std::string chosen =
-        small == large ? std::string(to_string(small))
-                       : fmt::format("{} up to {} B, {} above", to_string(small), kDirectMaxBytes, to_string(large));
+    // Each algorithm with the sizes of the sweep it runs, e.g. "direct
+    // 4096-16384 B, ring 65536-67108864 B".
+    std::vector<std::string> runs;
+    Algorithm last{};
+    uint64_t from = 0, to = 0;
+    auto close_run = [&] {
+      if (from) runs.push_back(from == to ? fmt::format("{} {} B", to_string(last), from)
+                                          : fmt::format("{} {}-{} B", to_string(last), from, to));
+    };
+    for (const uint64_t size : sweep(c)) {
+      const Shape s = shape_of(c.op, size, esize, p);
+      if (s.count == 0) continue;
+      const Algorithm a = algorithm_for(g, c.op, c.algorithm, s.in_bytes, s.out_bytes);
+      if (from && a == last) {
+        to = s.size;
+        continue;
+      }
+      close_run();
+      last = a;
+      from = to = s.size;
+    }
+    close_run();
+    const std::string chosen = runs.empty() ? std::string("-") : fmt::format("{}", fmt::join(runs, ", "));
     fmt::print("#  algorithm: {} (requested {}); p={}; {} B per {}, {} slots, timeout {} ms, "
                "client window {} packets{}\n", chosen, to_string(c.algorithm), p,
                g.aggregates() ? g.aggregate_block_bytes() : g.block_bytes(),
@@ -504,7 +525,7 @@ int run_rank(const BenchConfig& c) {
       std::fflush(stdout);
       if (csv) {
         *csv << fmt::format("netdam,{},{},{},{:.3f},{:.6f},{:.6f},{}\n",
-                            to_string(algorithm_for(c.op, c.algorithm, s.in_bytes)), to_string(c.op), s.size,
+                            to_string(algorithm_for(g, c.op, c.algorithm, s.in_bytes, s.out_bytes)), to_string(c.op), s.size,
                             r.time_us, algbw, busbw, r.wrong);
         csv->flush();
       }

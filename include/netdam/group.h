@@ -228,6 +228,9 @@ class Group {
   bool aggregates() const { return !aggregators_.empty(); }
   // Bytes per aggregated block.
   size_t aggregate_block_bytes() const { return agg_stride_; }
+  // Whether a collective of `bytes` (AllGather: its output, others: the
+  // input) goes by aggregation: what kAuto chose, for reports.
+  bool use_aggregation(size_t bytes) const;
   // Largest payload of one chain packet for this group.
   size_t block_bytes() const { return block_; }
   // AllGather and Broadcast go through GroupOptions::multicast (its probe
@@ -369,7 +372,6 @@ class Group {
   void stage_locally(detail::WorkState& w);
   void issue_aggregates(detail::WorkState& w);
   bool step_aggregate(detail::WorkState& w);
-  bool use_aggregation(size_t bytes) const;
   uint8_t chain_flags() const { return opts_.sparse ? kFlagSparseOk : 0; }
   void finish(detail::WorkState& w, Error e);
 
