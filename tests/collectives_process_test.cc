@@ -196,7 +196,8 @@ TEST(CollectivesProcess, SmallAllReducesTakeTurnsUnlessEveryDeviceIsMapped) {
       std::vector<float> in(1024), out(1024);  // 4 KiB: one block
       // What kAuto chose, as netdam-bench reports it: aggregation for
       // 4 KiB, not for more than the group's slots hold.
-      if (!g.use_aggregation(in.size() * sizeof(float)) || g.use_aggregation(size_t{1} << 30)) {
+      if (!g.use_aggregation(in.size() * sizeof(float)) || g.use_aggregation(size_t{1} << 30) ||
+          g.allreduce_algorithm(in.size() * sizeof(float)) != Algorithm::kAggregate) {
         res.error = "use_aggregation does not say what kAuto runs";
         return;
       }

@@ -31,22 +31,6 @@ std::string_view nccl_type_name(DType t) {
   }
 }
 
-// The algorithm Group runs for one collective of `bytes`. Group does not
-// report it, so this mirrors its choice (group.cc): only AllReduce has an
-// alternative to ring by chains, kDirect, which kAuto takes up to
-// kDirectMaxBytes.
-// What the group runs for one row (in_bytes / out_bytes of its Shape):
-// asked of the group where it aggregates, whose choice kAuto makes from
-// the devices it maps, not from the request alone.
-Algorithm algorithm_for(const Group& g, CollOp op, Algorithm requested, uint64_t in_bytes, uint64_t out_bytes) {
-  if (g.use_aggregation(op == CollOp::kAllGather ? out_bytes : in_bytes)) return Algorithm::kAggregate;
-  if (op != CollOp::kAllReduce) return Algorithm::kRing;
-  if (requested == Algorithm::kTorus) return Algorithm::kTorus;
-  if (requested == Algorithm::kDirect || (requested == Algorithm::kAuto && in_bytes <= kDirectMaxBytes))
-    return Algorithm::kDirect;
-  return Algorithm::kRing;
-}
-
 double bus_factor(CollOp op, int p) {
   switch (op) {
     case CollOp::kAllReduce: return 2.0 * (p - 1) / p;
@@ -85,6 +69,13 @@ Shape shape_of(CollOp op, uint64_t size, size_t esize, int p) {
       break;
   }
   return s;
+}
+
+// What the group runs for one row, as it decides (kAuto resolved).
+Algorithm algorithm_for(const Group& g, CollOp op, const Shape& s) {
+  if (op == CollOp::kAllReduce) return g.allreduce_algorithm(s.in_bytes);
+  return g.use_aggregation(op == CollOp::kAllGather ? s.out_bytes : s.in_bytes) ? Algorithm::kAggregate
+                                                                                 : Algorithm::kRing;
 }
 
 std::vector<uint64_t> sweep(const BenchConfig& c) {
@@ -373,7 +364,7 @@ int run_rank(const BenchConfig& c) {
     for (const uint64_t size : sweep(c)) {
       const Shape s = shape_of(c.op, size, esize, p);
       if (s.count == 0) continue;
-      const Algorithm a = algorithm_for(g, c.op, c.algorithm, s.in_bytes, s.out_bytes);
+      const Algorithm a = algorithm_for(g, c.op, s);
       if (from && a == last) {
         to = s.size;
         continue;
@@ -525,7 +516,7 @@ int run_rank(const BenchConfig& c) {
       std::fflush(stdout);
       if (csv) {
         *csv << fmt::format("netdam,{},{},{},{:.3f},{:.6f},{:.6f},{}\n",
-                            to_string(algorithm_for(g, c.op, c.algorithm, s.in_bytes, s.out_bytes)), to_string(c.op), s.size,
+                            to_string(algorithm_for(g, c.op, s)), to_string(c.op), s.size,
                             r.time_us, algbw, busbw, r.wrong);
         csv->flush();
       }

@@ -229,8 +229,11 @@ class Group {
   // Bytes per aggregated block.
   size_t aggregate_block_bytes() const { return agg_stride_; }
   // Whether a collective of `bytes` (AllGather: its output, others: the
-  // input) goes by aggregation: what kAuto chose, for reports.
+  // input) goes by aggregation; the others run the ring by chains.
   bool use_aggregation(size_t bytes) const;
+  // What an AllReduce of `bytes` runs, kAuto resolved: kAggregate,
+  // kDirect, kTorus or kRing.
+  Algorithm allreduce_algorithm(size_t bytes) const;
   // Largest payload of one chain packet for this group.
   size_t block_bytes() const { return block_; }
   // AllGather and Broadcast go through GroupOptions::multicast (its probe

@@ -479,6 +479,14 @@ bool Group::use_aggregation(size_t bytes) const {
   return opts_.algorithm == Algorithm::kAuto && bytes <= agg_capacity_;
 }
 
+Algorithm Group::allreduce_algorithm(size_t bytes) const {
+  if (use_aggregation(bytes)) return Algorithm::kAggregate;
+  if (opts_.algorithm == Algorithm::kTorus) return Algorithm::kTorus;
+  if (opts_.algorithm == Algorithm::kDirect || (opts_.algorithm == Algorithm::kAuto && bytes <= kDirectMaxBytes))
+    return Algorithm::kDirect;
+  return Algorithm::kRing;
+}
+
 // Has this rank's device send a token to the multicast group and checks
 // that every device stored it; otherwise (no member, no route, too lossy)
 // the group's AllGather and Broadcast use chains. The token goes to slot 0's
@@ -620,7 +628,8 @@ Work Group::allreduce_async(std::span<const std::byte> in, std::span<std::byte> 
     return Work(failed(Error::invalid("avg needs a floating-point type")));
   auto w = std::make_shared<detail::WorkState>();
   w->average = op == Reduction::kAvg;
-  if (use_aggregation(in.size())) {
+  const Algorithm algorithm = allreduce_algorithm(in.size());
+  if (algorithm == Algorithm::kAggregate) {
     w->average_out = out;
     w->average_type = t;
     w->zero_union = true;
@@ -629,11 +638,10 @@ Work Group::allreduce_async(std::span<const std::byte> in, std::span<std::byte> 
     };
     return submit(std::move(w));
   }
-  const bool direct = opts_.algorithm == Algorithm::kDirect ||
-                      (opts_.algorithm == Algorithm::kAuto && in.size() <= kDirectMaxBytes);
-  const bool torus = opts_.algorithm == Algorithm::kTorus;
+  const bool direct = algorithm == Algorithm::kDirect;
+  const bool torus = algorithm == Algorithm::kTorus;
   w->torus = torus;
-  w->fallbacks_read_out = direct && !torus;
+  w->fallbacks_read_out = direct;
   w->make_plan = [=, dims = opts_.torus_dims](const collectives::Context& c) {
     if (torus) return collectives::torus_allreduce(c, dims, in, out, t, device_op(op));
     return direct ? collectives::direct_allreduce(c, in, out, t, device_op(op))

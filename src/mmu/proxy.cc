@@ -29,17 +29,16 @@ using namespace std::chrono_literals;
 
 namespace {
 constexpr size_t kRxBatch = 32;
-// An atomic's chain is sent again after this, doubling up to
-// --device-timeout, when its hop has not come back: the floor the clients
-// use for a device process that may wait for a core (PROTOCOL.md 9.3).
+// An atomic's chain, or a piece's, is sent again after this when its hop
+// has not come back: the floor the clients use for a device process that
+// may wait for a core (PROTOCOL.md 9.3). Then doubling (next_hop_rto)...
 constexpr transport::Duration kHopFirstRto = 20ms;
-// ... and no longer than this (or the device timeout, if shorter). A hop
-// to a device that answers is waited for up to kPatience device timeouts
-// (hop_overdue), but a client gives up after its own timeout (2 s by
-// default): backing off to the 500 ms device timeout sent a hop only 8
-// times in 2 s, and at 40% loss one piece in 1500 lost all 8 and outlasted
-// its client. Resends at most every 100 ms cost a piece's bytes 10 times
-// a second, only while its device is alive and its hop late.
+// ... up to this, or the device timeout if shorter. A hop to a device that
+// answers is waited for up to kPatience device timeouts (hop_overdue), but
+// its client gives up after its own timeout (2 s by default): resends
+// backing off to the 500 ms device timeout were only 8 in those 2 s, all
+// lost for one piece in 1500 at 40% loss. Every 100 ms costs a piece's
+// bytes 10 times a second, only while its device answers and the hop is late.
 constexpr transport::Duration kHopMaxRto = 100ms;
 // Pieces of one REDUCE_MEM or OPT_STEP on one device that run as chains:
 // each takes a segment index, and the chain's unrun segments cost 24 bytes
