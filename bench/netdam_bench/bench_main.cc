@@ -693,6 +693,7 @@ int main(int argc, char** argv) {
   rs->add_option("--threads", rso.threads, "threads, one SO_REUSEPORT socket each (default 1)")
       ->check(CLI::Range(1, 64));
   rs->add_option("--port-file", rso.port_file, "write the bound HOST:PORT here once serving");
+  rs->add_option("--spin-us", rso.spin_us, "as netdamd --spin-us (default 100)")->check(CLI::Range(0, 1000000));
   app.require_subcommand(0, 1);
   CLI11_PARSE(app, argc, argv);
 

@@ -508,8 +508,9 @@ int pool_main(int argc, char** argv) {
              "pipe: {} outstanding (Redis: 8 connections x {} pipelined). Every value verified.\n",
              o.depth, o.depth / 8);
   fmt::print("# ratios: throughput netdam/Redis, latency Redis p50/netdam p50 (>1: netdam ahead)\n");
-  fmt::print("# ceiling: raw UDP request/response between one client and one server process, {} outstanding, "
-             "values in datagrams of at most 32 KiB, no protocol and no verification\n\n",
+  fmt::print("# ceiling: raw UDP request/response between one client and one server process (spinning as netdamd), {} "
+             "outstanding, the same values and slots as netdam's, in datagrams of at most 32 KiB, no protocol and no "
+             "verification\n\n",
              o.depth);
   fmt::print("{:>6} {:>5} {:>5} | {:>22} {:>22} {:>22} | {:>6} {:>6}\n", "size", "op", "mode", "proxy", "direct",
              "redis", "px/rd", "dr/rd");
@@ -607,8 +608,12 @@ int pool_main(int argc, char** argv) {
           w.bytes = o.depth * (per_packet + kRawHeader);
           const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                                    std::chrono::duration<double>(o.duration));
-          const StreamResult sr = write ? raw->stream(kRawHeader + per_packet, kRawHeader, 0, deadline, w)
-                                        : raw->stream(kRawHeader, kRawHeader + per_packet, 0, deadline, w);
+          // The same values from the same pattern pool, and answers read
+          // from the same slots, as netdam's: a ceiling that sent one hot
+          // buffer would charge netdam for the bench's cold source data.
+          const Source src{s.pat, s.next_pattern, size, packets_per_op, per_packet, slots};
+          const StreamResult sr = write ? raw->stream(kRawHeader + per_packet, kRawHeader, 0, deadline, w, &src)
+                                        : raw->stream(kRawHeader, kRawHeader + per_packet, 0, deadline, w, &src);
           if (sr.seconds > 0) ceiling = double(sr.packets) / double(packets_per_op) / sr.seconds;
           ceilings[{size, write}] = ceiling;
         }

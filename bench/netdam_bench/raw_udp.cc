@@ -112,6 +112,7 @@ int run_raw_server(const RawServerOptions& opts) {
   transport::UdpOptions u;  // same buffer sizes as netdamd's sockets
   u.bind = opts.listen;
   u.reuse_port = opts.threads > 1;
+  u.spin = std::chrono::microseconds(opts.spin_us);
   for (unsigned i = 0; i < opts.threads; ++i) {
     auto s = transport::UdpTransport::open(u);
     if (!s) {

@@ -30,6 +30,10 @@ struct RawServerOptions {
   unsigned threads = 1;
   std::string port_file;
   size_t memory = 64u << 20;  // answers are read from here (pre-faulted)
+  // As netdamd's serving threads (device::DaemonConfig::spin_us): where
+  // servers share a core, one that sleeps at every empty queue pays a
+  // wake-up per batch that the device does not.
+  unsigned spin_us = 100;
 };
 // Serves until the process is killed. Returns an exit code on setup errors.
 int run_raw_server(const RawServerOptions& opts);
