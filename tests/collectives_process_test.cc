@@ -57,12 +57,16 @@ struct Devices {
     o.timeout = timeout;
     o.client.timeout = timeout;
     if (map_all) o.aggregator_shm = shm;
+    o.job = job;
+    o.shared_bytes = shared_bytes;
     return o;
   }
   std::vector<std::unique_ptr<TestDaemon>> daemons;
   std::vector<std::string> shm, endpoints;
   std::string error;
   bool map_all = false;  // every rank maps every device (GroupOptions::aggregator_shm)
+  uint64_t job = 0;      // GroupOptions::job
+  uint64_t shared_bytes = GroupOptions{}.shared_bytes;
 };
 
 // netdamd flags that drop, duplicate and reorder 5% each, seeded per device.
@@ -140,6 +144,78 @@ TEST(CollectivesProcess, AllReduceExact) {
     EXPECT_EQ(res[r].wrong, 0u) << "rank " << r;
   }
   EXPECT_LT(Clock::now() - t0, 20s);
+}
+
+// Ranks that map every device are one host's; with a job they meet in a
+// shared area (Algorithm::kShared, COLLECTIVES.md 13): AllReduces up to
+// shared_bytes and barriers never reach a device. Larger ones aggregate as
+// before. Without a job, or without every mapping, nothing changes.
+TEST(CollectivesProcess, OneHostsRanksWithAJobMeetInSharedMemory) {
+  Devices d;
+  ASSERT_TRUE(d.error.empty()) << d.error;
+  d.map_all = true;
+  d.job = 0x1234567890ABCDEFull ^ static_cast<uint64_t>(getpid());
+  d.shared_bytes = 64 << 10;  // below the group's capacity (400 KB), so both paths run
+  auto device_rx = [&] {
+    uint64_t rx = 0;
+    for (const auto& ep : d.endpoints) {
+      auto c = Client::connect(ep);
+      if (!c) return uint64_t{0};
+      auto st = c.value()->stats();
+      if (!st) return uint64_t{0};
+      for (const auto& [name, v] : *st)
+        if (name == "rx_bytes") rx += v;
+    }
+    return rx;
+  };
+  std::atomic<int> ready{0};
+  std::atomic<uint64_t> rx_before{0};
+  std::vector<Algorithm> small(kRanks), large(kRanks);
+  auto res = run_ranks(d, 5000ms, [&](int r, Group& g, RankResult& res) {
+    small[static_cast<size_t>(r)] = g.allreduce_algorithm(64 << 10);
+    large[static_cast<size_t>(r)] = g.allreduce_algorithm(kCount * sizeof(float));
+    if (ready.fetch_add(1) + 1 == kRanks) rx_before = device_rx();
+    while (ready.load() < kRanks + 1 && rx_before.load() == 0) std::this_thread::yield();
+    constexpr size_t n = 16 << 10;  // f32 elements: 64 KiB
+    std::vector<float> in(n), out(n);
+    for (int it = 0; it < 20; ++it) {
+      for (size_t i = 0; i < n; ++i) in[i] = input(r, i, it);
+      if (Error e = g.barrier()) return void(res.error = "barrier: " + e.to_string());
+      if (Error e = g.allreduce(std::as_bytes(std::span(in)), std::as_writable_bytes(std::span(out)), DType::kF32,
+                                Reduction::kSum))
+        return void(res.error = e.to_string());
+      for (size_t i = 0; i < n; ++i) res.wrong += out[i] != expected(i, it);
+      ++res.done;
+    }
+  });
+  const uint64_t rx_small = device_rx() - rx_before.load();
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(res[r].error, "") << "rank " << r;
+    EXPECT_EQ(res[r].done, 20) << "rank " << r;
+    EXPECT_EQ(res[r].wrong, 0u) << "rank " << r;
+    EXPECT_EQ(small[static_cast<size_t>(r)], Algorithm::kShared);
+    EXPECT_EQ(large[static_cast<size_t>(r)], Algorithm::kAggregate);
+  }
+  // 20 x (a barrier and 3 x 64 KiB reduced): not a byte of it at a device
+  // (the counters' own STATS requests are all they saw).
+  EXPECT_LT(rx_small, 4096u) << rx_small;
+
+  // The larger ones still aggregate, exactly.
+  res = run_ranks(d, 5000ms, [](int r, Group& g, RankResult& res) { allreduce_loop(r, g, res, 2); });
+  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(res[r].wrong + (res[r].error.empty() ? 0 : 1), 0u) << res[r].error;
+
+  // No job: no area, whatever is mapped.
+  d.job = 0;
+  res = run_ranks(d, 5000ms, [](int, Group& g, RankResult& res) {
+    if (g.allreduce_algorithm(4096) == Algorithm::kShared) res.error = "shared without a job";
+  });
+  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(res[r].error, "");
+  // Asked for without a job: refused at create.
+  GroupOptions o = d.options(0, 1000ms);
+  o.algorithm = Algorithm::kShared;
+  auto g = Group::create(o);
+  ASSERT_FALSE(g);
+  EXPECT_NE(g.error().to_string().find("needs a job"), std::string::npos) << g.error().to_string();
 }
 
 // Ranks of one host map every device there (GroupOptions::aggregator_shm):

@@ -116,7 +116,7 @@ int collectives_main(int argc, char** argv) {
   app.add_option("--time-per-size", c.time_per_size, "seconds of timed iterations per size, about (default 2)")
       ->check(CLI::Range(0.001, 3600.0));
   app.add_option("-r,--root", c.root, "broadcast root (default 0)");
-  app.add_option("--algo", algo_s, "auto | ring | direct | torus | aggregate (default auto; direct and torus apply to allreduce only; aggregate: in-network aggregation, every collective)");
+  app.add_option("--algo", algo_s, "auto | ring | direct | torus | aggregate | shared (default auto; direct and torus apply to allreduce only; aggregate: in-network aggregation, every collective; shared: every rank on this host, allreduces up to --shared-bytes through shared memory, as auto does by itself with --local)");
   std::string torus_s;
   app.add_option("--torus", torus_s, "--algo torus: the shape XxY or XxYxZ (default: X x P/X, X the largest divisor <= sqrt(P))");
   app.add_flag("--sparse", c.sparse, "let devices send mostly-zero blocks as (index, value) pairs");
@@ -156,6 +156,9 @@ int collectives_main(int argc, char** argv) {
                "--local: each rank maps only its own device's memory, as ranks on separate hosts would "
                "(default: every rank maps every device, as ranks of one host can)");
   app.add_option("--admin-key", admin_s, "devices' admin key, registers the slots (default 0xAD; 0: already there)");
+  app.add_option("--shared-bytes", c.shared_bytes,
+                 "allreduces up to this size through shared memory when every rank is on this host "
+                 "(GroupOptions::shared_bytes, default 1 MiB; 0: never)");
   app.add_option("--job", c.job,
                  "this run's number, the same on every rank and new for every run on the same devices "
                  "(GroupOptions::job; default 0: none, a run alone on its devices; --local: a random one)");
@@ -213,12 +216,10 @@ int collectives_main(int argc, char** argv) {
   c.redop = *rd;
   if (c.redop == Reduction::kAvg && (c.type == DType::kI32 || c.type == DType::kI64))
     return usage_error("--redop avg needs a floating-point --type");
-  if (algo_s == "auto") c.algorithm = Algorithm::kAuto;
-  else if (algo_s == "ring") c.algorithm = Algorithm::kRing;
-  else if (algo_s == "direct") c.algorithm = Algorithm::kDirect;
-  else if (algo_s == "torus") c.algorithm = Algorithm::kTorus;
-  else if (algo_s == "aggregate") c.algorithm = Algorithm::kAggregate;
-  else return usage_error("unknown --algo '" + algo_s + "'");
+  if (auto a = parse_algorithm(algo_s))
+    c.algorithm = *a;
+  else
+    return usage_error("unknown --algo '" + algo_s + "'");
   for (size_t at = 0; !torus_s.empty() && at <= torus_s.size();) {
     const size_t x = std::min(torus_s.find('x', at), torus_s.size());
     const int n = std::atoi(torus_s.substr(at, x - at).c_str());

@@ -319,6 +319,7 @@ int run_rank(const BenchConfig& c) {
   o.aggregator_shm = c.aggregator_shm;
   o.admin_key = c.admin_key;
   o.job = c.job;
+  o.shared_bytes = c.shared_bytes;
   o.capacity = group_capacity(c);
   o.slots = c.slots;
   o.timeout = c.timeout;

@@ -47,6 +47,7 @@ struct BenchConfig {
   std::string result_multicast;             // GroupOptions::result_multicast
   uint32_t admin_key = 0xAD;
   uint64_t job = 0;  // GroupOptions::job
+  uint64_t shared_bytes = GroupOptions{}.shared_bytes;
   int slots = 2;
   std::chrono::milliseconds timeout{5000};
   size_t window = 0;           // ClientOptions::window_packets (0: the client's default)

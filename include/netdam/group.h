@@ -25,6 +25,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -43,6 +44,7 @@ namespace collectives {
 struct OffloadLayout;
 struct AggOffloadLayout;
 struct AggregatePlace;
+class SharedExchange;
 }
 
 enum class Reduction : uint8_t { kSum, kMin, kMax, kAvg };
@@ -57,6 +59,12 @@ enum class Algorithm : uint8_t {
   // aggregates it, which reduces it once all are in and answers every rank
   // with the result: each rank sends S and receives S (COLLECTIVES.md 11).
   kAggregate,
+  // Every rank on one host: AllReduces up to GroupOptions::shared_bytes
+  // through a shared memory area, no device and no datagram (COLLECTIVES.md
+  // 13); larger ones as kAuto. kAuto picks it by itself where every
+  // aggregator is mapped and the group has a job; asked for, Group::create
+  // fails if the ranks are not all on one host.
+  kShared,
 };
 // GroupOptions::aggregate_stride where every aggregator is mapped: blocks
 // of capacity / 16p (16 per rank's share, so the regions, which hold whole
@@ -69,6 +77,7 @@ inline uint32_t mapped_aggregate_stride(uint64_t capacity, int ranks) {
 // kAuto picks kDirect for AllReduce (and Reduce) buffers up to this size.
 inline constexpr size_t kDirectMaxBytes = 16 * 1024;
 std::string_view to_string(Algorithm a);
+std::optional<Algorithm> parse_algorithm(std::string_view name);  // to_string's names
 
 struct GroupOptions {
   int rank = 0;
@@ -133,6 +142,10 @@ struct GroupOptions {
   // (COLLECTIVES.md 11, "A run after another"). 0: start at 1, as a run
   // alone on its devices may.
   uint64_t job = 0;
+  // AllReduces up to this many bytes go through one host's shared memory
+  // when every rank of the group is on it (Algorithm::kShared; every rank
+  // passes the same value); 0: never. The area takes 2 x p x this.
+  uint64_t shared_bytes = 1 << 20;
   uint64_t capacity = 64ull << 20;  // largest collective buffer, bytes
   uint64_t base = 0;           // device address of the first slot, the same on every device
   int slots = 2;
@@ -344,7 +357,10 @@ class Group {
  private:
   Group(const GroupOptions& opts, std::unique_ptr<Client> client, std::span<std::byte> local);
   Error setup();
+  Error join_shared();
   Work submit(std::shared_ptr<detail::WorkState> w);
+  Work submit_shared(std::shared_ptr<detail::WorkState> w, std::span<const std::byte> in, std::span<std::byte> out,
+                     DType t, RedOp op);
   bool step(detail::WorkState& w);
   bool start(detail::WorkState& w);
   void configure_or_arm(detail::WorkState& w);
@@ -399,6 +415,7 @@ class Group {
   std::vector<std::span<std::byte>> agg_maps_;
   std::vector<std::unique_ptr<class LocalMemory>> agg_mappings_;
   std::unique_ptr<Client> client_;
+  std::unique_ptr<collectives::SharedExchange> shared_;  // every rank on this host (kShared)
   std::unique_ptr<class LocalMemory> mapping_;
   std::span<std::byte> local_;  // this rank's device memory, if co-located
   size_t block_ = 0;

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "collectives/plan.h"
+#include "collectives/shared_exchange.h"
 #include "collectives/work_state.h"
 #include "core/aggregation.h"
 #include "core/endian.h"
@@ -43,8 +44,21 @@ std::string_view to_string(Algorithm a) {
     case Algorithm::kDirect: return "direct";
     case Algorithm::kTorus: return "torus";
     case Algorithm::kAggregate: return "aggregate";
+    case Algorithm::kShared: return "shared";
   }
   return "unknown";
+}
+
+namespace {
+// kShared is kAuto for what does not go through the shared area.
+bool chooses(Algorithm a) { return a == Algorithm::kAuto || a == Algorithm::kShared; }
+}  // namespace
+
+std::optional<Algorithm> parse_algorithm(std::string_view name) {
+  for (Algorithm a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kDirect, Algorithm::kTorus, Algorithm::kAggregate,
+                      Algorithm::kShared})
+    if (to_string(a) == name) return a;
+  return std::nullopt;
 }
 
 
@@ -91,6 +105,7 @@ Result<std::unique_ptr<Group>> Group::create(const GroupOptions& opts) {
   std::unique_ptr<Group> g(new Group(opts, std::move(client.value()), local));
   g->mapping_ = std::move(mapping);
   if (Error e = g->setup()) return e;
+  if (Error e = g->join_shared()) return e;
   return g;
 }
 
@@ -105,6 +120,7 @@ Result<std::unique_ptr<Group>> Group::create(const GroupOptions& opts,
   if (!client) return client.error();
   std::unique_ptr<Group> g(new Group(opts, std::move(client.value()), local_memory));
   if (Error e = g->setup()) return e;
+  if (Error e = g->join_shared()) return e;
   return g;
 }
 
@@ -155,7 +171,7 @@ bool maps_every_aggregator(const GroupOptions& o, size_t aggregators) {
 uint64_t own_aggregation_capacity(const GroupOptions& o) {
   if (o.devices.empty() || !o.aggregators.empty()) return 0;
   if (o.algorithm == Algorithm::kAggregate) return o.capacity;
-  if (o.algorithm == Algorithm::kAuto && o.admin_key != 0)
+  if (chooses(o.algorithm) && o.admin_key != 0)
     return maps_every_aggregator(o, o.devices.size()) ? o.capacity : std::min(o.capacity, o.aggregate_auto_bytes);
   return 0;
 }
@@ -476,13 +492,45 @@ bool Group::use_aggregation(size_t bytes) const {
   if (!aggregates()) return false;
   if (opts_.algorithm == Algorithm::kAggregate || devices_.empty()) return true;
   // kAuto: the small ones (aggregators given: every size).
-  return opts_.algorithm == Algorithm::kAuto && bytes <= agg_capacity_;
+  return chooses(opts_.algorithm) && bytes <= agg_capacity_;
+}
+
+// Ranks that all map every aggregator are on one host (a group's own
+// devices are each on its rank's host; aggregators given and all mapped
+// here are checked by every rank registering in the area). They meet in a
+// shared area named after the job, so only a group with a job may.
+Error Group::join_shared() {
+  const bool asked = opts_.algorithm == Algorithm::kShared;
+  const bool mapped = !agg_maps_.empty() &&
+                      std::none_of(agg_maps_.begin(), agg_maps_.end(), [](const auto& m) { return m.empty(); });
+  if (!asked && !(opts_.algorithm == Algorithm::kAuto && mapped && opts_.job != 0 && opts_.shared_bytes > 0))
+    return {};
+  if (opts_.job == 0)
+    return Error::invalid("the shared algorithm needs a job (GroupOptions::job): the ranks' area is named after it");
+  if (opts_.shared_bytes == 0) return Error::invalid("the shared algorithm needs shared_bytes > 0");
+  collectives::SharedExchange::Options so;
+  so.name = fmt::format("/netdam-shared-{:016x}-{:08x}", opts_.job, opts_.key_base);
+  so.ranks = ranks_;
+  so.rank = opts_.rank;
+  so.max_bytes = std::min<uint64_t>(opts_.shared_bytes, opts_.capacity);
+  so.epoch = generation_base_ | 1;  // nonzero
+  so.timeout = opts_.timeout;
+  so.spin = opts_.client.spin;
+  auto x = collectives::SharedExchange::join(so);
+  if (!x) return x.error().prefixed("shared memory area: ");
+  shared_ = std::move(*x);
+  if (!shared_ && asked)
+    return Error::invalid(fmt::format("the shared algorithm needs every rank on this host: not all {} ranks joined {} "
+                                      "within {} ms",
+                                      ranks_, so.name, opts_.timeout.count()));
+  return {};
 }
 
 Algorithm Group::allreduce_algorithm(size_t bytes) const {
+  if (shared_ && bytes <= shared_->max_bytes()) return Algorithm::kShared;
   if (use_aggregation(bytes)) return Algorithm::kAggregate;
   if (opts_.algorithm == Algorithm::kTorus) return Algorithm::kTorus;
-  if (opts_.algorithm == Algorithm::kDirect || (opts_.algorithm == Algorithm::kAuto && bytes <= kDirectMaxBytes))
+  if (opts_.algorithm == Algorithm::kDirect || (chooses(opts_.algorithm) && bytes <= kDirectMaxBytes))
     return Algorithm::kDirect;
   return Algorithm::kRing;
 }
@@ -544,6 +592,20 @@ void Group::probe_multicast() {
 }
 
 // ---------------------------------------------------------------- submitting
+
+// A collective in the host's shared area: no slot, no device; it runs as
+// the others do, in steps from progress(), so that a waiter's other duties
+// (the torch backend's liveness checks) go on while it waits for a rank.
+Work Group::submit_shared(std::shared_ptr<detail::WorkState> w, std::span<const std::byte> in,
+                          std::span<std::byte> out, DType t, RedOp op) {
+  auto c = shared_->begin(in, out, t, op);
+  if (!c) return Work(detail::failed(c.error()));
+  w->shared = std::move(*c);
+  w->phase = detail::WorkState::Phase::kShared;
+  active_.push_back(w);
+  progress();
+  return Work(std::move(w));
+}
 
 Work Group::submit(std::shared_ptr<detail::WorkState> w) {
   if (w->make_plan && !w->torus && 2 * static_cast<size_t>(ranks_) > kMaxSegments)
@@ -629,6 +691,11 @@ Work Group::allreduce_async(std::span<const std::byte> in, std::span<std::byte> 
   auto w = std::make_shared<detail::WorkState>();
   w->average = op == Reduction::kAvg;
   const Algorithm algorithm = allreduce_algorithm(in.size());
+  if (algorithm == Algorithm::kShared) {
+    w->average_out = out;
+    w->average_type = t;
+    return submit_shared(std::move(w), in, out, t, device_op(op));
+  }
   if (algorithm == Algorithm::kAggregate) {
     w->average_out = out;
     w->average_type = t;
@@ -754,6 +821,7 @@ Work Group::barrier_async() {
   // An AllGather of one stamp-sized block per rank: nobody passes until
   // every rank's chain has reached every device.
   auto w = std::make_shared<detail::WorkState>();
+  if (shared_) return submit_shared(std::move(w), {}, {}, DType::kI32, RedOp::kSum);  // an AllReduce of nothing
   if (use_aggregation(0)) {
     w->make_aggregate = [](const collectives::AggregateContext& c) { return collectives::aggregate_barrier(c); };
     return submit(std::move(w));
@@ -957,6 +1025,13 @@ bool Group::step(detail::WorkState& w) {
     case Phase::kChains: return step_chains(w);
     case Phase::kVerify: return verify(w);
     case Phase::kAggregating: return step_aggregate(w);
+    case Phase::kShared: {
+      auto outcome = shared_->advance(*w.shared);
+      if (!outcome) return false;
+      if (!*outcome && w.average) divide(w.average_out, w.average_type, size());
+      finish(w, std::move(*outcome));
+      return true;
+    }
     case Phase::kStamps: return step_stamps(w);
     case Phase::kReading:
       if (!w.pending.done()) return false;

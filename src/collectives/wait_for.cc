@@ -24,10 +24,17 @@ bool Group::wait_for(Work& w, std::chrono::microseconds max, const std::function
     if (now >= until || (stop && stop())) return false;
     // Nothing to do but wait: for answers (the client blocks in its
     // socket), or for stamps that other ranks' chains write (back off).
-    bool waiting_on_network = false;
-    for (auto& a : active_)
-      waiting_on_network |= a->phase != detail::WorkState::Phase::kStamps || a->pending.valid();
-    if (waiting_on_network) {
+    // Or for other ranks' stores in the host's shared area (a short sleep
+    // there, then the network's turn).
+    bool waiting_on_network = false, waiting_on_shared = false;
+    for (auto& a : active_) {
+      const bool shared = a->phase == detail::WorkState::Phase::kShared;
+      waiting_on_shared |= shared;
+      waiting_on_network |= !shared && (a->phase != detail::WorkState::Phase::kStamps || a->pending.valid());
+    }
+    if (waiting_on_shared) {
+      shared_->wait_change(std::min<std::chrono::nanoseconds>(waiting_on_network ? 50us : 1ms, until - now));
+    } else if (waiting_on_network) {
       client_->wait_any();
     } else {
       std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(idle, until - now));

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "collectives/plan.h"
+#include "collectives/shared_exchange.h"
 #include "netdam/group.h"
 
 namespace netdam {
@@ -37,7 +38,7 @@ struct Group::Slot {
 namespace detail {
 struct WorkState {
   enum class Phase : uint8_t { kQueued, kWriting, kConfiguring, kArming, kChains, kVerify, kStamps, kReading,
-                              kAggregating, kDone };
+                              kAggregating, kShared, kDone };
   Phase phase = Phase::kQueued;
   Error error;
   std::function<collectives::Plan(const collectives::Context&)> make_plan;
@@ -62,6 +63,9 @@ struct WorkState {
   // mapping (RESULT in the mapped memory -> where it goes), by request index.
   std::vector<std::pair<const std::byte*, std::span<std::byte>>> mapped_results;
   std::vector<std::pair<std::chrono::steady_clock::time_point, size_t>> retry;  // BAD_KEY: send again then
+  // Algorithm::kShared: the collective in the host's shared area (average_out
+  // and average_type say what to divide for Reduction::kAvg).
+  std::optional<collectives::SharedExchange::Collective> shared;
   bool average = false;
   bool torus = false;  // a torus AllReduce: its chains follow the torus's dimensions, not a ring of p
   // A chain refused STALE_GENERATION falls back to reading the result from

@@ -73,6 +73,32 @@ Result<std::unique_ptr<Mapping>> Mapping::open_shared(const std::string& name) {
   return std::unique_ptr<Mapping>(new Mapping(p, static_cast<size_t>(st.st_size), fd, {}));
 }
 
+Result<std::unique_ptr<Mapping>> Mapping::join_shared(const std::string& name, uint64_t size) {
+  if (size == 0) return Error::invalid("shared memory size must be at least 1 byte");
+  const std::string path = shm_name(name);
+  int fd = shm_open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) return fail("cannot open shared memory /dev/shm" + path);
+  // Grow only: ftruncate to the same size keeps what the others stored;
+  // every member asks for the same size, so one that comes later changes
+  // nothing.
+  struct stat st {};
+  if (fstat(fd, &st) != 0 ||
+      (static_cast<uint64_t>(st.st_size) < size && ftruncate(fd, static_cast<off_t>(size)) != 0)) {
+    Error e = fail("cannot size shared memory /dev/shm" + path + " to " + format_size(size));
+    close(fd);
+    return e;
+  }
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (p == MAP_FAILED) {
+    Error e = fail("cannot map " + format_size(size) + " of shared memory /dev/shm" + path);
+    close(fd);
+    return e;
+  }
+  return std::unique_ptr<Mapping>(new Mapping(p, size, fd, {}));
+}
+
+void Mapping::unlink_shared(const std::string& name) { shm_unlink(shm_name(name).c_str()); }
+
 Mapping::~Mapping() {
   munmap(addr_, size_);
   if (!unlink_name_.empty()) shm_unlink(unlink_name_.c_str());

@@ -26,6 +26,12 @@ class Mapping {
   static Result<std::unique_ptr<Mapping>> create_shared(const std::string& name, uint64_t size);
   // Maps an existing /dev/shm/NAME that a device created (host side).
   static Result<std::unique_ptr<Mapping>> open_shared(const std::string& name);
+  // Maps /dev/shm/NAME of `size` bytes that several processes meet in:
+  // created zero-filled by whichever comes first, never truncated (the
+  // others' stores stay), not locked, not removed on destruction
+  // (unlink_shared does that once everyone has it mapped).
+  static Result<std::unique_ptr<Mapping>> join_shared(const std::string& name, uint64_t size);
+  static void unlink_shared(const std::string& name);
 
   ~Mapping();
   Mapping(const Mapping&) = delete;

@@ -1,0 +1,208 @@
+#include "collectives/shared_exchange.h"
+
+#include <fmt/format.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "common/mapping.h"
+#include "core/reduce.h"
+
+namespace netdam::collectives {
+
+namespace {
+
+constexpr uint64_t kLine = 64;  // one flag per cache line: ranks store theirs without sharing a line
+
+// Flag words: [0, 64) the futex line (below); then present[p], arrived[p], consumed[p]; then
+// two buffers of p contributions, each rounded up to whole lines.
+uint64_t flags_end(int p) { return kLine * (1 + 3 * static_cast<uint64_t>(p)); }
+uint64_t stride(uint64_t max_bytes) { return (max_bytes + kLine - 1) / kLine * kLine; }
+
+using Clock = std::chrono::steady_clock;
+
+// Line 0 holds the futex word every flag store bumps (`seq`) and the count
+// of ranks asleep on it (`sleepers`), so a store wakes them only if some do.
+std::atomic_ref<uint32_t> seq(std::byte* base) { return std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(base)); }
+std::atomic_ref<uint32_t> sleepers(std::byte* base) {
+  return std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(base + 32));
+}
+
+// After a flag store: whoever sleeps rechecks.
+void announce(std::byte* base) {
+  seq(base).fetch_add(1, std::memory_order_seq_cst);
+  if (sleepers(base).load(std::memory_order_seq_cst) != 0)
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(base), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+// Yields while `spin` lasts (the rank being waited for may need this very
+// core), then sleeps on the futex until a flag store or the deadline.
+template <class Done>
+bool wait_until(std::byte* base, Done done, Clock::time_point deadline, std::chrono::microseconds spin) {
+  const auto start = Clock::now();
+  for (;;) {
+    if (done()) return true;
+    const auto now = Clock::now();
+    if (now >= deadline) return done();
+    if (now - start < spin) {
+      sched_yield();
+      continue;
+    }
+    const uint32_t seen = seq(base).load(std::memory_order_seq_cst);
+    if (done()) return true;
+    const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
+    const timespec ts{static_cast<time_t>(left.count() / 1'000'000'000), static_cast<long>(left.count() % 1'000'000'000)};
+    sleepers(base).fetch_add(1, std::memory_order_seq_cst);
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(base), FUTEX_WAIT, seen, &ts, nullptr, 0);
+    sleepers(base).fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+}  // namespace
+
+uint64_t SharedExchange::area_bytes(int ranks, uint64_t max_bytes) {
+  return flags_end(ranks) + 2 * static_cast<uint64_t>(ranks) * stride(max_bytes);
+}
+
+SharedExchange::SharedExchange(const Options& o, std::unique_ptr<Mapping> m)
+    : o_(o), mapping_(std::move(m)), base_(mapping_->bytes().data()) {}
+
+SharedExchange::~SharedExchange() = default;
+
+namespace {
+std::atomic_ref<uint64_t> word(std::byte* base, uint64_t index) {
+  return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(base + kLine * index));
+}
+}  // namespace
+
+std::byte* SharedExchange::contribution(uint64_t collective, int rank) const {
+  const uint64_t p = static_cast<uint64_t>(o_.ranks);
+  return base_ + flags_end(o_.ranks) + ((collective % 2) * p + static_cast<uint64_t>(rank)) * stride(o_.max_bytes);
+}
+
+Result<std::unique_ptr<SharedExchange>> SharedExchange::join(const Options& o) {
+  if (o.ranks < 1 || o.rank < 0 || o.rank >= o.ranks || o.epoch == 0 || o.name.empty())
+    return Error::invalid(fmt::format("shared exchange: rank {} of {}, epoch {}, name '{}'", o.rank, o.ranks, o.epoch,
+                                      o.name));
+  auto m = Mapping::join_shared(o.name, area_bytes(o.ranks, o.max_bytes));
+  if (!m) return m.error();
+  std::unique_ptr<SharedExchange> x(new SharedExchange(o, std::move(*m)));
+  const uint64_t here = uint64_t{o.epoch} << 32;
+  const uint64_t p = static_cast<uint64_t>(o.ranks);
+  word(x->base_, 1 + static_cast<uint64_t>(o.rank)).store(here, std::memory_order_release);
+  announce(x->base_);
+  const bool all = wait_until(
+      x->base_,
+      [&] {
+        for (uint64_t r = 0; r < p; ++r)
+          if (word(x->base_, 1 + r).load(std::memory_order_acquire) != here) return false;
+        return true;
+      },
+      Clock::now() + o.timeout, o.spin);
+  // Everyone who will ever open it has (or nobody needs it): the name can
+  // go, and with it anything a crash would leave behind.
+  Mapping::unlink_shared(o.name);
+  if (!all) return std::unique_ptr<SharedExchange>();
+  return x;
+}
+
+namespace {
+constexpr uint64_t kLow = 0xFFFFFFFF;
+// Whether flag words [first, first + p) all say `n` or later of `epoch`.
+bool all_reached(std::byte* base, uint64_t first, uint64_t p, uint64_t epoch, uint64_t n) {
+  for (uint64_t r = 0; r < p; ++r) {
+    const uint64_t v = word(base, first + r).load(std::memory_order_acquire);
+    if ((v & ~kLow) != epoch || (v & kLow) < n) return false;
+  }
+  return true;
+}
+std::string behind(std::byte* base, uint64_t first, uint64_t p, uint64_t epoch, uint64_t n) {
+  std::vector<uint64_t> late;
+  for (uint64_t r = 0; r < p; ++r) {
+    const uint64_t v = word(base, first + r).load(std::memory_order_acquire);
+    if ((v & ~kLow) != epoch || (v & kLow) < n) late.push_back(r);
+  }
+  return fmt::format("{}", fmt::join(late, ", "));
+}
+}  // namespace
+
+Result<SharedExchange::Collective> SharedExchange::begin(std::span<const std::byte> in, std::span<std::byte> out,
+                                                         DType t, RedOp op) {
+  if (in.size() > o_.max_bytes || out.size() != in.size() || in.size() % dtype_size(t) != 0)
+    return Error::invalid(fmt::format("shared allreduce: {} bytes in, {} out, at most {}", in.size(), out.size(),
+                                      o_.max_bytes));
+  Collective c;
+  c.number = ++begun_;  // spent, even if it fails: the next one is the next number everywhere
+  c.in = in;
+  c.out = out;
+  c.type = t;
+  c.op = op;
+  c.deadline = Clock::now() + o_.timeout;
+  return c;
+}
+
+std::optional<Error> SharedExchange::advance(Collective& c) {
+  const uint64_t g = c.number, p = static_cast<uint64_t>(o_.ranks);
+  const uint64_t epoch = uint64_t{o_.epoch} << 32, mine = epoch | (g & kLow);
+  const uint64_t arrived = 1 + p, consumed = 1 + 2 * p;
+  const bool late = Clock::now() >= c.deadline;
+  // Given up or done here: the others may reuse its buffer (the result of a
+  // collective this rank gave up on is not read afterwards).
+  const auto complete = [&](Error e) -> std::optional<Error> {
+    done_ = g;
+    word(base_, consumed + static_cast<uint64_t>(o_.rank)).store(mine, std::memory_order_release);
+    announce(base_);
+    return e;
+  };
+  if (!c.contributed) {
+    // The buffer it writes was collective g - 2's: everyone must have read that.
+    if (g > 2 && !all_reached(base_, consumed, p, epoch, g - 2)) {
+      if (!late || done_ + 1 != g) return std::nullopt;
+      return complete(Error::timeout(fmt::format("shared-memory allreduce {}: ranks {} did not finish collective {} "
+                                                 "within {} ms",
+                                                 g, behind(base_, consumed, p, epoch, g - 2), g - 2,
+                                                 o_.timeout.count())));
+    }
+    if (!c.in.empty()) std::memcpy(contribution(g, o_.rank), c.in.data(), c.in.size());
+    word(base_, arrived + static_cast<uint64_t>(o_.rank)).store(mine, std::memory_order_release);
+    announce(base_);
+    c.contributed = true;
+  }
+  if (done_ + 1 != g) return std::nullopt;  // the one before it first
+  if (!all_reached(base_, arrived, p, epoch, g)) {
+    if (!late) return std::nullopt;
+    return complete(Error::timeout(fmt::format("shared-memory allreduce {}: ranks {} did not contribute within {} ms",
+                                               g, behind(base_, arrived, p, epoch, g), o_.timeout.count())));
+  }
+  if (!c.in.empty()) {
+    std::memmove(c.out.data(), contribution(g, 0), c.out.size());
+    const size_t n = c.out.size() / dtype_size(c.type);
+    for (uint64_t r = 1; r < p; ++r)
+      core::reduce_inplace(c.type, c.op, c.out.data(), contribution(g, static_cast<int>(r)), n);
+  }
+  return complete(Error{});
+}
+
+void SharedExchange::wait_change(std::chrono::nanoseconds max) {
+  const uint32_t seen = seq(base_).load(std::memory_order_seq_cst);
+  const auto until = Clock::now() + max;
+  (void)wait_until(base_, [&] { return seq(base_).load(std::memory_order_seq_cst) != seen; }, until, o_.spin);
+}
+
+Error SharedExchange::allreduce(std::span<const std::byte> in, std::span<std::byte> out, DType t, RedOp op) {
+  auto c = begin(in, out, t, op);
+  if (!c) return c.error();
+  for (;;) {
+    if (auto e = advance(*c)) return std::move(*e);
+    wait_change(c->deadline - Clock::now());
+  }
+}
+
+}  // namespace netdam::collectives
