@@ -83,12 +83,13 @@ PYBIND11_MODULE(_torch_backend, m) {
              g.slots = slots;
              g.base = base;
              g.key_base = key_base;
-             if (algorithm == "ring")
-               g.algorithm = netdam::Algorithm::kRing;
-             else if (algorithm == "direct")
-               g.algorithm = netdam::Algorithm::kDirect;
-             else if (algorithm != "auto")
-               throw std::invalid_argument("netdam: algorithm '" + algorithm + "' (auto, ring, direct)");
+             // Not the torus (it needs dimensions) nor aggregation at every
+             // size (the layout budgets for kAuto's choices).
+             if (auto a = netdam::parse_algorithm(algorithm);
+                 a && *a != netdam::Algorithm::kTorus && *a != netdam::Algorithm::kAggregate)
+               g.algorithm = *a;
+             else
+               throw std::invalid_argument("netdam: algorithm '" + algorithm + "' (auto, ring, direct, shared)");
              g.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
              if (auto c = netdam::parse_congestion(congestion))
                g.client.congestion = *c;
