@@ -69,13 +69,14 @@ std::vector<std::byte> random_bytes(std::mt19937_64& rng, size_t n, DType t) {
 TEST(SharedExchange, EveryTypeAndOperatorBitForBitInRankOrder) {
   for (int p : {1, 2, 3, 5}) {
     const std::string name = area_name("types") + std::to_string(p);
-    auto x = join_all(name, p, 8192);
+    auto x = join_all(name, p, 100000);
     ASSERT_EQ(x.size(), static_cast<size_t>(p));
     for (auto& e : x) ASSERT_NE(e, nullptr);
     std::mt19937_64 rng(static_cast<uint64_t>(p));
     for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kF64, DType::kI32, DType::kI64})
-      for (RedOp op : {RedOp::kSum, RedOp::kMin, RedOp::kMax}) {
-        const size_t n = 8192 / dtype_size(t) - 3;  // not a whole line
+      for (RedOp op : {RedOp::kSum, RedOp::kMin, RedOp::kMax})
+      for (size_t bytes : {size_t{8192}, size_t{99984}}) {  // below and above the split; not whole lines
+        const size_t n = bytes / dtype_size(t) - 3;
         std::vector<std::vector<std::byte>> in, out(static_cast<size_t>(p));
         for (int r = 0; r < p; ++r) in.push_back(random_bytes(rng, n * dtype_size(t), t));
         std::vector<std::byte> want = in[0];
@@ -98,7 +99,7 @@ TEST(SharedExchange, EveryTypeAndOperatorBitForBitInRankOrder) {
         for (int r = 0; r < p; ++r) {
           EXPECT_FALSE(err[static_cast<size_t>(r)]) << err[static_cast<size_t>(r)].to_string();
           EXPECT_TRUE(out[static_cast<size_t>(r)] == want)
-              << "p " << p << " rank " << r << " " << to_string(t) << " " << to_string(op);
+              << "p " << p << " rank " << r << " " << to_string(t) << " " << to_string(op) << " " << bytes << " B";
         }
       }
     EXPECT_FALSE(std::filesystem::exists("/dev/shm" + name)) << "the name outlived the join";
@@ -109,7 +110,7 @@ TEST(SharedExchange, EveryTypeAndOperatorBitForBitInRankOrder) {
 // and a fast rank never overwrites what a slow one has yet to read.
 TEST(SharedExchange, ManyInARowWithRanksAtDifferentSpeeds) {
   constexpr int p = 4, kRounds = 300;
-  constexpr size_t kMax = 4096;
+  constexpr size_t kMax = 16384;  // int32: up to 64 KiB, across the split at 32 KiB
   auto x = join_all(area_name("row"), p, kMax * 4);
   std::vector<size_t> wrong(p), failed(p);
   std::vector<std::thread> th;
@@ -118,7 +119,7 @@ TEST(SharedExchange, ManyInARowWithRanksAtDifferentSpeeds) {
       std::mt19937 rng(static_cast<unsigned>(r));
       std::vector<int32_t> in(kMax), out(kMax);
       for (int k = 0; k < kRounds; ++k) {
-        const size_t n = static_cast<size_t>((k * 37) % kMax);  // the same size on every rank
+        const size_t n = static_cast<size_t>((k * 997) % kMax);  // the same size on every rank
         for (size_t i = 0; i < n; ++i) in[i] = static_cast<int32_t>(k * 1000 + r * 10 + static_cast<int>(i % 7));
         if (rng() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 300));
         Error e = x[static_cast<size_t>(r)]->allreduce(std::as_bytes(std::span(in).first(n)),

@@ -144,7 +144,7 @@ struct GroupOptions {
   uint64_t job = 0;
   // AllReduces up to this many bytes go through one host's shared memory
   // when every rank of the group is on it (Algorithm::kShared; every rank
-  // passes the same value); 0: never. The area takes 2 x p x this.
+  // passes the same value); 0: never. The area takes 2 x (p + 1) x this.
   uint64_t shared_bytes = 1 << 20;
   uint64_t capacity = 64ull << 20;  // largest collective buffer, bytes
   uint64_t base = 0;           // device address of the first slot, the same on every device

@@ -20,10 +20,14 @@ namespace netdam::collectives {
 namespace {
 
 constexpr uint64_t kLine = 64;  // one flag per cache line: ranks store theirs without sharing a line
+// From this size each rank reduces a 1/p share instead of everything: one
+// more wait for the others, p times less reading per rank.
+constexpr size_t kSplitBytes = 32 << 10;
 
-// Flag words: [0, 64) the futex line (below); then present[p], arrived[p], consumed[p]; then
-// two buffers of p contributions, each rounded up to whole lines.
-uint64_t flags_end(int p) { return kLine * (1 + 3 * static_cast<uint64_t>(p)); }
+// Flag words: [0, 64) the futex line (below); then present[p], arrived[p],
+// consumed[p], reduced[p]; then two buffers of p contributions, each rounded
+// up to whole lines; then two result buffers (the split reduction's).
+uint64_t flags_end(int p) { return kLine * (1 + 4 * static_cast<uint64_t>(p)); }
 uint64_t stride(uint64_t max_bytes) { return (max_bytes + kLine - 1) / kLine * kLine; }
 
 using Clock = std::chrono::steady_clock;
@@ -68,7 +72,7 @@ bool wait_until(std::byte* base, Done done, Clock::time_point deadline, std::chr
 }  // namespace
 
 uint64_t SharedExchange::area_bytes(int ranks, uint64_t max_bytes) {
-  return flags_end(ranks) + 2 * static_cast<uint64_t>(ranks) * stride(max_bytes);
+  return flags_end(ranks) + 2 * (static_cast<uint64_t>(ranks) + 1) * stride(max_bytes);
 }
 
 SharedExchange::SharedExchange(const Options& o, std::unique_ptr<Mapping> m)
@@ -85,6 +89,11 @@ std::atomic_ref<uint64_t> word(std::byte* base, uint64_t index) {
 std::byte* SharedExchange::contribution(uint64_t collective, int rank) const {
   const uint64_t p = static_cast<uint64_t>(o_.ranks);
   return base_ + flags_end(o_.ranks) + ((collective % 2) * p + static_cast<uint64_t>(rank)) * stride(o_.max_bytes);
+}
+
+std::byte* SharedExchange::result(uint64_t collective) const {
+  const uint64_t p = static_cast<uint64_t>(o_.ranks);
+  return base_ + flags_end(o_.ranks) + (2 * p + collective % 2) * stride(o_.max_bytes);
 }
 
 Result<std::unique_ptr<SharedExchange>> SharedExchange::join(const Options& o) {
@@ -151,10 +160,10 @@ Result<SharedExchange::Collective> SharedExchange::begin(std::span<const std::by
 std::optional<Error> SharedExchange::advance(Collective& c) {
   const uint64_t g = c.number, p = static_cast<uint64_t>(o_.ranks);
   const uint64_t epoch = uint64_t{o_.epoch} << 32, mine = epoch | (g & kLow);
-  const uint64_t arrived = 1 + p, consumed = 1 + 2 * p;
+  const uint64_t arrived = 1 + p, consumed = 1 + 2 * p, reduced = 1 + 3 * p;
   const bool late = Clock::now() >= c.deadline;
-  // Given up or done here: the others may reuse its buffer (the result of a
-  // collective this rank gave up on is not read afterwards).
+  // Given up or done here: the others may reuse its buffers (the result of
+  // a collective this rank gave up on is not read afterwards).
   const auto complete = [&](Error e) -> std::optional<Error> {
     done_ = g;
     word(base_, consumed + static_cast<uint64_t>(o_.rank)).store(mine, std::memory_order_release);
@@ -162,7 +171,7 @@ std::optional<Error> SharedExchange::advance(Collective& c) {
     return e;
   };
   if (!c.contributed) {
-    // The buffer it writes was collective g - 2's: everyone must have read that.
+    // The buffers it writes were collective g - 2's: everyone must have read those.
     if (g > 2 && !all_reached(base_, consumed, p, epoch, g - 2)) {
       if (!late || done_ + 1 != g) return std::nullopt;
       return complete(Error::timeout(fmt::format("shared-memory allreduce {}: ranks {} did not finish collective {} "
@@ -176,17 +185,42 @@ std::optional<Error> SharedExchange::advance(Collective& c) {
     c.contributed = true;
   }
   if (done_ + 1 != g) return std::nullopt;  // the one before it first
-  if (!all_reached(base_, arrived, p, epoch, g)) {
+  if (!c.reduced && !all_reached(base_, arrived, p, epoch, g)) {
     if (!late) return std::nullopt;
     return complete(Error::timeout(fmt::format("shared-memory allreduce {}: ranks {} did not contribute within {} ms",
                                                g, behind(base_, arrived, p, epoch, g), o_.timeout.count())));
   }
-  if (!c.in.empty()) {
-    std::memmove(c.out.data(), contribution(g, 0), c.out.size());
-    const size_t n = c.out.size() / dtype_size(c.type);
+  const size_t esize = dtype_size(c.type), n = c.out.size() / esize;
+  // Each element left to right in rank order, whoever reduces it: the
+  // same bits on every rank.
+  const auto reduce_into = [&](std::byte* to, size_t from_element, size_t elements) {
+    if (elements == 0) return;
+    std::memmove(to, contribution(g, 0) + from_element * esize, elements * esize);
     for (uint64_t r = 1; r < p; ++r)
-      core::reduce_inplace(c.type, c.op, c.out.data(), contribution(g, static_cast<int>(r)), n);
+      core::reduce_inplace(c.type, c.op, to, contribution(g, static_cast<int>(r)) + from_element * esize, elements);
+  };
+  if (c.out.size() < kSplitBytes || p == 1) {
+    reduce_into(c.out.data(), 0, n);
+    return complete(Error{});
   }
+  // Larger: each rank reduces a 1/p share (whole cache lines) into the
+  // result buffer, then everyone copies the whole result out.
+  if (!c.reduced) {
+    const size_t unit = kLine / esize, units = (n + unit - 1) / unit;
+    const size_t r = static_cast<size_t>(o_.rank), lo = std::min(n, units * r / p * unit),
+                 hi = std::min(n, units * (r + 1) / p * unit);
+    reduce_into(result(g) + lo * esize, lo, hi - lo);
+    word(base_, reduced + static_cast<uint64_t>(o_.rank)).store(mine, std::memory_order_release);
+    announce(base_);
+    c.reduced = true;
+  }
+  if (!all_reached(base_, reduced, p, epoch, g)) {
+    if (!late) return std::nullopt;
+    return complete(Error::timeout(fmt::format("shared-memory allreduce {}: ranks {} did not reduce their share "
+                                               "within {} ms",
+                                               g, behind(base_, reduced, p, epoch, g), o_.timeout.count())));
+  }
+  std::memcpy(c.out.data(), result(g), c.out.size());
   return complete(Error{});
 }
 

@@ -17,6 +17,11 @@
 // have registered the name is unlinked (the mappings stay): nothing is left
 // behind in /dev/shm after a crash later on.
 //
+// From 32 KiB each rank reduces only a 1/p share (whole cache lines) into a
+// result buffer and, once all shares are in, copies the whole result out:
+// one more wait, p times less reading per rank. Either way every element is
+// reduced left to right in rank order.
+//
 // Two buffers of p contributions alternate by collective: collective g
 // writes buffer g mod 2 once every rank has finished reading collective g - 2
 // from it. Flags are 64-bit words, the run's epoch in the high half and the
@@ -77,7 +82,7 @@ class SharedExchange {
     std::span<std::byte> out;
     DType type = DType::kI32;
     RedOp op = RedOp::kSum;
-    bool contributed = false;
+    bool contributed = false, reduced = false;
     std::chrono::steady_clock::time_point deadline;
   };
   Result<Collective> begin(std::span<const std::byte> in, std::span<std::byte> out, DType t, RedOp op);
@@ -97,6 +102,7 @@ class SharedExchange {
  private:
   SharedExchange(const Options& o, std::unique_ptr<Mapping> m);
   std::byte* contribution(uint64_t collective, int rank) const;
+  std::byte* result(uint64_t collective) const;  // the split reduction's
 
   Options o_;
   std::unique_ptr<Mapping> mapping_;
