@@ -62,12 +62,18 @@ netdam stats
 step "READ/WRITE latency and throughput vs the raw UDP ceiling (same run)"
 build/bench/netdam-bench rw --device "$NETDAM_DEVICE" --sizes 64,8KiB,64KiB --iters 2000 || true
 
-step "a local cluster of 4 devices: AllReduce inside the network (ring and direct chains), every result verified"
-build/bench/netdam-bench allreduce --local 4 -b 8 -e 4M -f 8 --time-per-size 0.5
+# --algo aggregate: on one host the group would otherwise meet in shared
+# memory up to 1 MiB (docs/COLLECTIVES.md 13), and the devices would not
+# be in the path this demo is about.
+step "a local cluster of 4 devices: AllReduce inside the network (the devices aggregate), every result verified"
+build/bench/netdam-bench allreduce --local 4 --algo aggregate -b 8 -e 4M -f 8 --time-per-size 0.5
 
 step "the same under 1% loss, 1% duplication and 1% reordering injected at the devices: results stay exact"
-build/bench/netdam-bench allreduce --local 4 -b 1K -e 1M -f 32 --time-per-size 0.5 \
+build/bench/netdam-bench allreduce --local 4 --algo aggregate -b 1K -e 1M -f 32 --time-per-size 0.5 \
   --drop 0.01 --dup 0.01 --reorder 0.01
+
+step "the same 4 ranks as one host's: small AllReduces meet in shared memory, no device involved"
+build/bench/netdam-bench allreduce --local 4 -b 8 -e 1M -f 32 --time-per-size 0.5
 
 step "a memory pool: 3 devices behind one address-translating proxy (netdam-mmu), state in SQLite"
 pool_pids=()
