@@ -115,6 +115,14 @@ Result<std::unique_ptr<SharedExchange>> SharedExchange::join(const Options& o) {
         return true;
       },
       Clock::now() + o.timeout, o.spin);
+  if (!all) {
+    // Withdrawn, so that a rank that registers just now does not count
+    // this one and decide alone for the area (a narrow window remains: one
+    // that looked a moment ago may have; its first collective then fails
+    // at the timeout, as a rank that does not come would).
+    word(x->base_, 1 + static_cast<uint64_t>(o.rank)).store(0, std::memory_order_release);
+    announce(x->base_);
+  }
   // Everyone who will ever open it has (or nobody needs it): the name can
   // go, and with it anything a crash would leave behind.
   Mapping::unlink_shared(o.name);
