@@ -690,15 +690,11 @@ Work Group::allreduce_async(std::span<const std::byte> in, std::span<std::byte> 
     return Work(failed(Error::invalid("avg needs a floating-point type")));
   auto w = std::make_shared<detail::WorkState>();
   w->average = op == Reduction::kAvg;
+  w->average_out = out;  // kShared and kAggregate divide here; chains their plan's output
+  w->average_type = t;
   const Algorithm algorithm = allreduce_algorithm(in.size());
-  if (algorithm == Algorithm::kShared) {
-    w->average_out = out;
-    w->average_type = t;
-    return submit_shared(std::move(w), in, out, t, device_op(op));
-  }
+  if (algorithm == Algorithm::kShared) return submit_shared(std::move(w), in, out, t, device_op(op));
   if (algorithm == Algorithm::kAggregate) {
-    w->average_out = out;
-    w->average_type = t;
     w->zero_union = true;
     w->make_aggregate = [=](const collectives::AggregateContext& c) {
       return collectives::aggregate_allreduce(c, in, out, t, device_op(op));

@@ -9,7 +9,6 @@
 
 #include <atomic>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "common/mapping.h"
@@ -27,7 +26,10 @@ constexpr size_t kSplitBytes = 32 << 10;
 // Flag words: [0, 64) the futex line (below); then present[p], arrived[p],
 // consumed[p], reduced[p]; then two buffers of p contributions, each rounded
 // up to whole lines; then two result buffers (the split reduction's).
+enum Flag : uint64_t { kPresent, kArrived, kConsumed, kReduced };
 uint64_t flags_end(int p) { return kLine * (1 + 4 * static_cast<uint64_t>(p)); }
+// The line of rank r's flag f.
+uint64_t flag(Flag f, uint64_t p, uint64_t r) { return 1 + f * p + r; }
 uint64_t stride(uint64_t max_bytes) { return (max_bytes + kLine - 1) / kLine * kLine; }
 
 using Clock = std::chrono::steady_clock;
@@ -96,6 +98,27 @@ std::byte* SharedExchange::result(uint64_t collective) const {
   return base_ + flags_end(o_.ranks) + (2 * p + collective % 2) * stride(o_.max_bytes);
 }
 
+namespace {
+constexpr uint64_t kLow = 0xFFFFFFFF;
+// Whether rank r's flag f says collective n or later of this run.
+bool reached(std::byte* base, Flag f, uint64_t p, uint64_t r, uint64_t epoch, uint64_t n) {
+  const uint64_t v = word(base, flag(f, p, r)).load(std::memory_order_acquire);
+  return (v & ~kLow) == epoch && (v & kLow) >= n;
+}
+bool all_reached(std::byte* base, Flag f, uint64_t p, uint64_t epoch, uint64_t n) {
+  for (uint64_t r = 0; r < p; ++r)
+    if (!reached(base, f, p, r, epoch, n)) return false;
+  return true;
+}
+// The ranks whose flag f is short of n, for an error ("1, 3").
+std::string behind(std::byte* base, Flag f, uint64_t p, uint64_t epoch, uint64_t n) {
+  std::vector<uint64_t> late;
+  for (uint64_t r = 0; r < p; ++r)
+    if (!reached(base, f, p, r, epoch, n)) late.push_back(r);
+  return fmt::format("{}", fmt::join(late, ", "));
+}
+}  // namespace
+
 Result<std::unique_ptr<SharedExchange>> SharedExchange::join(const Options& o) {
   if (o.ranks < 1 || o.rank < 0 || o.rank >= o.ranks || o.epoch == 0 || o.name.empty())
     return Error::invalid(fmt::format("shared exchange: rank {} of {}, epoch {}, name '{}'", o.rank, o.ranks, o.epoch,
@@ -103,24 +126,20 @@ Result<std::unique_ptr<SharedExchange>> SharedExchange::join(const Options& o) {
   auto m = Mapping::join_shared(o.name, area_bytes(o.ranks, o.max_bytes));
   if (!m) return m.error();
   std::unique_ptr<SharedExchange> x(new SharedExchange(o, std::move(*m)));
-  const uint64_t here = uint64_t{o.epoch} << 32;
-  const uint64_t p = static_cast<uint64_t>(o.ranks);
-  word(x->base_, 1 + static_cast<uint64_t>(o.rank)).store(here, std::memory_order_release);
+  // Present: this run's epoch, collective 0.
+  const uint64_t epoch = uint64_t{o.epoch} << 32, p = static_cast<uint64_t>(o.ranks);
+  const auto present = word(x->base_, flag(kPresent, p, static_cast<uint64_t>(o.rank)));
+  present.store(epoch, std::memory_order_release);
   announce(x->base_);
   const bool all = wait_until(
-      x->base_,
-      [&] {
-        for (uint64_t r = 0; r < p; ++r)
-          if (word(x->base_, 1 + r).load(std::memory_order_acquire) != here) return false;
-        return true;
-      },
-      Clock::now() + o.timeout, o.spin);
+      x->base_, [&] { return all_reached(x->base_, kPresent, p, epoch, 0); }, Clock::now() + o.timeout,
+      o.spin);
   if (!all) {
     // Withdrawn, so that a rank that registers just now does not count
     // this one and decide alone for the area (a narrow window remains: one
     // that looked a moment ago may have; its first collective then fails
     // at the timeout, as a rank that does not come would).
-    word(x->base_, 1 + static_cast<uint64_t>(o.rank)).store(0, std::memory_order_release);
+    present.store(0, std::memory_order_release);
     announce(x->base_);
   }
   // Everyone who will ever open it has (or nobody needs it): the name can
@@ -129,26 +148,6 @@ Result<std::unique_ptr<SharedExchange>> SharedExchange::join(const Options& o) {
   if (!all) return std::unique_ptr<SharedExchange>();
   return x;
 }
-
-namespace {
-constexpr uint64_t kLow = 0xFFFFFFFF;
-// Whether flag words [first, first + p) all say `n` or later of `epoch`.
-bool all_reached(std::byte* base, uint64_t first, uint64_t p, uint64_t epoch, uint64_t n) {
-  for (uint64_t r = 0; r < p; ++r) {
-    const uint64_t v = word(base, first + r).load(std::memory_order_acquire);
-    if ((v & ~kLow) != epoch || (v & kLow) < n) return false;
-  }
-  return true;
-}
-std::string behind(std::byte* base, uint64_t first, uint64_t p, uint64_t epoch, uint64_t n) {
-  std::vector<uint64_t> late;
-  for (uint64_t r = 0; r < p; ++r) {
-    const uint64_t v = word(base, first + r).load(std::memory_order_acquire);
-    if ((v & ~kLow) != epoch || (v & kLow) < n) late.push_back(r);
-  }
-  return fmt::format("{}", fmt::join(late, ", "));
-}
-}  // namespace
 
 Result<SharedExchange::Collective> SharedExchange::begin(std::span<const std::byte> in, std::span<std::byte> out,
                                                          DType t, RedOp op) {
@@ -166,38 +165,40 @@ Result<SharedExchange::Collective> SharedExchange::begin(std::span<const std::by
 }
 
 std::optional<Error> SharedExchange::advance(Collective& c) {
-  const uint64_t g = c.number, p = static_cast<uint64_t>(o_.ranks);
+  const uint64_t g = c.number, p = static_cast<uint64_t>(o_.ranks), me = static_cast<uint64_t>(o_.rank);
   const uint64_t epoch = uint64_t{o_.epoch} << 32, mine = epoch | (g & kLow);
-  const uint64_t arrived = 1 + p, consumed = 1 + 2 * p, reduced = 1 + 3 * p;
   const bool late = Clock::now() >= c.deadline;
+  // This rank's flag f now says g; whoever waits for it rechecks.
+  const auto raise = [&](Flag f) {
+    word(base_, flag(f, p, me)).store(mine, std::memory_order_release);
+    announce(base_);
+  };
   // Given up or done here: the others may reuse its buffers (the result of
   // a collective this rank gave up on is not read afterwards).
   const auto complete = [&](Error e) -> std::optional<Error> {
     done_ = g;
-    word(base_, consumed + static_cast<uint64_t>(o_.rank)).store(mine, std::memory_order_release);
-    announce(base_);
+    raise(kConsumed);
     return e;
+  };
+  // Some rank's flag f is short of n: wait, or past the deadline, fail
+  // naming them.
+  const auto overdue = [&](Flag f, uint64_t n, std::string_view what) -> std::optional<Error> {
+    if (!late) return std::nullopt;
+    return complete(Error::timeout(fmt::format("shared-memory allreduce {}: ranks {} {} within {} ms", g,
+                                               behind(base_, f, p, epoch, n), what, o_.timeout.count())));
   };
   if (!c.contributed) {
     // The buffers it writes were collective g - 2's: everyone must have read those.
-    if (g > 2 && !all_reached(base_, consumed, p, epoch, g - 2)) {
-      if (!late || done_ + 1 != g) return std::nullopt;
-      return complete(Error::timeout(fmt::format("shared-memory allreduce {}: ranks {} did not finish collective {} "
-                                                 "within {} ms",
-                                                 g, behind(base_, consumed, p, epoch, g - 2), g - 2,
-                                                 o_.timeout.count())));
+    if (g > 2 && !all_reached(base_, kConsumed, p, epoch, g - 2)) {
+      if (done_ + 1 != g) return std::nullopt;
+      return overdue(kConsumed, g - 2, fmt::format("did not finish collective {}", g - 2));
     }
     if (!c.in.empty()) std::memcpy(contribution(g, o_.rank), c.in.data(), c.in.size());
-    word(base_, arrived + static_cast<uint64_t>(o_.rank)).store(mine, std::memory_order_release);
-    announce(base_);
+    raise(kArrived);
     c.contributed = true;
   }
   if (done_ + 1 != g) return std::nullopt;  // the one before it first
-  if (!c.reduced && !all_reached(base_, arrived, p, epoch, g)) {
-    if (!late) return std::nullopt;
-    return complete(Error::timeout(fmt::format("shared-memory allreduce {}: ranks {} did not contribute within {} ms",
-                                               g, behind(base_, arrived, p, epoch, g), o_.timeout.count())));
-  }
+  if (!c.reduced && !all_reached(base_, kArrived, p, epoch, g)) return overdue(kArrived, g, "did not contribute");
   const size_t esize = dtype_size(c.type), n = c.out.size() / esize;
   // Each element left to right in rank order, whoever reduces it: the
   // same bits on every rank.
@@ -215,19 +216,12 @@ std::optional<Error> SharedExchange::advance(Collective& c) {
   // result buffer, then everyone copies the whole result out.
   if (!c.reduced) {
     const size_t unit = kLine / esize, units = (n + unit - 1) / unit;
-    const size_t r = static_cast<size_t>(o_.rank), lo = std::min(n, units * r / p * unit),
-                 hi = std::min(n, units * (r + 1) / p * unit);
+    const size_t lo = std::min(n, units * me / p * unit), hi = std::min(n, units * (me + 1) / p * unit);
     reduce_into(result(g) + lo * esize, lo, hi - lo);
-    word(base_, reduced + static_cast<uint64_t>(o_.rank)).store(mine, std::memory_order_release);
-    announce(base_);
+    raise(kReduced);
     c.reduced = true;
   }
-  if (!all_reached(base_, reduced, p, epoch, g)) {
-    if (!late) return std::nullopt;
-    return complete(Error::timeout(fmt::format("shared-memory allreduce {}: ranks {} did not reduce their share "
-                                               "within {} ms",
-                                               g, behind(base_, reduced, p, epoch, g), o_.timeout.count())));
-  }
+  if (!all_reached(base_, kReduced, p, epoch, g)) return overdue(kReduced, g, "did not reduce their share");
   std::memcpy(c.out.data(), result(g), c.out.size());
   return complete(Error{});
 }
