@@ -17,6 +17,12 @@
 #   -b SIZE / -e SIZE / -f F   sizes (default 4K .. 64M, x4)
 #   --iters N          timed iterations at small sizes (default 10; large
 #                      sizes: --budget bytes per size, at least 2)
+#   --warmup N         untimed iterations before each size's timed ones, at
+#                      most (default 5, as nccl-tests; every system, each
+#                      within its budget). netdam-bench needs 2 x slots = 4
+#                      to have used every slot and input buffer once: the
+#                      first use of device and host memory pays a page
+#                      fault per page (docs/CLUSTER.md)
 #   --budget SIZE      (default 64M)
 #   --systems LIST     gloo,mpi,netdam (default) and/or netdam-chains
 #                      (netdam-bench --devices: the ring by chains, one
@@ -43,7 +49,7 @@ peers="$repo/bench/peers"
 build="$repo/${BUILD_DIR:-build}"
 [[ "${BUILD_DIR:-}" == /* ]] && build="$BUILD_DIR"
 
-P=4 M="" rate=auto mtu=9000 min=4K max=64M factor=4 iters=10 budget=64M
+P=4 M="" rate=auto mtu=9000 min=4K max=64M factor=4 iters=10 warmup=5 budget=64M
 systems=gloo,mpi,netdam colocated=0 prefix=ndb out="" sys_timeout=1800
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -58,6 +64,7 @@ while (($#)); do
     -e) max=$2; shift 2 ;;
     -f) factor=$2; shift 2 ;;
     --iters|-n) iters=$2; shift 2 ;;
+    --warmup|-w) warmup=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
     --systems) systems=$2; shift 2 ;;
     --colocated) colocated=1; shift ;;
@@ -74,6 +81,7 @@ M=${M:-$P}
 # the rate (>= 97%) with about a third of the 2 cores busy (docs/CLUSTER.md).
 [[ "$rate" == auto ]] && rate="$((2000 / P))mbit"
 [[ "$P" =~ ^[0-9]+$ ]] && ((P >= 2 && P <= 64)) || { echo "cluster_bench: --hosts 2..64" >&2; exit 2; }
+[[ "$warmup" =~ ^[0-9]+$ ]] || { echo "cluster_bench: --warmup: a number of iterations, 0 or more" >&2; exit 2; }
 [[ "$M" =~ ^[0-9]+$ ]] && ((M <= 64)) || { echo "cluster_bench: --devices 0..64" >&2; exit 2; }
 want() { [[ ",$systems," == *",$1,"* ]]; }
 for s in ${systems//,/ }; do
@@ -285,7 +293,7 @@ measure() {
   awk -v n="$name" -v a="$t0" -v b="$t1" -v r="$rc" 'BEGIN { printf "   %s: %.0f s, exit %s\n", n, b - a, r }'
 }
 
-common=(-b "$min" -e "$max" -f "$factor" -n "$iters" -w 2 --min-iters 2 --budget "$budget"
+common=(-b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --min-iters 2 --budget "$budget"
         --timing each --ops allreduce)
 
 gloo_run() {
@@ -344,7 +352,7 @@ netdam_aggregate() {  # netdam_aggregate NAME ADDRS
   rank_cmd() {
     # shellcheck disable=SC2206
     c=("$bench" allreduce --ranks "$P" --rank "$1" --aggregators "$addrs" --algo aggregate --job "$job"
-       -b "$min" -e "$max" -f "$factor" -n "$iters" -w 2 --min-iters 2 --admin-key 0xAD ${NETDAM_ARGS:-})
+       -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --min-iters 2 --admin-key 0xAD ${NETDAM_ARGS:-})
     (($1 == 0)) && c+=(--csv "$out/$name.csv")
   }
   run_ranks "$name"
@@ -355,7 +363,7 @@ netdam_chains_run() {
   rank_cmd() {
     # shellcheck disable=SC2206
     c=("$bench" allreduce --devices "$CLUSTER_DEVICE_ADDRS" --rank "$1"
-       -b "$min" -e "$max" -f "$factor" -n "$iters" -w 2 --min-iters 2 --admin-key 0xAD ${NETDAM_ARGS:-})
+       -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --min-iters 2 --admin-key 0xAD ${NETDAM_ARGS:-})
     (($1 == 0)) && c+=(--csv "$out/netdam-chains.csv")
   }
   run_ranks netdam-chains

@@ -30,6 +30,10 @@
 #                    controller other than fixed lost more than --max-loss
 #                    of its datagrams in the device's queues
 #   --max-loss F     (default 0.001)
+#   --warmup N       incasts run first in each cluster and not reported
+#                    (default 1): the device's first writes fault in the
+#                    pages of the writers' slots, which the first measured
+#                    round used to pay for (docs/CONGESTION.md)
 #
 # Per controller it prints: goodput as a fraction of the device's link
 # rate, datagrams lost in the queues in front of the device (its link's
@@ -53,7 +57,7 @@ build="$repo/${BUILD_DIR:-build}"
 [[ "${BUILD_DIR:-}" == /* ]] && build="$BUILD_DIR"
 incast="$build/bench/netdam-incast"
 
-writers=8 rate=500mbit seconds=1 rounds=3 ccs=fixed,depth,swift target_us="" loss=0 priority="" netdamd_args="" prefix=nic out="" check=0 max_loss=0.001
+writers=8 rate=500mbit seconds=1 rounds=3 ccs=fixed,depth,swift target_us="" loss=0 priority="" netdamd_args="" prefix=nic out="" check=0 max_loss=0.001 warmup=1
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 while (($#)); do
   case "$1" in
@@ -67,6 +71,7 @@ while (($#)); do
     --loss) loss=$2; shift 2 ;;
     --priority) priority=$2; shift 2 ;;
     --netdamd-args) netdamd_args=$2; shift 2 ;;
+    --warmup) warmup=$2; shift 2 ;;
     --prefix) prefix=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --check) check=1; shift ;;
@@ -76,6 +81,7 @@ while (($#)); do
 done
 [[ "$writers" =~ ^[0-9]+$ ]] && ((writers >= 1 && writers <= 64)) || { echo "incast_bench: --writers 1..64" >&2; exit 2; }
 [[ "$rounds" =~ ^[0-9]+$ ]] && ((rounds >= 1)) || { echo "incast_bench: --rounds >= 1" >&2; exit 2; }
+[[ "$warmup" =~ ^[0-9]+$ ]] || { echo "incast_bench: --warmup: a number of runs, 0 or more" >&2; exit 2; }
 [[ -z "$priority" ]] || { [[ "$priority" =~ ^[0-9]+$ ]] && ((priority <= 63)); } ||
   { echo "incast_bench: --priority: a DSCP, 0..63" >&2; exit 2; }
 marking=()
@@ -153,6 +159,8 @@ for setting in "${settings[@]}"; do
   ip netns exec "${host_ns[$writers]}" "$incast" read --device "$device" --seconds 1 "${marking[@]}" \
     --out "$out/$label-idle.read" ||
     status=1
+  # Files named warmup-*: the report reads only the labels of *-idle.read.
+  for ((w = 0; w < warmup; w++)); do run warmup "${cc_list[0]}" "$w"; done
   for ((r = 0; r < rounds; r++)); do
     for ((k = 0; k < ${#cc_list[@]}; k++)); do  # rotated each round: no controller always goes first
       cc=${cc_list[$(((k + r) % ${#cc_list[@]}))]}
