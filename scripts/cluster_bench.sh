@@ -293,8 +293,9 @@ measure() {
   awk -v n="$name" -v a="$t0" -v b="$t1" -v r="$rc" 'BEGIN { printf "   %s: %.0f s, exit %s\n", n, b - a, r }'
 }
 
-common=(-b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --min-iters 2 --budget "$budget"
-        --timing each --ops allreduce)
+# Sizes and iterations, the same for every system's benchmark.
+iterations=(-b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --min-iters 2)
+common=("${iterations[@]}" --budget "$budget" --timing each --ops allreduce)
 
 gloo_run() {
   local store
@@ -352,7 +353,7 @@ netdam_aggregate() {  # netdam_aggregate NAME ADDRS
   rank_cmd() {
     # shellcheck disable=SC2206
     c=("$bench" allreduce --ranks "$P" --rank "$1" --aggregators "$addrs" --algo aggregate --job "$job"
-       -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --min-iters 2 --admin-key 0xAD ${NETDAM_ARGS:-})
+       "${iterations[@]}" --admin-key 0xAD ${NETDAM_ARGS:-})
     (($1 == 0)) && c+=(--csv "$out/$name.csv")
   }
   run_ranks "$name"
@@ -363,7 +364,7 @@ netdam_chains_run() {
   rank_cmd() {
     # shellcheck disable=SC2206
     c=("$bench" allreduce --devices "$CLUSTER_DEVICE_ADDRS" --rank "$1"
-       -b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --min-iters 2 --admin-key 0xAD ${NETDAM_ARGS:-})
+       "${iterations[@]}" --admin-key 0xAD ${NETDAM_ARGS:-})
     (($1 == 0)) && c+=(--csv "$out/netdam-chains.csv")
   }
   run_ranks netdam-chains

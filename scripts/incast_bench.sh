@@ -126,10 +126,15 @@ drops() {
 status=0
 steal() { awk '/^cpu / { print $9; exit }' /proc/stat; }  # ticks of 10 ms, all CPUs
 
-run() {  # run LABEL CC ROUND: one incast; files in $out/LABEL-CC-ROUND.*
-  local label=$1 cc=$2 r=$3 base="$out/$1-$2-$3" pids=() i
+run() {  # run LABEL CC ROUND: the probe alone, then one incast; files in $out/LABEL-CC-ROUND.*
   ip netns exec "${host_ns[$writers]}" "$incast" read --device "$device" --seconds "$seconds" "${marking[@]}" \
-    --out "$base.idle" 2>>"$base.err" || { echo "incast_bench: $label $cc round $r: the idle probe failed" >&2; status=1; }
+    --out "$out/$1-$2-$3.idle" 2>>"$out/$1-$2-$3.err" ||
+    { echo "incast_bench: $1 $2 round $3: the idle probe failed" >&2; status=1; }
+  incast_once "$@"
+}
+
+incast_once() {  # incast_once LABEL CC ROUND: the writers and the probe at once
+  local label=$1 cc=$2 r=$3 base="$out/$1-$2-$3" pids=() i
   read -r q0 s0 < <(drops)
   local st0
   st0=$(steal)
@@ -159,8 +164,9 @@ for setting in "${settings[@]}"; do
   ip netns exec "${host_ns[$writers]}" "$incast" read --device "$device" --seconds 1 "${marking[@]}" \
     --out "$out/$label-idle.read" ||
     status=1
-  # Files named warmup-*: the report reads only the labels of *-idle.read.
-  for ((w = 0; w < warmup; w++)); do run warmup "${cc_list[0]}" "$w"; done
+  # Not compared with an idle probe, so not reported: the report reads the
+  # labels of *-idle.read and the runs with a .w0.
+  for ((w = 0; w < warmup; w++)); do incast_once warmup "${cc_list[0]}" "$w"; done
   for ((r = 0; r < rounds; r++)); do
     for ((k = 0; k < ${#cc_list[@]}; k++)); do  # rotated each round: no controller always goes first
       cc=${cc_list[$(((k + r) % ${#cc_list[@]}))]}
