@@ -17,12 +17,12 @@
 #   -b SIZE / -e SIZE / -f F   sizes (default 4K .. 64M, x4)
 #   --iters N          timed iterations at small sizes (default 10; large
 #                      sizes: --budget bytes per size, at least 2)
-#   --warmup N         untimed iterations before each size's timed ones, at
+#   --warmup N         untimed collectives before each size's timed ones, at
 #                      most (default 5, as nccl-tests; every system, each
-#                      within its budget). netdam-bench needs 2 x slots = 4
-#                      to have used every slot and input buffer once: the
-#                      first use of device and host memory pays a page
-#                      fault per page (docs/CLUSTER.md)
+#                      within its budget). netdam-bench runs the first
+#                      2 x slots = 4 back to back, one on each slot and
+#                      generation parity: the first use of device memory
+#                      pays a page fault per page (docs/CLUSTER.md)
 #   --budget SIZE      (default 64M)
 #   --systems LIST     gloo,mpi,netdam (default) and/or netdam-chains
 #                      (netdam-bench --devices: the ring by chains, one

@@ -18,10 +18,13 @@
 // --devices runs one rank by hand against running devices (start one
 // process per rank with the same arguments and its own --rank).
 //
-// For every size (from -b to -e, times -f) every rank: runs one warm-up
-// collective and the ranks agree on the slowest time; runs up to -w - 1
-// more warm-ups and up to -n timed collectives, fewer where that would take
-// longer than --time-per-size; with --check 1 (default) fills a fresh input
+// For every size (from -b to -e, times -f) every rank: runs up to 2 x
+// slots warm-up collectives back to back (within -w - 1: the first use of
+// each slot and generation parity pays the page faults of its memory),
+// then at least one warm-up iteration, and the ranks agree on the slowest
+// time; runs the rest of -w as warm-up iterations and up to -n timed
+// ones, fewer where that would take longer than --time-per-size; each
+// iteration with --check 1 (default) fills a fresh input
 // before every iteration (element i of rank r in iteration k is a small
 // integer function of (r, i, k), so every reduction is exact in every
 // type), passes a barrier, times the collective alone and verifies the
@@ -110,7 +113,7 @@ int collectives_main(int argc, char** argv) {
   app.add_option("--min-iters", c.min_iters,
                  "timed iterations per size, at least, whatever --time-per-size says (default 1)")
       ->check(CLI::Range(1, 1000000));
-  app.add_option("-w,--warmup_iters", c.warmup, "warm-up iterations per size, at most (default 5; the first 2 x slots (at least 1) always run)")
+  app.add_option("-w,--warmup_iters", c.warmup, "warm-up collectives per size, at most (default 5: 2 x slots back to back, one per slot and generation parity, then whole iterations; at least one)")
       ->check(CLI::Range(0, 1000000));
   app.add_option("-c,--check", check, "1: verify every iteration (default), 0: back to back, verify the last");
   app.add_option("--time-per-size", c.time_per_size, "seconds of timed iterations per size, about (default 2)")

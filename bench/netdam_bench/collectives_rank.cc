@@ -452,15 +452,29 @@ int run_rank(const BenchConfig& c) {
       return {};
     };
 
-    // The first warm-ups (two per slot, one per input buffer of each, or -w
-    // if that is fewer; always at least one) tell how long one collective
-    // takes. The first use of a buffer at a new size is often much slower
-    // than the rest: every page a process touches first through its mapping
-    // costs a fault (about 20 us per 4 KiB page in this VM: 130 ms for
-    // 16 MiB), and the clients' RTT estimates adapt; so the fastest counts.
-    // Every rank then derives the same iteration counts from the slowest
-    // rank's figure.
-    const int probes = std::clamp(c.warmup, 1, 2 * c.slots);
+    // The first use of a slot at a new size is much slower than the rest:
+    // every page of its regions a device (or a host, through a mapping)
+    // touches first costs a fault (about 20 us per 4 KiB page in this VM:
+    // 330 ms for 64 MiB). A slot's memory has two halves by generation
+    // parity, so 2 x slots collectives back to back (no barrier between:
+    // a barrier takes a slot too, and a collective after each would land on
+    // the same slot every time) give every half its first touch; then
+    // probes, each a whole iteration, tell how long one collective takes
+    // (the clients' RTT estimates adapt, so the fastest counts). Every rank
+    // derives the same iteration counts from the slowest rank's figure.
+    // (On a fresh input: an all-zero one would cross as zero markers and
+    // touch nothing.)
+    const int flush = std::clamp(c.warmup - 1, 0, 2 * c.slots);
+    if (flush > 0) data.fill_input(std::span(in).first(s.in_bytes), 0);
+    for (int k = 0; k < flush; ++k) {
+      const auto t0 = Clock::now();
+      if (Error e = run_one(g, c, s, in, out)) return fail(fmt::format("size {}: {}", s.size, e.to_string()));
+      if (c.verbose)
+        std::fprintf(stderr, "# rank %d size %llu back-to-back warm-up %d: %.1f us\n", c.rank,
+                     static_cast<unsigned long long>(s.size), k,
+                     std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+    const int probes = std::clamp(c.warmup - flush, 1, 2 * c.slots);
     double probe_us = 0;
     int it = 0;
     for (; it < probes; ++it) {
@@ -472,11 +486,11 @@ int run_rank(const BenchConfig& c) {
     if (Error e = gather(g, Stat{probe_us, 0, 0}, all))
       return fail(fmt::format("size {}: exchanging times: {}", s.size, e.to_string()));
     const double probe = std::max(combine(all).time_us, 1.0) * 1e-6;
-    const int warm = std::clamp(static_cast<int>(0.25 * c.time_per_size / probe), 0, std::max(c.warmup - probes, 0));
+    const int warm = std::clamp(static_cast<int>(0.25 * c.time_per_size / probe), 0, std::max(c.warmup - flush - probes, 0));
     const int most = std::max(c.iters, 1);
     const int iters = std::clamp(static_cast<int>(c.time_per_size / probe), std::min(c.min_iters, most), most);
-    if (iters < c.iters || probes + warm < c.warmup)
-      adapted.push_back(fmt::format("{} B: {} iterations, {} warm-up", s.size, iters, probes + warm));
+    if (iters < c.iters || flush + probes + warm < c.warmup)
+      adapted.push_back(fmt::format("{} B: {} iterations, {} warm-up", s.size, iters, flush + probes + warm));
 
     double us = 0, total_us = 0;
     for (int w = 0; w < warm; ++w, ++it)
