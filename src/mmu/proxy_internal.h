@@ -119,7 +119,8 @@ struct Proxy::Resync {
   size_t writers = 0;
   uint64_t copied = 0;  // bytes, for the log
   struct Step {
-    uint64_t stripe = 0;
+    std::vector<uint64_t> stripes;  // end to end in both copies' extents
+    uint64_t to = 0;                // the lost slot's extent offset of the first
     std::vector<std::byte> buf;
     Op op;
     bool writing = false;  // false: reading the other copy
