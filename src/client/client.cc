@@ -187,7 +187,7 @@ Client::Client(std::unique_ptr<transport::Transport> t, const transport::Endpoin
       device_(std::make_unique<transport::Endpoint>(device)),
       opts_(opts),
       recovery_(std::make_unique<Recovery>(opts)),
-      rx_(kRxBatch * kRxBufferSize) {
+      rx_(std::make_unique_for_overwrite<std::byte[]>(kRxBatch * kRxBufferSize)) {
   // Txns start at the wall clock in nanoseconds: a later client that gets
   // the same source port as an earlier one starts above every txn the
   // earlier one can have used (it would have needed more than one txn per
@@ -1407,7 +1407,7 @@ void Client::pump(bool block) {
                                                    std::chrono::nanoseconds(opts_.min_rto) / 2);
   }
   std::array<transport::InMsg, kRxBatch> in;
-  for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);
+  for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_.get() + i * kRxBufferSize, kRxBufferSize);
   const size_t n = transport_->recv_batch(in, timeout);
   counters_.integrity_drops = transport_->integrity_drops();
   counters_.window_decreases = recovery_->cc.decreases();
