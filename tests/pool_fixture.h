@@ -94,19 +94,22 @@ class TestMmu {
 
 // The sum of the named STATS counters over the devices (0 and a test
 // failure if one cannot be asked).
+inline uint64_t device_stats(const TestDaemon& d, std::initializer_list<std::string_view> names) {
+  auto c = Client::connect(d.endpoint());
+  EXPECT_TRUE(c) << c.error().to_string();
+  if (!c) return 0;
+  auto st = (*c)->stats();
+  EXPECT_TRUE(st) << st.error().to_string();
+  if (!st) return 0;
+  uint64_t n = 0;
+  for (const auto& [name, v] : *st)
+    if (std::find(names.begin(), names.end(), name) != names.end()) n += v;
+  return n;
+}
 inline uint64_t device_stats(const std::vector<std::unique_ptr<TestDaemon>>& devs,
                              std::initializer_list<std::string_view> names) {
   uint64_t n = 0;
-  for (const auto& d : devs) {
-    auto c = Client::connect(d->endpoint());
-    EXPECT_TRUE(c) << c.error().to_string();
-    if (!c) return n;
-    auto st = (*c)->stats();
-    EXPECT_TRUE(st) << st.error().to_string();
-    if (!st) return n;
-    for (const auto& [name, v] : *st)
-      if (std::find(names.begin(), names.end(), name) != names.end()) n += v;
-  }
+  for (const auto& d : devs) n += device_stats(*d, names);
   return n;
 }
 

@@ -750,16 +750,7 @@ TEST_F(PoolProxyTest, ReSyncCopiesRunsOfStripes) {
   // The restarted device's WRITEs are the re-sync's only. The state may
   // not have left "ok" yet when the restart returns: done when the device
   // has had writes and the allocation is "ok".
-  auto c = Client::connect(devs_[1]->endpoint());
-  ASSERT_TRUE(c) << c.error().to_string();
-  auto writes = [&]() -> uint64_t {
-    auto st = (*c)->stats();
-    EXPECT_TRUE(st) << st.error().to_string();
-    if (st)
-      for (const auto& [name, v] : *st)
-        if (name == "op.WRITE") return v;
-    return 0;
-  };
+  auto writes = [&] { return device_stats(*devs_[1], {"op.WRITE"}); };
   const auto deadline = std::chrono::steady_clock::now() + 10s;
   auto ok = [&] {
     auto a = pool_->lookup("rep");

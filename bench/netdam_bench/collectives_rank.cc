@@ -466,13 +466,10 @@ int run_rank(const BenchConfig& c) {
     // touch nothing.)
     const int flush = std::clamp(c.warmup - 1, 0, 2 * c.slots);
     if (flush > 0) data.fill_input(std::span(in).first(s.in_bytes), 0);
-    for (int k = 0; k < flush; ++k) {
-      const auto t0 = Clock::now();
-      if (Error e = run_one(g, c, s, in, out)) return fail(fmt::format("size {}: {}", s.size, e.to_string()));
-      if (c.verbose)
-        std::fprintf(stderr, "# rank %d size %llu back-to-back warm-up %d: %.1f us\n", c.rank,
-                     static_cast<unsigned long long>(s.size), k,
-                     std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    // Numbered -flush .. -1 in the verbose log.
+    for (int k = -flush; k < 0; ++k) {
+      double us = 0;
+      if (Error e = iteration(k, false, us)) return fail(fmt::format("size {}: {}", s.size, e.to_string()));
     }
     const int probes = std::clamp(c.warmup - flush, 1, 2 * c.slots);
     double probe_us = 0;

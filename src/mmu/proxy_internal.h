@@ -119,8 +119,10 @@ struct Proxy::Resync {
   size_t writers = 0;
   uint64_t copied = 0;  // bytes, for the log
   struct Step {
-    std::vector<uint64_t> stripes;  // end to end in both copies' extents
-    uint64_t to = 0;                // the lost slot's extent offset of the first
+    // Stripes first, first + S, ... (S slots), `count` of them, end to end
+    // in both copies' extents.
+    uint64_t first = 0, count = 0;
+    uint64_t to = 0;  // the lost slot's extent offset of the first
     std::vector<std::byte> buf;
     Op op;
     bool writing = false;  // false: reading the other copy

@@ -162,7 +162,7 @@ void Proxy::resync_progress() {
     } else {
       r.copied += it->buf.size();
     }
-    for (const uint64_t x : it->stripes) r.in_flight.erase(x);
+    for (uint64_t k = 0; k < it->count; ++k) r.in_flight.erase(it->first + k * a->layout.slots);
     it = r.steps.erase(it);
   }
   if (r.config_op.valid() && r.config_op.done()) {
@@ -201,28 +201,25 @@ void Proxy::resync_progress() {
       return;
     }
     const pool::Place to = pool::locate(l, s * l.stripe, c);
-    Resync::Step step;
-    step.stripes.push_back(s);
-    uint64_t bytes = length_of(s);
-    for (uint64_t next = s + l.slots; bytes == step.stripes.size() * l.stripe && next < l.stripes() &&
-                                      bytes + length_of(next) <= kStepBytes;
-         next += l.slots) {
-      if (!r.pending.count(next) || r.in_flight.count(next) || copy_on(l, next, r.slot) != c) break;
+    // A run goes on only past full stripes (the allocation's last may be short).
+    uint64_t bytes = length_of(s), next = s + l.slots;
+    for (; bytes % l.stripe == 0 && next < l.stripes() && bytes + length_of(next) <= kStepBytes; next += l.slots) {
+      if (!r.pending.count(next) || r.in_flight.count(next)) break;
       const pool::Place f = pool::locate(l, next * l.stripe, 1 - c), t = pool::locate(l, next * l.stripe, c);
-      if (f.slot != from.slot || f.extent_offset != from.extent_offset + bytes ||
+      if (t.slot != r.slot || f.slot != from.slot || f.extent_offset != from.extent_offset + bytes ||
           t.extent_offset != to.extent_offset + bytes)
         break;
-      step.stripes.push_back(next);
       bytes += length_of(next);
+      r.pending.erase(next);
     }
-    const ExtentRow& src = a->slots[from.slot];
+    Resync::Step step;
+    step.first = s;
+    step.count = (next - s) / l.slots;
     step.to = to.extent_offset;
+    const ExtentRow& src = a->slots[from.slot];
     step.buf.resize(bytes);
     step.op = client(src.device_id)->read_async(src.base + from.extent_offset, step.buf, src.key);
-    for (const uint64_t x : step.stripes) {
-      r.in_flight.insert(x);
-      if (x != s) r.pending.erase(x);
-    }
+    for (uint64_t k = 0; k < step.count; ++k) r.in_flight.insert(s + k * l.slots);
     r.steps.push_back(std::move(step));
     it = r.pending.erase(it);
   }
