@@ -28,12 +28,14 @@ std::unique_ptr<UdpTransport> open_loopback() {
   return t ? std::move(*t) : nullptr;
 }
 
-// Receive slots with their own buffers.
+// Receive slots, the first `buffers` of them with buffers of their own
+// (all by default), the others without: those only take views into the
+// buffers (the datagrams of a GRO train).
 struct Slots {
-  Slots(size_t n, size_t size) : bufs(n, std::vector<std::byte>(size)) {
-    for (auto& b : bufs) {
+  Slots(size_t n, size_t size, size_t buffers = SIZE_MAX) : bufs(std::min(n, buffers), std::vector<std::byte>(size)) {
+    for (size_t i = 0; i < n; ++i) {
       InMsg m;
-      m.buf = b;
+      if (i < bufs.size()) m.buf = bufs[i];
       msgs.push_back(m);
     }
   }
@@ -46,8 +48,9 @@ struct Slots {
 // unless `truncated` collects which were.
 std::vector<std::vector<std::byte>> receive(UdpTransport& t, size_t want, std::vector<Endpoint>* from,
                                             size_t slots = 16, size_t slot_size = 65536,
-                                            std::vector<bool>* truncated = nullptr) {
-  Slots in(slots, slot_size);
+                                            std::vector<bool>* truncated = nullptr, size_t buffers = SIZE_MAX,
+                                            std::vector<size_t>* per_call = nullptr) {
+  Slots in(slots, slot_size, buffers);
   std::vector<std::vector<std::byte>> out;
   const TimePoint deadline = Clock::now() + std::chrono::seconds(5);
   while (out.size() < want && Clock::now() < deadline) {
@@ -57,6 +60,7 @@ std::vector<std::vector<std::byte>> receive(UdpTransport& t, size_t want, std::v
     const size_t n = truncated != nullptr ? t.recv_raw(in.msgs, milliseconds(100))
                                           : t.recv_batch(in.msgs, milliseconds(100));
     EXPECT_LE(n, slots);
+    if (per_call != nullptr && n > 0) per_call->push_back(n);
     for (size_t i = 0; i < n; ++i) {
       const InMsg& m = in.msgs[i];
       auto d = m.data();
@@ -433,6 +437,47 @@ TEST(UdpTransport, TrainLongerThanTheSlotsIsDeliveredOverSeveralCalls) {
   payloads.push_back(last);
   EXPECT_EQ(got, payloads);
   EXPECT_GE(b->trains_received(), 1u);  // else this did not test the overflow
+  EXPECT_GT(b->datagrams_stashed(), 0u);
+}
+
+// Slots without buffers of their own take the datagrams of trains that
+// landed in other slots' buffers: two buffers and 64 slots receive trains
+// of 40 and 20 in one call, with no copy aside. A third train finds no
+// buffer left: it is kept for the next call, whole and in order.
+TEST(UdpTransport, SlotsWithoutBuffersTakeATrainWithoutCopies) {
+  auto a = open_loopback();
+  auto b = open_loopback();
+  ASSERT_TRUE(a && b);
+  std::vector<std::vector<std::byte>> payloads;
+  for (unsigned i = 0; i < 40; ++i) payloads.push_back(pattern(200, i));  // three trains
+  for (unsigned i = 0; i < 20; ++i) payloads.push_back(pattern(300, 40 + i));
+  for (unsigned i = 0; i < 3; ++i) payloads.push_back(pattern(500, 60 + i));
+  ASSERT_EQ(send_all(*a, b->local(), payloads), payloads.size());
+  ASSERT_GE(a->trains_sent(), 3u);
+  std::vector<size_t> per_call;
+  const auto got = receive(*b, payloads.size(), nullptr, 64, 65536, nullptr, 2, &per_call);
+  EXPECT_EQ(got, payloads);
+  ASSERT_FALSE(per_call.empty());
+  EXPECT_EQ(per_call[0], 60u);
+  EXPECT_EQ(b->datagrams_stashed(), 3u);
+  EXPECT_GE(b->trains_received(), 3u);
+}
+
+// Buffers smaller than a train, followed by slots without buffers: each
+// datagram is copied into a buffer of its own, those past the last buffer
+// come in the next call, in order.
+TEST(UdpTransport, SmallBuffersThenSlotsWithoutBuffers) {
+  auto a = open_loopback();
+  auto b = open_loopback();
+  ASSERT_TRUE(a && b);
+  std::vector<std::vector<std::byte>> payloads;
+  for (unsigned i = 0; i < 10; ++i) payloads.push_back(pattern(64, i));
+  ASSERT_EQ(send_all(*a, b->local(), payloads), payloads.size());
+  std::vector<size_t> per_call;
+  const auto got = receive(*b, payloads.size(), nullptr, 16, 100, nullptr, 4, &per_call);
+  EXPECT_EQ(got, payloads);
+  for (size_t n : per_call) EXPECT_LE(n, 4u);
+  EXPECT_GE(b->trains_received(), 1u);
 }
 
 // Slots smaller than a train: each datagram is copied into a slot of its

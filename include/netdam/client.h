@@ -391,6 +391,7 @@ class Client {
   Error paged(Opcode code, uint32_t rkey, const PageTaker& take);
   void pump(bool block);
   void send_queued();
+  void send_queued(std::chrono::steady_clock::time_point now);
   void receive(std::byte* buf, size_t len, const transport::Endpoint& from);
   // The steps of receive() once an answer is matched and OK: its payload
   // to where the operation wants it.
@@ -414,7 +415,7 @@ class Client {
                      const transport::Endpoint& from);
   std::string describe(const Packet& p) const;  // "READ at 0x1000 on HOST:PORT"
   Error timed_out(const Packet& p) const;
-  void check_timers();
+  void check_timers(std::chrono::steady_clock::time_point now);
   void send_now(Packet& p, std::chrono::steady_clock::time_point now);
   void finish(Packet& p, Error e);
   uint32_t boot_for(const Packet& p) const;
@@ -427,6 +428,9 @@ class Client {
   uint64_t next_txn_;
   std::chrono::steady_clock::time_point peer_alive_{};  // see peer_alive()
   bool heard_device_ = false;  // an answer from the device since the last check_timers()
+  // When pump() received the batch it is handling: receive() and what it
+  // calls read no clock of their own.
+  std::chrono::steady_clock::time_point rx_time_{};
   std::deque<std::unique_ptr<Packet>> queue_;
   bool defer_sends_ = false;
   std::map<uint64_t, std::unique_ptr<Packet>> inflight_;  // by txn: oldest first

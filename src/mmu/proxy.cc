@@ -28,7 +28,11 @@ using transport::Endpoint;
 using namespace std::chrono_literals;
 
 namespace {
+// Receive buffers (each a whole GRO train) and slots for the datagrams: a
+// client's train of small requests fills many slots from one buffer
+// (transport.h, InMsg).
 constexpr size_t kRxBatch = 32;
+constexpr size_t kRxSlots = 128;
 // An atomic's chain, or a piece's, is sent again after this when its hop
 // has not come back: the floor the clients use for a device process that
 // may wait for a core (PROTOCOL.md 9.3). Then doubling (next_hop_rto)...
@@ -155,7 +159,7 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
   // received in this turn arrived "now".
   if (latency_) arrival_.at = listen_->now();
 
-  std::array<transport::InMsg, kRxBatch> in;
+  std::array<transport::InMsg, kRxSlots> in;
   for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);
   for (int round = 0; round < 4; ++round) {
     // Through out_: with --inject-* a datagram held back for reordering is

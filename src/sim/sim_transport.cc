@@ -73,7 +73,7 @@ size_t SimTransport::recv_raw(std::span<transport::InMsg> msgs, transport::Durat
     waiting_ = false;
   }
   size_t n = 0;
-  while (n < msgs.size() && !inbox_.empty()) {
+  while (n < msgs.size() && !msgs[n].buf.empty() && !inbox_.empty()) {
     auto& d = inbox_.front();
     auto& m = msgs[n];
     m.at = nullptr;

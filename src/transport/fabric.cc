@@ -246,7 +246,7 @@ size_t Fabric::receive(Port& port, std::span<InMsg> msgs, Duration timeout) {
   }
 
   size_t n = 0;
-  for (; n < msgs.size() && !port.inbox_.empty(); ++n) {
+  for (; n < msgs.size() && !msgs[n].buf.empty() && !port.inbox_.empty(); ++n) {
     const Event& event = port.inbox_.front();
     InMsg& slot = msgs[n];
     slot.len = std::min(event.data.size(), slot.buf.size());

@@ -74,7 +74,7 @@ bool Transport::open(InMsg& msg) {
 }
 
 size_t Transport::recv_batch(std::span<InMsg> msgs, Duration timeout) {
-  const TimePoint deadline = now() + timeout;
+  TimePoint deadline{};  // read only if a whole batch was corrupt: a clock reading per call costs
   for (;;) {
     const size_t n = recv_raw(msgs, timeout);
     if (n == 0) return 0;
@@ -95,7 +95,10 @@ size_t Transport::recv_batch(std::span<InMsg> msgs, Duration timeout) {
     if (kept > 0) return kept;
     // All were corrupt: wait out the rest of the timeout, as if they had
     // never arrived.
-    timeout = deadline - now();
+    if (timeout <= Duration::zero()) return 0;
+    const TimePoint t = now();
+    if (deadline == TimePoint{}) deadline = t + timeout;
+    timeout = deadline - t;
     if (timeout <= Duration::zero()) return 0;
   }
 }

@@ -91,7 +91,11 @@ void group_by_peer(std::span<OutMsg> msgs);
 // with UDP GRO receives a train of datagrams into one slot's buffer, and the
 // other datagrams of the train are handed out in the following slots as views
 // into that buffer (no copy). Read a datagram through data(); it stays valid
-// until the next recv_batch on any of the slots.
+// until the next recv_batch on any of the slots. A slot may come without a
+// buffer (empty `buf`): it can only take such a view, so a caller that
+// expects trains passes more slots than buffers (netdam::Client: 128 slots,
+// 32 buffers of a whole train), and a transport that copies each datagram
+// into its slot's buffer stops at the first slot without one.
 struct InMsg {
   std::span<std::byte> buf;
   size_t len = 0;

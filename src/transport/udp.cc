@@ -345,18 +345,31 @@ std::byte* bounce_buffer() {
 }
 }  // namespace
 
-size_t UdpTransport::take_stash(std::span<InMsg> msgs) {
+namespace {
+// The next slot at or after `from` whose buffer can take `need` bytes
+// (msgs.size() if none). Slots may come without a buffer: they only
+// receive views into the buffers of others (the datagrams of a train).
+size_t next_buffer(std::span<InMsg> msgs, size_t from, size_t need) {
+  while (from < msgs.size() && msgs[from].buf.size() < need) ++from;
+  return from;
+}
+}  // namespace
+
+size_t UdpTransport::take_stash(std::span<InMsg> msgs, size_t& cursor) {
   if (!stash_nonempty_.load(std::memory_order_acquire)) return 0;
   std::lock_guard lock(stash_mu_);
   size_t n = 0;
   for (; n < msgs.size() && !stash_.empty(); ++n) {
     const Stashed& s = stash_.front();
+    cursor = next_buffer(msgs, cursor, 1);
+    if (cursor == msgs.size()) break;
+    std::span<std::byte> buf = msgs[cursor++].buf;
     InMsg& m = msgs[n];
-    m.len = std::min(s.bytes.size(), m.buf.size());
-    if (m.len > 0) std::memcpy(m.buf.data(), s.bytes.data(), m.len);
-    m.truncated = s.truncated || s.bytes.size() > m.buf.size();
+    m.len = std::min(s.bytes.size(), buf.size());
+    if (m.len > 0) std::memcpy(buf.data(), s.bytes.data(), m.len);
+    m.truncated = s.truncated || s.bytes.size() > buf.size();
     m.from = s.from;
-    m.at = nullptr;
+    m.at = buf.data();
     stash_.pop_front();
   }
   stash_nonempty_.store(!stash_.empty(), std::memory_order_release);
@@ -377,23 +390,36 @@ size_t UdpTransport::recv_now(std::span<InMsg> msgs) {
   };
   Train arrived[kChunk];
 
-  size_t got = take_stash(msgs);
+  // Datagrams go to the slots in order (msgs[got]); the buffers they land
+  // in are taken in order too (`cursor`), and may belong to other slots: a
+  // train fills one buffer and several slots. Every buffer before the
+  // cursor holds a datagram of this call, so none is received into twice.
+  size_t cursor = 0;
+  size_t got = take_stash(msgs, cursor);
   while (got < msgs.size()) {
     size_t n = std::min(kChunk, msgs.size() - got);
     // With GRO each buffer may hold a train of several datagrams, each of
-    // which needs a slot of its own: ask for as many buffers as the last
+    // which needs a slot of its own: ask for as many buffers as the recent
     // trains suggest fit, so the stash (a copy) stays the exception.
     if (gro_) n = std::clamp<size_t>((msgs.size() - got) / train_estimate_.load(std::memory_order_relaxed), 1, n);
-    // A slot smaller than a train would cut it short and lose the datagrams
-    // past its end: such a slot receives into a bounce buffer, one train at
-    // a time, and its datagrams are copied out (truncated like any other).
-    size_t big = 0;  // leading slots that can hold a whole train
-    while (gro_ && big < n && msgs[got + big].buf.size() >= kMaxTrainBytes) ++big;
-    const bool bounce = gro_ && big == 0;
-    if (gro_) n = bounce ? 1 : big;
+    // Buffers that can take the next datagrams (with GRO: whole trains).
+    // A buffer smaller than a train would cut it short and lose the
+    // datagrams past its end: without one, a train is received into a
+    // bounce buffer, one at a time, and its datagrams are copied out
+    // (truncated like any other).
+    size_t target[kChunk];
+    size_t targets = 0;
+    for (size_t b = cursor; targets < n;) {
+      b = next_buffer(msgs, b, gro_ ? kMaxTrainBytes : 1);
+      if (b == msgs.size()) break;
+      target[targets++] = b++;
+    }
+    const bool bounce = gro_ && targets == 0;
+    if (!bounce && targets == 0) break;  // no buffer left
+    n = bounce ? 1 : targets;
     for (size_t i = 0; i < n; ++i) {
-      iovs[i].iov_base = bounce ? bounce_buffer() : msgs[got + i].buf.data();
-      iovs[i].iov_len = bounce ? kMaxTrainBytes : msgs[got + i].buf.size();
+      iovs[i].iov_base = bounce ? bounce_buffer() : msgs[target[i]].buf.data();
+      iovs[i].iov_len = bounce ? kMaxTrainBytes : msgs[target[i]].buf.size();
       hdrs[i] = mmsghdr{};
       hdrs[i].msg_hdr.msg_name = &addrs[i];
       hdrs[i].msg_hdr.msg_namelen = sizeof addrs[i];
@@ -414,6 +440,7 @@ size_t UdpTransport::recv_now(std::span<InMsg> msgs) {
       }
       break;  // EAGAIN: queue empty; EINTR and others: hand back what we have
     }
+    if (!bounce && rc > 0) cursor = target[rc - 1] + 1;
     for (int i = 0; i < rc; ++i) {
       const msghdr& h = hdrs[i].msg_hdr;
       Train& t = arrived[i];
@@ -430,8 +457,8 @@ size_t UdpTransport::recv_now(std::span<InMsg> msgs) {
             t.segment = segment > 0 ? static_cast<size_t>(segment) : 0;
           }
     }
-    // Hand out every datagram in order: the first of a train in its own
-    // slot, the others in the following slots as views into that buffer.
+    // Hand out every datagram in order, each in a slot of its own, as a
+    // view into the buffer its train landed in.
     size_t most = 1;
     bool stashed = false;
     for (int i = 0; i < rc; ++i) {
@@ -444,28 +471,37 @@ size_t UdpTransport::recv_now(std::span<InMsg> msgs) {
         const size_t off = s * segment;
         const size_t len = std::min(segment, t.len - off);
         const bool truncated = t.truncated && s + 1 == count;
-        if (got < msgs.size()) {
+        const size_t copy_to = bounce && got < msgs.size() ? next_buffer(msgs, cursor, 1) : msgs.size();
+        if (bounce && copy_to < msgs.size()) {
+          // Out of the bounce buffer into the next free buffer.
+          std::span<std::byte> buf = msgs[copy_to].buf;
+          cursor = copy_to + 1;
           InMsg& m = msgs[got++];
           m.from = t.from;
-          if (bounce) {
-            m.at = nullptr;
-            m.len = std::min(len, m.buf.size());
-            if (m.len > 0) std::memcpy(m.buf.data(), t.base + off, m.len);
-            m.truncated = truncated || len > m.buf.size();
-          } else {
-            m.at = t.base + off;
-            m.len = len;
-            m.truncated = truncated;
-          }
+          m.at = buf.data();
+          m.len = std::min(len, buf.size());
+          if (m.len > 0) std::memcpy(buf.data(), t.base + off, m.len);
+          m.truncated = truncated || len > buf.size();
+        } else if (!bounce && got < msgs.size()) {
+          InMsg& m = msgs[got++];
+          m.from = t.from;
+          m.at = t.base + off;
+          m.len = len;
+          m.truncated = truncated;
         } else {
           std::lock_guard lock(stash_mu_);
+          stashed_.fetch_add(1, std::memory_order_relaxed);
           stash_.push_back(Stashed{t.from, std::vector<std::byte>(t.base + off, t.base + off + len), truncated});
           stash_nonempty_.store(true, std::memory_order_release);
           stashed = true;
         }
       }
     }
-    train_estimate_.store(most, std::memory_order_relaxed);
+    // The estimate follows a rise at once and a fall slowly: a train
+    // larger than expected costs a copy of each datagram past the slots
+    // (and an allocation), one smaller costs only a shorter recvmmsg.
+    const size_t before = train_estimate_.load(std::memory_order_relaxed);
+    train_estimate_.store(std::max(most, before - before / 4), std::memory_order_relaxed);
     if (stashed || static_cast<size_t>(rc) < n) break;  // full, or the queue is drained
   }
   // The group's datagrams go to the slots left (their buffers are unused:

@@ -110,6 +110,9 @@ class UdpTransport final : public Transport {
   // Trains of several datagrams sent in one piece, and received in one.
   uint64_t trains_sent() const { return trains_sent_.load(std::memory_order_relaxed); }
   uint64_t trains_received() const { return trains_received_.load(std::memory_order_relaxed); }
+  // Datagrams of received trains that found no free slot and were copied
+  // aside for the next call (each a copy and an allocation).
+  uint64_t datagrams_stashed() const { return stashed_.load(std::memory_order_relaxed); }
   // Sends the host's own queue refused for a moment (ENOBUFS), each sent
   // again; and ICMP errors drained from the socket (local_backpressure).
   uint64_t local_drops() const { return local_drops_.load(std::memory_order_relaxed); }
@@ -118,14 +121,16 @@ class UdpTransport final : public Transport {
  private:
   UdpTransport(int fd, Endpoint local) : fd_(fd), local_(local) {}
   size_t recv_now(std::span<InMsg> msgs);
-  size_t take_stash(std::span<InMsg> msgs);
+  // Stashed datagrams into msgs from the first, copied into the buffers
+  // from `cursor` on (advanced past those used).
+  size_t take_stash(std::span<InMsg> msgs, size_t& cursor);
   void enable_recverr(bool on);
   void drain_errors();
 
   int fd_;
   Endpoint local_;
   std::atomic<uint64_t> send_errors_{0};
-  std::atomic<uint64_t> trains_sent_{0}, trains_received_{0};
+  std::atomic<uint64_t> trains_sent_{0}, trains_received_{0}, stashed_{0};
   std::atomic<uint64_t> local_drops_{0}, icmp_errors_{0};
   bool recverr_ = false;
   std::chrono::microseconds spin_{0};
@@ -136,7 +141,7 @@ class UdpTransport final : public Transport {
   // size and is sent datagram by datagram; 0: no trains at all.
   std::atomic<size_t> gso_max_segment_{0};
   bool gro_ = false;
-  // How many datagrams the trains of the last receive held at most: sizes
+  // How many datagrams the trains of recent receives held at most: sizes
   // the next recvmmsg so that trains seldom overflow the caller's slots.
   std::atomic<size_t> train_estimate_{1};
   // Datagrams of a received train beyond the caller's slots, in order.
