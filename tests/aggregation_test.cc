@@ -239,6 +239,28 @@ TEST_F(AggregateTest, DuplicatesAreAddedOnceAndALostAnswerIsSentAgain) {
   EXPECT_EQ(Stat("agg.completed"), 1u);
 }
 
+// QUIET: a contribution that waits gets no held answer, the result goes to
+// it as to any other, and a copy sent again without the flag (the
+// contributor's resend after a timeout) is told it is held.
+TEST_F(AggregateTest, QuietContributionsWaitWithoutAHeldAnswer) {
+  const Bytes a = Floats({1, 2}), b = Floats({10, 20}), c = Floats({100, 200});
+  EXPECT_TRUE(Send({.rank = 0, .flags = kAggQuiet, .data = a, .txn = 70}).empty());
+  EXPECT_TRUE(Send({.rank = 2, .flags = kAggQuiet, .data = c}).empty());
+  EXPECT_TRUE(Held(Send({.rank = 0, .data = a, .txn = 70})));  // sent again, asking
+  auto done = Send({.rank = 1, .flags = kAggQuiet, .data = b});
+  ASSERT_EQ(done.size(), 3u);
+  for (const Answer& x : done) {
+    EXPECT_EQ(x.rec.flags, 0u);
+    EXPECT_EQ(x.data, Floats({111, 222}));
+  }
+  // A quiet copy of a finished block is answered with the result.
+  auto again = Send({.rank = 2, .flags = kAggQuiet, .data = c});
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0].data, Floats({111, 222}));
+  EXPECT_EQ(Stat("agg.completed"), 1u);
+  EXPECT_EQ(Stat("agg.duplicates"), 2u);
+}
+
 TEST_F(AggregateTest, ResultDoesNotDependOnArrivalOrder) {
   const Bytes in[4] = {Floats({1e8f}), Floats({1.0f}), Floats({-1e8f}), Floats({0.5f})};
   Bytes first;

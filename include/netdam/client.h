@@ -152,6 +152,13 @@ struct AggregateRequest {
   bool zero = false;       // the block is all zero bits: send a marker, not the block
   bool relay = false;      // add nothing, only receive the result (AllGather, Broadcast)
   bool staged = false;     // the block is in the device's STAGE already (written through its mapping)
+  // No "held" answer while the block waits for the other contributors
+  // (QUIET, PROTOCOL.md 6.13): the result is the only answer. If it does
+  // not come within a timeout, the contribution is sent again without the
+  // flag, and waits held from then on. For collectives of a few blocks,
+  // where a held answer is a datagram more per contribution and times no
+  // queue worth controlling.
+  bool quiet = false;
   std::span<std::byte> result;      // `length` bytes for the result, or empty: acknowledgement only
   // Non-zero: the block is a float32 gradient (sum) whose completion steps
   // the weights of this block in the device's region with this key

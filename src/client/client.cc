@@ -67,6 +67,7 @@ struct Client::Packet {
   uint32_t key_high = 0;              // a pool proxy's key: its high half goes in boot
   bool aggregate = false;             // an AGGREGATE contribution: the answer starts with its record
   bool held = false;                  // AGGREGATE: the device has it and answers when all are in
+  bool quiet = false;                 // AGGREGATE sent with QUIET (its first send only)
   // AGGREGATE naming a result group: how a group result names this block
   // (its key in group_waits_ while in flight).
   std::optional<GroupWait> group;
@@ -678,12 +679,14 @@ Op Client::aggregate_async(const AggregateRequest& r) {
   rec.contributors = r.contributors;
   rec.stride = r.stride;
   rec.flags = (r.zero ? core::kAggZero : 0) | (r.relay ? core::kAggSkip : 0) | (r.staged ? core::kAggStaged : 0) |
-              (r.result.empty() ? core::kAggNoResult : 0) | (r.weights_key != 0 ? core::kAggOptimize : 0);
+              (r.result.empty() ? core::kAggNoResult : 0) | (r.weights_key != 0 ? core::kAggOptimize : 0) |
+              (r.quiet ? core::kAggQuiet : 0);
   rec.weights = r.weights_key;
   core::encode_agg_record(rec, p.chain_head.data() + core::payload_offset(1));
   p.to = transport::Endpoint{r.device.ip, r.device.port};
   p.payload = r.data;
   p.answer_to = r.result.empty() ? nullptr : r.result.data();
+  p.quiet = r.quiet;
   return start(std::move(op));
 }
 
@@ -1113,6 +1116,10 @@ void Client::check_timers(TimePoint now) {
         const int timeouts = alone(lr) ? 1 : kHeldTimeouts;
         at = std::min(overtaken_at,
                       p->held_since + transport::Duration(timeouts * rto) * (1 << std::min(p->held_resends, 6)));
+      } else if (p->quiet) {
+        // Its silence says nothing (it may be held): one timeout, then
+        // sent again asking to be told.
+        at = p->last_sent + rto;
       } else {
         at = std::min(lr.lost_at(p->last_sent), p->last_sent + rto);
       }
@@ -1152,6 +1159,11 @@ void Client::check_timers(TimePoint now) {
     }
     if (!resend) continue;
     p->due = {};
+    if (p->quiet) {  // from now on a held answer is wanted: it tells a late rank from a lost block
+      p->quiet = false;
+      std::byte* flags = p->chain_head.data() + core::payload_offset(1) + 8;  // the record's flags
+      store_be<uint32_t>(flags, load_be<uint32_t>(flags) & ~core::kAggQuiet);
+    }
     send_now(*p, now);
     if (due) {
       ++counters_.not_ready_resends;
@@ -1228,7 +1240,9 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
   // block; PROTOCOL.md 6.13), so it times the queues on the way to the
   // aggregating device: under incast, the very queue to control. Its
   // later answer (the result after waiting for the others) is not timed.
-  if (h.status != Status::kNotReady && !p.held) first_answer(p, p.sends == 1, h.depth);
+  // A quiet contribution's first answer is its result, which waited for
+  // the other contributors: no round-trip sample.
+  if (h.status != Status::kNotReady && !p.held) first_answer(p, p.sends == 1 && !p.quiet, h.depth);
   if (p.is_chain() && h.status == Status::kNotReady) {
     // Back off from 100 us to 3.2 ms; the deadline still runs from first_sent.
     p.due = rx_time_ + kNotReadyDelay * (1 << std::min(p.not_ready++, 5));

@@ -67,7 +67,11 @@ class Builder {
       if (bytes == 0) break;
     }
   }
-  std::vector<AggregateRequest> take() { return std::move(out_); }
+  std::vector<AggregateRequest> take() {
+    if (out_.size() <= kAggregateQuietBlocks)
+      for (AggregateRequest& r : out_) r.quiet = true;
+    return std::move(out_);
+  }
 
  private:
   AggregateContext c_;

@@ -41,7 +41,13 @@ inline constexpr uint32_t kAggStaged = 0x8;    // the data is in STAGE_r already
 // whose key the record's `weights` field holds, at base + block * stride)
 // and answers the updated weights instead of the sum.
 inline constexpr uint32_t kAggOptimize = 0x10;
-inline constexpr uint32_t kAggFlagsKnown = kAggZero | kAggNoResult | kAggSkip | kAggStaged | kAggOptimize;
+// No "held" answer: the contributor waits for the result, and sends again
+// (without the flag) if it does not come. A collective of a few blocks
+// saves a datagram per contribution that waits; the held answers of a
+// large one time its queues (docs/COLLECTIVES.md section 11).
+inline constexpr uint32_t kAggQuiet = 0x20;
+inline constexpr uint32_t kAggFlagsKnown =
+    kAggZero | kAggNoResult | kAggSkip | kAggStaged | kAggOptimize | kAggQuiet;
 // The flags that say where the data is instead of the payload: at most one.
 inline constexpr uint32_t kAggNoPayload = kAggZero | kAggSkip | kAggStaged;
 // Answer flags.

@@ -134,6 +134,8 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address from, Address
     // Held until the block completes. Say so at once: the contributor then
     // knows its block arrived (and how long the network takes), and
     // retransmits only if the result does not come for a long while.
+    // Unless it asked not to be told (QUIET): the result will say it.
+    if (rec.flags & kAggQuiet) return Action{};
     AggReply to = c.reply;
     to.with_data = true;  // (a held answer carries no data either way: no NONE flag)
     build(to, {p.sr.generation, kAggHeld}, {}, out.data());

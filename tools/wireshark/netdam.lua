@@ -190,6 +190,7 @@ field("agg_no_result", ProtoField.bool, "agg.flags.no_result", "NO_RESULT", 32, 
 field("agg_skip", ProtoField.bool, "agg.flags.skip", "SKIP", 32, nil, 0x4)
 field("agg_staged", ProtoField.bool, "agg.flags.staged", "STAGED", 32, nil, 0x8)
 field("agg_optimize", ProtoField.bool, "agg.flags.optimize", "OPTIMIZE", 32, nil, 0x10)
+field("agg_quiet", ProtoField.bool, "agg.flags.quiet", "QUIET (no held answer)", 32, nil, 0x20)
 field("agg_weights", U32, "agg.weights", "Weights region key (OPTIMIZE)", HEX)
 field("agg_generation", U32, "agg.generation", "Generation", DEC)
 field("agg_answer_flags", U32, "agg.answer_flags", "Answer flags", HEX)
@@ -528,7 +529,7 @@ local function agg_request(tvb, tree, off, len, dtype)
   local t = tree:add(tvb(off, 16), "Aggregation record")
   add_layout(t, tvb, off, {{f.agg_contributor, 0, 2}, {f.agg_contributors, 2, 2}, {f.agg_stride, 4, 4}})
   add_bits(t, f.agg_flags, tvb(off + 8, 4), {f.agg_zero, f.agg_no_result, f.agg_skip, f.agg_staged,
-                                                 f.agg_optimize})
+                                                 f.agg_optimize, f.agg_quiet})
   t:add(f.agg_weights, tvb(off + 12, 4))
   t:append_text(string.format(": contributor %d of %d", tvb(off, 2):uint(), tvb(off + 2, 2):uint()))
   if len > 16 then dense_elements(tvb, tree, off + 16, len - 16, dtype, "Block") end
