@@ -50,6 +50,7 @@
 namespace netdam::transport {
 class Transport;
 struct Endpoint;
+struct InMsg;
 }  // namespace netdam::transport
 namespace netdam::core {
 struct Header;
@@ -461,6 +462,9 @@ class Client {
   // pages; under ASan, whose quarantine keeps freed memory from reuse,
   // that was most of the pool tests' time).
   std::unique_ptr<std::byte[]> rx_;
+  // The receive slots, the first of them viewing rx_'s buffers; made once,
+  // not on every pump.
+  std::unique_ptr<transport::InMsg[]> rx_slots_;
   Counters counters_;
 };
 

@@ -246,7 +246,9 @@ Client::Client(std::unique_ptr<transport::Transport> t, const transport::Endpoin
       device_(std::make_unique<transport::Endpoint>(device)),
       opts_(opts),
       recovery_(std::make_unique<Recovery>(opts)),
-      rx_(std::make_unique_for_overwrite<std::byte[]>(kRxBatch * kRxBufferSize)) {
+      rx_(std::make_unique_for_overwrite<std::byte[]>(kRxBatch * kRxBufferSize)),
+      rx_slots_(std::make_unique<transport::InMsg[]>(kRxSlots)) {
+  for (size_t i = 0; i < kRxBatch; ++i) rx_slots_[i].buf = std::span(rx_.get() + i * kRxBufferSize, kRxBufferSize);
   // Txns start at the wall clock in nanoseconds: a later client that gets
   // the same source port as an earlier one starts above every txn the
   // earlier one can have used (it would have needed more than one txn per
@@ -1478,8 +1480,7 @@ void Client::pump(bool block) {
     timeout = std::clamp<std::chrono::nanoseconds>(wake - now, std::chrono::nanoseconds(0),
                                                    std::chrono::nanoseconds(opts_.min_rto) / 2);
   }
-  std::array<transport::InMsg, kRxSlots> in;
-  for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_.get() + i * kRxBufferSize, kRxBufferSize);
+  const std::span<transport::InMsg> in(rx_slots_.get(), kRxSlots);
   const size_t n = transport_->recv_batch(in, timeout);
   counters_.integrity_drops = transport_->integrity_drops();
   counters_.window_decreases = recovery_->cc.decreases();
