@@ -415,7 +415,9 @@ size_t UdpTransport::recv_now(std::span<InMsg> msgs) {
       target[targets++] = b++;
     }
     const bool bounce = gro_ && targets == 0;
-    if (!bounce && targets == 0) break;  // no buffer left
+    // No buffer left to receive into or copy into: what is still queued
+    // waits in the socket for the next call (a stash would copy it twice).
+    if (targets == 0 && (!bounce || next_buffer(msgs, cursor, 1) == msgs.size())) break;
     n = bounce ? 1 : targets;
     for (size_t i = 0; i < n; ++i) {
       iovs[i].iov_base = bounce ? bounce_buffer() : msgs[target[i]].buf.data();
