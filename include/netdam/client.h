@@ -50,7 +50,7 @@
 namespace netdam::transport {
 class Transport;
 struct Endpoint;
-struct InMsg;
+class ReceiveSlots;
 }  // namespace netdam::transport
 namespace netdam::core {
 struct Header;
@@ -457,14 +457,11 @@ class Client {
   size_t inflight_bytes_ = 0;
   struct Recovery;  // per route class: RTT, timers, loss detection
   std::unique_ptr<Recovery> recovery_;
-  // Receive buffers, not zeroed: a page is touched only when a datagram
-  // lands in it (zeroing 2 MiB made every Client construction fault in 512
-  // pages; under ASan, whose quarantine keeps freed memory from reuse,
-  // that was most of the pool tests' time).
-  std::unique_ptr<std::byte[]> rx_;
-  // The receive slots, the first of them viewing rx_'s buffers; made once,
-  // not on every pump.
-  std::unique_ptr<transport::InMsg[]> rx_slots_;
+  // Receive slots over buffers that are not zeroed (zeroing 2 MiB made
+  // every Client construction fault in 512 pages; under ASan, whose
+  // quarantine keeps freed memory from reuse, that was most of the pool
+  // tests' time).
+  std::unique_ptr<transport::ReceiveSlots> rx_;
   Counters counters_;
 };
 

@@ -246,9 +246,7 @@ Client::Client(std::unique_ptr<transport::Transport> t, const transport::Endpoin
       device_(std::make_unique<transport::Endpoint>(device)),
       opts_(opts),
       recovery_(std::make_unique<Recovery>(opts)),
-      rx_(std::make_unique_for_overwrite<std::byte[]>(kRxBatch * kRxBufferSize)),
-      rx_slots_(std::make_unique<transport::InMsg[]>(kRxSlots)) {
-  for (size_t i = 0; i < kRxBatch; ++i) rx_slots_[i].buf = std::span(rx_.get() + i * kRxBufferSize, kRxBufferSize);
+      rx_(std::make_unique<transport::ReceiveSlots>(kRxBatch, kRxSlots)) {
   // Txns start at the wall clock in nanoseconds: a later client that gets
   // the same source port as an earlier one starts above every txn the
   // earlier one can have used (it would have needed more than one txn per
@@ -1163,8 +1161,10 @@ void Client::check_timers(TimePoint now) {
     p->due = {};
     if (p->quiet) {  // from now on a held answer is wanted: it tells a late rank from a lost block
       p->quiet = false;
-      std::byte* flags = p->chain_head.data() + core::payload_offset(1) + 8;  // the record's flags
-      store_be<uint32_t>(flags, load_be<uint32_t>(flags) & ~core::kAggQuiet);
+      std::byte* at = p->chain_head.data() + core::payload_offset(1);
+      core::AggRecord rec = core::decode_agg_record(at);
+      rec.flags &= ~core::kAggQuiet;
+      core::encode_agg_record(rec, at);
     }
     send_now(*p, now);
     if (due) {
@@ -1466,13 +1466,13 @@ Error Client::deliver(Packet& p, std::span<const std::byte> payload) {
 }
 
 void Client::pump(bool block) {
-  send_queued();
+  const TimePoint now = transport_->now();  // for the sends and the sleep alike
+  send_queued(now);
   if (inflight_.empty() && queue_.empty()) return;
   // Sleep no longer than the next retransmission could be due, or the
   // pacer lets the next request go.
   auto timeout = std::chrono::nanoseconds(0);
   if (block) {
-    const TimePoint now = transport_->now();
     TimePoint wake = inflight_.empty() ? now + std::chrono::nanoseconds(opts_.min_rto) : recovery_->next_check;
     // Held back by the pacer (not by the window, which only answers open):
     // wake when it lets the next request go.
@@ -1480,7 +1480,7 @@ void Client::pump(bool block) {
     timeout = std::clamp<std::chrono::nanoseconds>(wake - now, std::chrono::nanoseconds(0),
                                                    std::chrono::nanoseconds(opts_.min_rto) / 2);
   }
-  const std::span<transport::InMsg> in(rx_slots_.get(), kRxSlots);
+  const std::span<transport::InMsg> in = rx_->slots();
   const size_t n = transport_->recv_batch(in, timeout);
   counters_.integrity_drops = transport_->integrity_drops();
   counters_.window_decreases = recovery_->cc.decreases();

@@ -130,7 +130,7 @@ Proxy::Proxy(const ProxyOptions& o, std::unique_ptr<StateStore> store)
       probe_txn_(static_cast<uint64_t>(
           std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
               .count())),
-      rx_(kRxBatch * kRxBufferSize) {}
+      rx_(kRxBatch, kRxSlots) {}
 
 Proxy::~Proxy() = default;
 
@@ -159,8 +159,7 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
   // received in this turn arrived "now".
   if (latency_) arrival_.at = listen_->now();
 
-  std::array<transport::InMsg, kRxSlots> in;
-  for (size_t i = 0; i < kRxBatch; ++i) in[i].buf = std::span(rx_).subspan(i * kRxBufferSize, kRxBufferSize);
+  const std::span<transport::InMsg> in = rx_.slots();
   for (int round = 0; round < 4; ++round) {
     // Through out_: with --inject-* a datagram held back for reordering is
     // released here, before the next request is handled, not at some later

@@ -263,7 +263,7 @@ class Proxy {
   transport::TimePoint next_resync_{};
   uint64_t health_seq_ = 0;
   transport::TimePoint next_health_{};
-  std::vector<std::byte> rx_;
+  transport::ReceiveSlots rx_;  // made once, reused every turn
   // When the request being handled (or finished) arrived, and whether it
   // counted as a request (STATS op.*): what reply() charges its latency to.
   struct Arrival {

@@ -97,9 +97,11 @@ size_t Transport::recv_batch(std::span<InMsg> msgs, Duration timeout) {
     // never arrived.
     if (timeout <= Duration::zero()) return 0;
     const TimePoint t = now();
-    if (deadline == TimePoint{}) deadline = t + timeout;
-    timeout = deadline - t;
-    if (timeout <= Duration::zero()) return 0;
+    if (deadline == TimePoint{}) {
+      deadline = t + timeout;
+    } else if ((timeout = deadline - t) <= Duration::zero()) {
+      return 0;
+    }
   }
 }
 

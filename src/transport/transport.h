@@ -9,12 +9,14 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 
 #include "netdam/error.h"
+#include "netdam/types.h"
 
 namespace netdam::transport {
 
@@ -103,6 +105,27 @@ struct InMsg {
   bool truncated = false;   // the datagram was larger than buf
   std::byte* at = nullptr;  // where the datagram is; nullptr: buf.data()
   std::span<std::byte> data() const { return {at != nullptr ? at : buf.data(), len}; }
+};
+
+// A receiver's slots, made once and reused for every recv_batch: `slots`
+// of them, the first `buffers` viewing buffers of kRxBufferSize (a whole
+// GRO train each), the rest without (views only). The buffers are not
+// zeroed: a page is touched only when a datagram lands in it.
+class ReceiveSlots {
+ public:
+  ReceiveSlots(size_t buffers, size_t slots)
+      : bytes_(std::make_unique_for_overwrite<std::byte[]>(buffers * kRxBufferSize)),
+        slots_(std::make_unique<InMsg[]>(slots)),
+        count_(slots) {
+    for (size_t i = 0; i < buffers && i < slots; ++i) slots_[i].buf = {bytes_.get() + i * kRxBufferSize, kRxBufferSize};
+  }
+  std::span<InMsg> slots() { return {slots_.get(), count_}; }
+  InMsg& operator[](size_t i) { return slots_[i]; }
+
+ private:
+  std::unique_ptr<std::byte[]> bytes_;
+  std::unique_ptr<InMsg[]> slots_;
+  size_t count_;
 };
 
 // The integrity trailer of a datagram made of `parts` (CRC32C, big-endian).

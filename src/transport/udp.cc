@@ -353,6 +353,17 @@ size_t next_buffer(std::span<InMsg> msgs, size_t from, size_t need) {
   while (from < msgs.size() && msgs[from].buf.size() < need) ++from;
   return from;
 }
+
+// Slot `m` gets a copy of `bytes` in `buf` (another slot's buffer, or its
+// own), truncated at the buffer's size like any datagram.
+void copy_into(InMsg& m, std::span<std::byte> buf, std::span<const std::byte> bytes, const Endpoint& from,
+               bool truncated) {
+  m.len = std::min(bytes.size(), buf.size());
+  if (m.len > 0) std::memcpy(buf.data(), bytes.data(), m.len);
+  m.truncated = truncated || bytes.size() > buf.size();
+  m.from = from;
+  m.at = buf.data();
+}
 }  // namespace
 
 size_t UdpTransport::take_stash(std::span<InMsg> msgs, size_t& cursor) {
@@ -363,13 +374,7 @@ size_t UdpTransport::take_stash(std::span<InMsg> msgs, size_t& cursor) {
     const Stashed& s = stash_.front();
     cursor = next_buffer(msgs, cursor, 1);
     if (cursor == msgs.size()) break;
-    std::span<std::byte> buf = msgs[cursor++].buf;
-    InMsg& m = msgs[n];
-    m.len = std::min(s.bytes.size(), buf.size());
-    if (m.len > 0) std::memcpy(buf.data(), s.bytes.data(), m.len);
-    m.truncated = s.truncated || s.bytes.size() > buf.size();
-    m.from = s.from;
-    m.at = buf.data();
+    copy_into(msgs[n], msgs[cursor++].buf, s.bytes, s.from, s.truncated);
     stash_.pop_front();
   }
   stash_nonempty_.store(!stash_.empty(), std::memory_order_release);
@@ -476,14 +481,8 @@ size_t UdpTransport::recv_now(std::span<InMsg> msgs) {
         const size_t copy_to = bounce && got < msgs.size() ? next_buffer(msgs, cursor, 1) : msgs.size();
         if (bounce && copy_to < msgs.size()) {
           // Out of the bounce buffer into the next free buffer.
-          std::span<std::byte> buf = msgs[copy_to].buf;
+          copy_into(msgs[got++], msgs[copy_to].buf, {t.base + off, len}, t.from, truncated);
           cursor = copy_to + 1;
-          InMsg& m = msgs[got++];
-          m.from = t.from;
-          m.at = buf.data();
-          m.len = std::min(len, buf.size());
-          if (m.len > 0) std::memcpy(buf.data(), t.base + off, m.len);
-          m.truncated = truncated || len > buf.size();
         } else if (!bounce && got < msgs.size()) {
           InMsg& m = msgs[got++];
           m.from = t.from;
