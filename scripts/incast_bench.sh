@@ -21,6 +21,11 @@
 #                    device mark their datagrams of at most 512 bytes with it
 #                    (--small-dscp): the probe's READs skip the writers'
 #                    queue (default: one queue, nothing marked)
+#   --writer-spin-us US  how long each writer looks for answers before it
+#                    sleeps (netdam-incast --spin-us; default the client's
+#                    100 us). The hosts share this machine's cores, so a
+#                    spinning writer takes CPU from the probe's host, which a
+#                    real cluster's hosts would not
 #   --netdamd-args "ARGS"  more options for the device's netdamd (e.g.
 #                    "--spin-us 0"), after the ones this script sets
 #   --prefix NAME    cluster name prefix (default nic)
@@ -57,7 +62,7 @@ build="$repo/${BUILD_DIR:-build}"
 [[ "${BUILD_DIR:-}" == /* ]] && build="$BUILD_DIR"
 incast="$build/bench/netdam-incast"
 
-writers=8 rate=500mbit seconds=1 rounds=3 ccs=fixed,depth,swift target_us="" loss=0 priority="" netdamd_args="" prefix=nic out="" check=0 max_loss=0.001 warmup=1
+writers=8 rate=500mbit seconds=1 rounds=3 ccs=fixed,depth,swift target_us="" loss=0 priority="" netdamd_args="" prefix=nic out="" check=0 max_loss=0.001 warmup=1 writer_spin=""
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 while (($#)); do
   case "$1" in
@@ -72,6 +77,7 @@ while (($#)); do
     --priority) priority=$2; shift 2 ;;
     --netdamd-args) netdamd_args=$2; shift 2 ;;
     --warmup) warmup=$2; shift 2 ;;
+    --writer-spin-us) writer_spin=$2; shift 2 ;;
     --prefix) prefix=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --check) check=1; shift ;;
@@ -82,6 +88,7 @@ done
 [[ "$writers" =~ ^[0-9]+$ ]] && ((writers >= 1 && writers <= 64)) || { echo "incast_bench: --writers 1..64" >&2; exit 2; }
 [[ "$rounds" =~ ^[0-9]+$ ]] && ((rounds >= 1)) || { echo "incast_bench: --rounds >= 1" >&2; exit 2; }
 [[ "$warmup" =~ ^[0-9]+$ ]] || { echo "incast_bench: --warmup: a number of runs, 0 or more" >&2; exit 2; }
+[[ -z "$writer_spin" || "$writer_spin" =~ ^[0-9]+$ ]] || { echo "incast_bench: --writer-spin-us: microseconds, 0 or more" >&2; exit 2; }
 [[ -z "$priority" ]] || { [[ "$priority" =~ ^[0-9]+$ ]] && ((priority <= 63)); } ||
   { echo "incast_bench: --priority: a DSCP, 0..63" >&2; exit 2; }
 marking=()
@@ -141,7 +148,7 @@ incast_once() {  # incast_once LABEL CC ROUND: the writers and the probe at once
   local start=$(( $(date +%s%N) + 400000000 ))
   for ((i = 0; i < writers; i++)); do
     ip netns exec "${host_ns[$i]}" "$incast" write --device "$device" --start-at "$start" --seconds "$seconds" \
-      --cc "$cc" ${target_us:+--target-us "$target_us"} --slot "$i" "${marking[@]}" --out "$base.w$i" 2>>"$base.err" &
+      --cc "$cc" ${target_us:+--target-us "$target_us"} ${writer_spin:+--spin-us "$writer_spin"} --slot "$i" "${marking[@]}" --out "$base.w$i" 2>>"$base.err" &
     pids+=($!)
   done
   ip netns exec "${host_ns[$writers]}" "$incast" read --device "$device" --start-at "$start" --seconds "$seconds" \
@@ -158,7 +165,7 @@ for setting in "${settings[@]}"; do
   up "$setting"
   label=clean
   [[ "$setting" != 0 ]] && label="loss$setting"
-  echo "== $label: $writers writers -> 1 device at $rate, ${seconds}s per run, $rounds rounds of: ${cc_list[*]}${priority:+; small datagrams marked DSCP $priority and served first}"
+  echo "== $label: $writers writers -> 1 device at $rate, ${seconds}s per run, $rounds rounds of: ${cc_list[*]}${priority:+; small datagrams marked DSCP $priority and served first}${writer_spin:+; writers spin ${writer_spin} us}"
   # The probe alone first: its idle latency (the report's header; each run
   # is compared with the probe alone right before it).
   ip netns exec "${host_ns[$writers]}" "$incast" read --device "$device" --seconds 1 "${marking[@]}" \

@@ -83,6 +83,9 @@ def run_figures(base, writers, rate_bps, seconds, header_idle_p99_us):
         "steal_ms": int(d.get("steal_ticks", 0)) * 10,
         "retransmits": sum(int(t["retransmits"]) for t, _ in flows),
         "decreases": sum(int(t["window_decreases"]) for t, _ in flows),
+        # Cores the writers kept busy (their processes' CPU time over the
+        # run): hosts that here share two cores, each its own in a cluster.
+        "writers_cores": sum(float(t.get("cpu_s", "nan")) for t, _ in flows) / seconds,
     }
 
 
@@ -112,7 +115,8 @@ def main():
         print(f"\n{label}: idle READ p99 {idle_p99:.0f} us at the start; each run against the probe alone "
               f"right before it")
         print(f"{'controller':<10} {'goodput/link':>20} {'lost/sent':>24} {'min Jain':>20} "
-              f"{'READ p99/idle':>20} {'idle p99 us':>16} {'steal ms':>12} {'rexmit':>8} {'decr':>8}  runs")
+              f"{'READ p99/idle':>20} {'idle p99 us':>16} {'steal ms':>12} {'writers cores':>18} {'rexmit':>8} "
+              f"{'decr':>8}  runs")
         for cc in ccs:
             bases = sorted({m.group(1) for p in glob.glob(f"{a.out}/{label}-{cc}-*.w0")
                             if (m := re.match(r"(.*)\.w0$", p))})
@@ -133,6 +137,7 @@ def main():
                   f"{spread([r['read_ratio'] for r in runs], '{:.1f}'):>20} "
                   f"{spread([r['idle_p99_us'] for r in runs], '{:.0f}'):>16} "
                   f"{spread([r['steal_ms'] for r in runs], '{:.0f}'):>12} "
+                  f"{spread([r['writers_cores'] for r in runs], '{:.2f}'):>18} "
                   f"{statistics.median([r['retransmits'] for r in runs]):>8.0f} "
                   f"{statistics.median([r['decreases'] for r in runs]):>8.0f}  {len(runs)}{extra}")
             if not all(r["ok"] for r in runs):

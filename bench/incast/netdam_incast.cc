@@ -2,8 +2,9 @@
 // docs/CONGESTION.md). Run one per host, all against the same device.
 //
 //   netdam-incast write --device HOST:PORT --start-at NS --seconds S [--cc fixed|depth|swift]
-//                       [--target-us US] [--slot N] [--small-dscp D] [--out FILE]
-//   netdam-incast read  --device HOST:PORT --start-at NS --seconds S [--small-dscp D] [--out FILE]
+//                       [--target-us US] [--slot N] [--small-dscp D] [--spin-us US] [--out FILE]
+//   netdam-incast read  --device HOST:PORT --start-at NS --seconds S [--small-dscp D] [--spin-us US]
+//                       [--out FILE]
 //
 // write: acknowledged WRITEs of 1 MiB (8 KiB packets) into this flow's own
 //   2 MiB slot of the device's region (--slot; two 1 MiB halves, each
@@ -16,7 +17,13 @@
 // read: synchronous 64-byte READs, one at a time, for --seconds; records
 //   every latency.
 //
-// Output (--out, default stdout): a header line of key=value totals, then
+// --spin-us: ClientOptions::spin, how long the client looks for answers
+// before it sleeps (default the client's, 100 us). Every emulated host
+// shares this machine's cores, so a writer that spins takes CPU from the
+// probe that a real host's own cores would not.
+//
+// Output (--out, default stdout): a header line of key=value totals (with
+// cpu_s, the CPU seconds the process used, user and system), then
 // CSV: write "t_ms,answered_packets,window_bytes,answered_bytes", read "latency_ns".
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -25,6 +32,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <sys/resource.h>
 #include <string>
 #include <thread>
 #include <vector>
@@ -59,8 +67,17 @@ struct Args {
   int64_t target_us = ClientOptions{}.congestion_target.count();
   uint32_t slot = 0;
   int small_dscp = -1;  // ClientOptions::small_dscp
+  int64_t spin_us = ClientOptions{}.spin.count();
   std::string out;
 };
+
+// CPU seconds this process used so far (user + system).
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  auto s = [](const timeval& t) { return double(t.tv_sec) + double(t.tv_usec) / 1e6; };
+  return s(u.ru_utime) + s(u.ru_stime);
+}
 
 FILE* open_out(const std::string& path) {
   if (path.empty()) return stdout;
@@ -77,6 +94,7 @@ int run_write(const Args& a) {
   o.congestion_target = std::chrono::microseconds(a.target_us);
   o.timeout = 5s;
   o.small_dscp = a.small_dscp;
+  o.spin = std::chrono::microseconds(a.spin_us);
   auto client = Client::connect(a.device, o);
   if (!client) throw std::runtime_error(client.error().to_string());
   Client& c = **client;
@@ -145,11 +163,11 @@ int run_write(const Args& a) {
   const auto& k = c.counters();
   std::fprintf(f,
                "# flow=write slot=%u cc=%s seconds=%.4f bytes=%llu packets_sent=%llu retransmits=%llu probes=%llu "
-               "answers=%llu window_decreases=%llu failed=%d wrong=%d\n",
+               "answers=%llu window_decreases=%llu failed=%d wrong=%d cpu_s=%.3f\n",
                a.slot, a.cc.c_str(), secs, static_cast<unsigned long long>(bytes_done),
                static_cast<unsigned long long>(k.packets_sent), static_cast<unsigned long long>(k.retransmits),
                static_cast<unsigned long long>(k.probes), static_cast<unsigned long long>(k.answers),
-               static_cast<unsigned long long>(k.window_decreases), failed, wrong);
+               static_cast<unsigned long long>(k.window_decreases), failed, wrong, cpu_seconds());
   std::fprintf(f, "t_ms,answered_packets,window_bytes,answered_bytes\n");
   for (size_t i = 0; i < samples.size(); ++i)
     std::fprintf(f, "%zu,%llu,%zu,%llu\n", (i + 1) * 10, static_cast<unsigned long long>(samples[i].answers),
@@ -161,6 +179,7 @@ int run_write(const Args& a) {
 int run_read(const Args& a) {
   ClientOptions o;
   o.small_dscp = a.small_dscp;
+  o.spin = std::chrono::microseconds(a.spin_us);
   auto client = Client::connect(a.device, o);
   if (!client) throw std::runtime_error(client.error().to_string());
   Client& c = **client;
@@ -180,7 +199,7 @@ int run_read(const Args& a) {
     std::this_thread::sleep_for(1ms);  // a probe, not a load: about 1000 per second
   }
   FILE* f = open_out(a.out);
-  std::fprintf(f, "# flow=read reads=%zu failed=%d\nlatency_ns\n", lat.size(), failed);
+  std::fprintf(f, "# flow=read reads=%zu failed=%d cpu_s=%.3f\nlatency_ns\n", lat.size(), failed, cpu_seconds());
   for (int64_t l : lat) std::fprintf(f, "%lld\n", static_cast<long long>(l));
   if (f != stdout) std::fclose(f);
   return failed ? 1 : 0;
@@ -200,6 +219,8 @@ int main(int argc, char** argv) {
     s->add_option("--out", a.out, "output file (default stdout)");
     s->add_option("--small-dscp", a.small_dscp, "DSCP of its datagrams of at most 512 bytes (default -1: unmarked)")
         ->check(CLI::Range(-1, 63));
+    s->add_option("--spin-us", a.spin_us, "look for answers this long before sleeping (ClientOptions::spin; 0 never)")
+        ->check(CLI::NonNegativeNumber);
     if (std::string(name) == "write") {
       s->add_option("--cc", a.cc, "congestion control: fixed, depth or swift");
       s->add_option("--slot", a.slot, "this flow's 2 MiB slot in the region");
