@@ -297,6 +297,24 @@ TEST_F(EngineTest, ChainRetransmissionOfReduceMemAppliesOnce) {
   EXPECT_EQ(Slice(mem(), 0x100, 16), I32s({2, 3, 4, 5}));
 }
 
+// A chain ending in a store, retransmitted end to end (or duplicated) after
+// its initiator wrote the same bytes again: the late copy's store is
+// answered from the window and does not undo the newer write (PROTOCOL.md
+// 9.2). Another chain (its own txn) stores again.
+TEST_F(EngineTest, ALateCopyOfAChainsStoreDoesNotUndoANewerWrite) {
+  Bytes d = ChainDatagram(ChainHeader(960, DType::kBytes, RedOp::kNone, 8), {},
+                          {Seg(kDev0, Opcode::kWrite, 0x100)}, Le64(1));
+  EXPECT_EQ(n().Send(kClient, d).status(), Status::kOk);
+  EXPECT_EQ(Write(0x100, Le64(2)).status(), Status::kOk);
+  EXPECT_EQ(n().Send(kClient, d).status(), Status::kOk);
+  EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x100), 2u);
+  EXPECT_EQ(n().Stat("replayed"), 1u);
+  Bytes next = ChainDatagram(ChainHeader(961, DType::kBytes, RedOp::kNone, 8), {},
+                             {Seg(kDev0, Opcode::kWrite, 0x100)}, Le64(3));
+  EXPECT_EQ(n().Send(kClient, next).status(), Status::kOk);
+  EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x100), 3u);
+}
+
 // Delivers a chain datagram to the node at `first` and follows its forwards
 // through `nodes` (by address), as the network would. Returns the final
 // Action (reply or nothing); `forwards` counts the datagrams between devices.

@@ -369,15 +369,74 @@ TEST_F(EngineTest, OutOfOrderTxnsWithinWindowApplyOnce) {
   EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x3000), applied);
 }
 
-TEST_F(EngineTest, IdempotentRequestsAreNotInTheWindow) {
-  // WRITE and READ carry txns but do not use the window: the same txn may
-  // run again (a retransmitted WRITE rewrites the same bytes).
+TEST_F(EngineTest, ReadsAndUnansweredWritesRunEveryCopy) {
+  // READ is not in the window: every copy runs. A WRITE without ACK_REQ is
+  // never retransmitted (nothing answers it), and every copy runs too.
   Header h = Req(Opcode::kWrite, 0x100, 8);
-  h.flags = kFlagAckReq;
-  EXPECT_EQ(Do(h, Le64(1)).status(), Status::kOk);
-  EXPECT_EQ(Do(h, Le64(2)).status(), Status::kOk);
+  EXPECT_EQ(Do(h, Le64(1)).kind, Action::Kind::kNone);
+  EXPECT_EQ(Do(h, Le64(2)).kind, Action::Kind::kNone);
   EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x100), 2u);
+  Header r = Req(Opcode::kRead, 0x100, 8);
+  EXPECT_EQ(Do(r).payload, Le64(2));
+  store_le<uint64_t>(mem().data() + 0x100, 3);
+  EXPECT_EQ(Do(r).payload, Le64(3));
   EXPECT_EQ(n().Stat("replayed"), 0u);
+}
+
+// The hazard of PROTOCOL.md 9.2: a copy of an answered WRITE that arrives
+// after the requester's next write of the same bytes (it retransmitted, or
+// the network duplicated or held the datagram back). It must not undo the
+// newer write: the copies of one answered WRITE or FILL run once.
+TEST_F(EngineTest, ALateCopyOfAnAnsweredWriteDoesNotUndoANewerOne) {
+  Header a = Req(Opcode::kWrite, 0x100, 8);
+  a.flags = kFlagAckReq;
+  EXPECT_EQ(Do(a, Le64(1)).status(), Status::kOk);
+  EXPECT_EQ(Write(0x100, Le64(2)).status(), Status::kOk);
+  Reply late = Do(a, Le64(1));
+  EXPECT_EQ(late.status(), Status::kOk);  // answered again, from the window
+  EXPECT_EQ(late.kind, Action::Kind::kReply);
+  EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x100), 2u);
+  EXPECT_EQ(n().Stat("replayed"), 1u);
+
+  Header f = Req(Opcode::kFill, 0x200, 64);
+  EXPECT_EQ(Do(f, Bytes{std::byte{0xAA}}).status(), Status::kOk);
+  EXPECT_EQ(Write(0x200, Le64(7)).status(), Status::kOk);
+  EXPECT_EQ(Do(f, Bytes{std::byte{0xAA}}).status(), Status::kOk);
+  EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x200), 7u);
+  EXPECT_EQ(mem()[0x208], std::byte{0xAA});
+  EXPECT_EQ(n().Stat("replayed"), 2u);
+
+  // A refusal is remembered as well: the copy of a WRITE out of bounds is
+  // refused the same way.
+  Header bad = Req(Opcode::kWrite, kHalf - 4, 8);  // crosses the end of its region
+  bad.flags = kFlagAckReq;
+  EXPECT_EQ(Do(bad, Le64(1)).status(), Status::kOutOfBounds);
+  EXPECT_EQ(Do(bad, Le64(1)).status(), Status::kOutOfBounds);
+  EXPECT_EQ(n().Stat("replayed"), 3u);
+}
+
+TEST_F(EngineTest, ACopyOfAnAnsweredWriteTooOldForTheWindowIsRefused) {
+  DeviceConfig c = StdConfig();
+  c.replay_window = 16;
+  Reset(c);
+  Header a = Req(Opcode::kWrite, 0x100, 8);
+  a.flags = kFlagAckReq;
+  EXPECT_EQ(Do(a, Le64(1)).status(), Status::kOk);
+  for (int i = 0; i < 16; ++i) ASSERT_EQ(Write(0x100, Le64(100 + i)).status(), Status::kOk);
+  // Whether it ran can no longer be told, so it does not run now (a
+  // conforming requester keeps its outstanding txns within the window).
+  EXPECT_EQ(Do(a, Le64(1)).status(), Status::kStaleTxn);
+  EXPECT_EQ(load_le<uint64_t>(mem().data() + 0x100), 115u);
+}
+
+TEST_F(EngineTest, AWriteWithoutAKeyCreatesNoReplayState) {
+  const uint64_t before = n().Stat("replay.requesters");
+  Header h = Req(Opcode::kWrite, 0x100, 8, /*rkey=*/0xBAD);
+  h.flags = kFlagAckReq;
+  EXPECT_EQ(Do(h, Le64(1)).status(), Status::kBadKey);
+  EXPECT_EQ(n().Stat("replay.requesters"), before);
+  EXPECT_EQ(Write(0x100, Le64(1)).status(), Status::kOk);  // with its key: remembered
+  EXPECT_EQ(n().Stat("replay.requesters"), before + 1);
 }
 
 // ---------------------------------------------------------------- region admin

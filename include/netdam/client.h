@@ -11,10 +11,11 @@
 //   payload; up to `window_packets` / `window_bytes` are in flight at once
 //   (a request's bytes: what it carries or, for READ and chains, what it
 //   brings back, whichever is more).
-// - Lost packets are retransmitted with an adaptive timeout. READ, WRITE and
-//   FILL are idempotent; atomics, REDUCE_MEM, COPY, OPT_CONFIG and OPT_STEP
-//   are executed exactly once by the device even when retransmitted (it
-//   remembers recent txns).
+// - Lost packets are retransmitted with an adaptive timeout. READ is
+//   idempotent; acknowledged WRITEs, FILL, atomics, REDUCE_MEM, COPY,
+//   OPT_CONFIG and OPT_STEP are executed exactly once by the device even when
+//   retransmitted (it remembers recent txns), so a late copy of a write
+//   cannot undo the next one (PROTOCOL.md 9.2).
 // - A packet unanswered for `timeout` since it was first sent fails its
 //   operation with Error::Code::kTimeout. A NAK fails it with kNak and the
 //   device's status. If the device restarted (its boot id changed, so its

@@ -533,8 +533,20 @@ Action Engine::answer(const Header& req, Address to, Status status,
   return Action{Action::Kind::kReply, to, out.first(kHeaderSize), data};
 }
 
+// Whether the copies of a request run once, through the replay window:
+// every mutation, and WRITE and FILL when they are answered. Those two are
+// idempotent on their own, but a late copy (a retransmission, or a copy the
+// network duplicated or held back) that lands after a newer write of the
+// same bytes would undo it, and the requester has no way to know that no
+// copy of an answered write is still on its way (PROTOCOL.md 9.2). A WRITE
+// without ACK_REQ is never retransmitted and stays out of the window.
+bool Engine::runs_once(const Request& q) {
+  if (is_mutation(q.op) || q.op == Opcode::kFill) return true;
+  return q.op == Opcode::kWrite && (q.in_chain || (q.h.flags & kFlagAckReq));
+}
+
 Engine::Result Engine::execute(const Request& q, std::span<std::byte> out) {
-  if (!is_mutation(q.op)) return execute_once(q, out);
+  if (!runs_once(q)) return execute_once(q, out);
   // No replay state is created or consulted for a request that has not
   // shown a valid key: a keyless datagram can neither allocate a ring nor
   // move a requester's window (docs/SECURITY.md).
@@ -544,8 +556,9 @@ Engine::Result Engine::execute(const Request& q, std::span<std::byte> out) {
   // generation-checked REDUCE_MEM hop holds it shared while it runs).
   std::unique_lock<std::shared_mutex> arm_lock(device_.generation_mu_, std::defer_lock);
   if (q.op == Opcode::kArm) arm_lock.lock();
-  auto verdict =
-      device_.replay().run(q.requester, q.h.txn, q.op, [&] { return run_mutation(q, out); }, o);
+  auto verdict = device_.replay().run(
+      q.requester, q.h.txn, q.op,
+      [&] { return is_mutation(q.op) ? run_mutation(q, out) : Outcome{execute_once(q, out).status}; }, o);
   if (verdict == ReplayWindow::Verdict::kStale) return {Status::kStaleTxn};
   if (verdict == ReplayWindow::Verdict::kAhead) return {Status::kTxnAhead};
   if (verdict == ReplayWindow::Verdict::kReplayed) Stats::inc(stats_.replayed);

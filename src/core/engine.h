@@ -227,6 +227,7 @@ class Engine {
                                  uint64_t stamp_at, bool& skip);
   Action forward(const Hop& c, const Segment& next, std::span<std::byte> payload, bool payload_moved);
   Result execute(const Request& q, std::span<std::byte> out);
+  static bool runs_once(const Request& q);
   Status key_shown(const Request& q) const;
   uint32_t cookie(uint32_t ip) const { return address_cookie(device_.config().cookie_secret, ip); }
   Result execute_once(const Request& q, std::span<std::byte> out);

@@ -1,5 +1,7 @@
 // Exactly-once execution of non-idempotent requests (atomics, REDUCE_MEM,
-// COPY, region admin). Each requester (IPv4:port, or a chain's reply-to and
+// COPY, region admin) and of answered writes (WRITE with ACK_REQ, FILL,
+// chains' WRITE segments: a late copy must not undo a newer write). Each
+// requester (IPv4:port, or a chain's reply-to and
 // segment) has a window of the last `window` transaction ids it used for
 // such requests, with the outcome of each. A retransmission is answered from
 // the window without running it again; a txn too old to be in the window is
@@ -7,7 +9,7 @@
 //
 // Txn ids must be unique per requester; they need not be dense, and they may
 // arrive out of order as long as the requester keeps the span of its
-// outstanding non-idempotent txns below `window`. A txn kMaxAhead or more
+// outstanding txns of such requests below `window`. A txn kMaxAhead or more
 // above the requester's newest is refused (kAhead), not adopted: adopting
 // it would make every later txn of that requester stale.
 //

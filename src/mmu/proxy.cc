@@ -835,34 +835,48 @@ bool Proxy::plan_pieces(const core::Header& h, const Allocation& a, bool usable_
 // proxy does; from the request and the layout only. A WRITE answered only
 // on error stays here (the devices acknowledge every WRITE segment), and
 // so does every mutation of an allocation with two copies (the proxy keeps
-// them equal). A REDUCE_MEM forwarded as pieces must put at most one on
-// each device: its pieces share the client's txn, and a device's window
-// would take a second one for a retransmission of the first.
+// them equal). A mutation forwarded as parts, WRITE included, must put at
+// most one on each device: its parts share the client's txn, and a
+// device's window, which runs each (requester, txn) once (PROTOCOL.md
+// 9.2), would take a second one for a retransmission of the first.
 bool Proxy::served_by_devices(const core::Header& h, const Allocation& a) {
   if (!(h.flags & kFlagDirect)) return false;
   switch (h.opcode) {
     case Opcode::kRead:
     case Opcode::kReducePayload: return true;
-    case Opcode::kWrite: return (h.flags & kFlagAckReq) && a.layout.copies == 1;
+    case Opcode::kWrite:
+      // A malformed one is refused by the proxy's checks; its length is
+      // not trusted with the work of planning yet.
+      return (h.flags & kFlagAckReq) && a.layout.copies == 1 && h.length <= opts_.max_payload &&
+             one_part_per_device(h, a);
     case Opcode::kFetchAdd:
     case Opcode::kCompareSwap:
     case Opcode::kSwap: return a.layout.copies == 1;
     case Opcode::kReduceMem:
-    case Opcode::kOptStep: {
-      // A malformed one is refused by the proxy's checks, through its
-      // window; its length is not trusted with the work of planning yet.
-      if (a.layout.copies != 1 || !is_valid_dtype(static_cast<uint8_t>(h.dtype)) || h.dtype == DType::kBytes ||
-          h.length > opts_.max_payload)
-        return false;
-      std::vector<Target> pieces;
-      plan_pieces(h, a, false, pieces);
-      std::vector<uint32_t> devices;
-      for (const Target& t : pieces) devices.push_back(t.device);
-      std::sort(devices.begin(), devices.end());
-      return std::adjacent_find(devices.begin(), devices.end()) == devices.end();
-    }
+    case Opcode::kOptStep:
+      // As for WRITE; and a malformed one is refused here, through the
+      // proxy's window.
+      return a.layout.copies == 1 && is_valid_dtype(static_cast<uint8_t>(h.dtype)) && h.dtype != DType::kBytes &&
+             h.length <= opts_.max_payload && one_part_per_device(h, a);
     default: return false;
   }
+}
+
+// Whether forward() would put at most one part of the request on each
+// device: the gathered parts of a GATHER READ or WRITE, else the pieces.
+bool Proxy::one_part_per_device(const core::Header& h, const Allocation& a) {
+  std::vector<uint32_t> devices;
+  if ((h.flags & kFlagGather) && (h.opcode == Opcode::kRead || h.opcode == Opcode::kWrite) && a.layout.copies == 1) {
+    for (const pool::Gather& g : pool::gather(a.layout, pool::offset_of(h.addr), h.length, 0,
+                                              smallest_payload(a, core::kGatheredMaxLength)))
+      devices.push_back(a.slots[g.slot].device_id);
+  } else {
+    std::vector<Target> pieces;
+    plan_pieces(h, a, false, pieces);
+    for (const Target& t : pieces) devices.push_back(t.device);
+  }
+  std::sort(devices.begin(), devices.end());
+  return std::adjacent_find(devices.begin(), devices.end()) == devices.end();
 }
 
 // DIRECT (PROTOCOL.md 17.5): the proxy translates and the devices answer

@@ -142,6 +142,7 @@ class Proxy {
   // next receive overwrites it.
   void borrow(Answer& a, std::span<const std::byte> data);
   bool served_by_devices(const core::Header& h, const Allocation& a);
+  bool one_part_per_device(const core::Header& h, const Allocation& a);
   Op device_op(const Job& j, Client& cl, uint64_t addr, std::span<std::byte> piece, uint32_t key);
   void start_opt_config(std::unique_ptr<Job> job, const Allocation& a, std::span<const std::byte> payload);
   Status check_access(const Allocation* a, uint64_t key, uint64_t addr, uint64_t len) const;

@@ -199,17 +199,22 @@ int cmd_write(Session& s, const WriteArgs& a) {
   if (a.hex_given) {
     const auto data = hex_arg(op, "--hex", a.hex);
     check_range(op, addr, data.size());
-    if (Error e = s.client(op).write(addr, data)) fail(op, e);
+    // A WRITE runs once per txn too (PROTOCOL.md 9.2). Repeating the whole
+    // write from another port is safe even if some of its requests ran:
+    // they wrote these same bytes.
+    if (Error e = non_idempotent(s, op, true, [&](Client& c) { return c.write(addr, data); })) fail(op, e);
     total = data.size();
   } else {
     std::FILE* in = open_input(op, a.file);
-    Client& c = s.client(op);
     std::vector<std::byte> buf(kPiece);
     for (;;) {
       const size_t n = read_some(op, in, buf);
       if (n == 0) break;
       check_range(op, addr, total + n);
-      if (Error e = c.write(addr + total, std::span(buf.data(), n)))
+      // The first piece from a reused port may be refused as stale (above);
+      // later pieces come from a port the device has taken txns from.
+      if (Error e = non_idempotent(s, op, total == 0,
+                                   [&](Client& c) { return c.write(addr + total, std::span(buf.data(), n)); }))
         fail(op, e, total ? fmt::format("the first {} bytes were written", total) : "");
       total += n;
       if (n < buf.size()) break;
@@ -236,7 +241,8 @@ int cmd_fill(Session& s, const FillArgs& a) {
     if (b > 255) usage_error(op, fmt::format("--byte: {} is not a byte (0..255)", a.byte));
     pattern[0] = static_cast<std::byte>(b);
   }
-  if (Error e = s.client(op).fill(addr, len, pattern)) fail(op, e);
+  // As for write: repeating a FILL writes the same bytes again.
+  if (Error e = non_idempotent(s, op, true, [&](Client& c) { return c.fill(addr, len, pattern); })) fail(op, e);
   return kExitOk;
 }
 
