@@ -9,6 +9,7 @@
 #include <numeric>
 #include <random>
 
+#include "core/endian.h"
 #include "core/engine.h"
 #include "core/reduce.h"
 #include "daemon/device_loop.h"
@@ -191,6 +192,25 @@ TEST_P(ClientUnderFaults, ReduceIntoMemoryIsExactlyOnce) {
   std::vector<float> result(kN);
   ASSERT_FALSE(c->read(0, std::as_writable_bytes(std::span(result))));
   for (size_t i = 0; i < kN; ++i) ASSERT_EQ(result[i], 20.0f) << i;
+}
+
+// One word written over and over, each write acknowledged before the next
+// and read back after it. A copy of an earlier write (the client's
+// retransmission, or the fabric's duplicate, held back by a reorder) that
+// reaches the device after a later one must not undo it (PROTOCOL.md 9.2):
+// every read sees the last value written.
+TEST_P(ClientUnderFaults, ALateCopyOfAWriteNeverUndoesALaterOne) {
+  Fabric fabric(model());
+  FabricDevice dev(fabric, kDeviceAddr, 0x1234);
+  auto c = connect(fabric, patient());
+  ASSERT_TRUE(c);
+  std::vector<std::byte> word(8), back(8);
+  for (uint64_t i = 1; i <= 400; ++i) {
+    core::store_le<uint64_t>(word.data(), i);
+    ASSERT_FALSE(c->write(4096, word));
+    ASSERT_FALSE(c->read(4096, back));
+    ASSERT_EQ(core::load_le<uint64_t>(back.data()), i) << "a late copy of an earlier write landed after write " << i;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Faults, ClientUnderFaults,
