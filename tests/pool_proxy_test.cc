@@ -179,6 +179,53 @@ TEST_F(PoolProxyTest, BadAccessesAndFullPool) {
   EXPECT_EQ((*list)[1].name, "c");
 }
 
+// The copies of a WRITE the proxy serves run once, and a copy too old for
+// its window is refused, as on a device (PROTOCOL.md 9.2): a late copy of
+// an old write must not undo the newer one.
+TEST_F(PoolProxyTest, ALateCopyOfAWriteIsNotRun) {
+  Start(2);
+  PoolAllocation a = Alloc("late", 4096);
+  transport::UdpOptions u;
+  u.bind = transport::Endpoint{0x7F000001, 0};
+  auto opened = transport::UdpTransport::open(u);
+  ASSERT_TRUE(opened) << opened.error().message();
+  auto sock = std::move(*opened);
+  auto to = transport::parse_endpoint(mmu_.endpoint());
+  std::vector<std::byte> rx(kRxBufferSize);
+  auto write = [&](uint64_t txn, uint8_t fill) {
+    core::Header h;
+    h.opcode = Opcode::kWrite;
+    h.flags = kFlagAckReq;
+    h.rkey = static_cast<uint32_t>(a.key);
+    h.boot = static_cast<uint32_t>(a.key >> 32);
+    h.txn = txn;
+    h.addr = a.base + 128;
+    h.length = 16;
+    std::array<std::byte, kHeaderSize + 16> d{};
+    core::encode_header(h, d.data());
+    std::fill(d.begin() + kHeaderSize, d.end(), std::byte{fill});
+    transport::OutMsg m{*to, {std::span<const std::byte>(d), {}}};
+    sock->send_batch({&m, 1});
+    transport::InMsg in;
+    in.buf = rx;
+    if (sock->recv_batch({&in, 1}, 2000ms) != 1) return Status::kUnavailable;  // no answer
+    return core::decode_header(rx.data()).status;
+  };
+  auto word = [&] {
+    std::vector<std::byte> b(16);
+    EXPECT_FALSE(pool_->get(a.base + 128, b, a.key));
+    return b[0];
+  };
+  EXPECT_EQ(write(1000, 0x11), Status::kOk);
+  EXPECT_EQ(write(1001, 0x22), Status::kOk);
+  EXPECT_EQ(write(1000, 0x11), Status::kOk);  // a copy within the window: answered, not run
+  EXPECT_EQ(word(), std::byte{0x22});
+  EXPECT_EQ(write(1000 + 5000, 0x33), Status::kOk);
+  EXPECT_EQ(write(1001, 0x22), Status::kOk);  // still remembered: answered, not run
+  EXPECT_EQ(write(500, 0x44), Status::kStaleTxn);  // below the window, never seen: refused
+  EXPECT_EQ(word(), std::byte{0x33});
+}
+
 // A retransmitted FETCH_ADD (the same datagram twice) runs once.
 TEST_F(PoolProxyTest, DuplicateMutationAppliedOnce) {
   Start(2);

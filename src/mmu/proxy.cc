@@ -556,11 +556,12 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   // WRITE and FILL are idempotent, but a copy that the proxy runs beside
   // another (a retransmission), its pieces resent after a loss, can land
   // after the proxy has answered the other and the client has moved on,
-  // and undo the client's next request (PROTOCOL.md 9.5). So the copies of
-  // one request (one txn, 9.1) run once here, as a mutation's do; one too
-  // old for the window runs unremembered, as on a device.
+  // and undo the client's next request (PROTOCOL.md 9.2). So the copies of
+  // one request (one txn, 9.1) run once here, as a mutation's do, and one
+  // too old for the window is refused, as on a device: whether a copy of
+  // it ran can no longer be told, and running it could undo a newer write.
   const bool idempotent_once = h.opcode == Opcode::kWrite || h.opcode == Opcode::kFill;
-  bool once = !by_devices && (mutation || idempotent_once);
+  const bool once = !by_devices && (mutation || idempotent_once);
   if (once) {
     const ProxyReplay::Answer* remembered = nullptr;
     switch (replay_.check(from.key(), h.txn, h.opcode, &remembered)) {
@@ -569,10 +570,7 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
       case ProxyReplay::Verdict::kReplay:
         core::Stats::inc(stats_.replayed);
         return reply(from, h, remembered->status, remembered->payload);
-      case ProxyReplay::Verdict::kStale:
-        if (!idempotent_once) return reply(from, h, Status::kStaleTxn);
-        once = false;  // nothing of its own in the window to complete
-        break;
+      case ProxyReplay::Verdict::kStale: return reply(from, h, Status::kStaleTxn);
     }
   }
   auto job = std::make_unique<Job>();
