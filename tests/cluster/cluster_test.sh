@@ -111,16 +111,25 @@ dup=$(( $(sent "$pre-h0" eth0) - up0 )); ddown=$(( $(sent "" "$pre-h1") - down1 
   fail "tbf counters: upload $dup B, download $ddown B, stream $bytes B"
 
 # Two senders (h0, d0) into h1: 200 Mbit/s offered, h1's download tbf lets 100 through.
-rm -f "$work/ready"*
-"$cluster" --prefix "$pre" exec h1 -- "$py" "$rate_py" recv "$h1" 5002 "$work/ready2" >"$work/a" &
-"$cluster" --prefix "$pre" exec h1 -- "$py" "$rate_py" recv "$h1" 5003 "$work/ready3" >"$work/b" &
-for _ in $(seq 100); do [[ -s "$work/ready2" && -s "$work/ready3" ]] && break; sleep 0.02; done
-"$cluster" --prefix "$pre" exec h0 -- "$py" "$rate_py" send "$h1" 5002 1.0 &
-"$cluster" --prefix "$pre" exec d0 -- "$py" "$rate_py" send "$h1" 5003 1.0
-wait
-read -r ba sa _ <"$work/a"; read -r bb sb _ <"$work/b"
-both=$(awk -v a="$ba" -v b="$bb" -v x="$sa" -v y="$sb" 'BEGIN { t = x > y ? x : y; printf "%.0f", (a + b) * 8 / t }')
-echo "   two streams h0, d0 -> h1: $((both / 1000000)) Mbit/s together (h1's download limit 100)"
+two_streams() {
+  rm -f "$work/ready"*
+  "$cluster" --prefix "$pre" exec h1 -- "$py" "$rate_py" recv "$h1" 5002 "$work/ready2" >"$work/a" &
+  "$cluster" --prefix "$pre" exec h1 -- "$py" "$rate_py" recv "$h1" 5003 "$work/ready3" >"$work/b" &
+  for _ in $(seq 100); do [[ -s "$work/ready2" && -s "$work/ready3" ]] && break; sleep 0.02; done
+  "$cluster" --prefix "$pre" exec h0 -- "$py" "$rate_py" send "$h1" 5002 1.0 &
+  "$cluster" --prefix "$pre" exec d0 -- "$py" "$rate_py" send "$h1" 5003 1.0
+  wait
+  read -r ba sa _ <"$work/a"; read -r bb sb _ <"$work/b"
+  both=$(awk -v a="$ba" -v b="$bb" -v x="$sa" -v y="$sb" 'BEGIN { t = x > y ? x : y; printf "%.0f", (a + b) * 8 / t }')
+  echo "   two streams h0, d0 -> h1: $((both / 1000000)) Mbit/s together (h1's download limit 100)"
+}
+# Too fast is a broken limit. Too slow is, on a loaded machine (the test
+# suite runs beside it), the Python senders short of CPU: measured again,
+# up to three times in all.
+for _ in 1 2 3; do
+  two_streams
+  ((both > rate_bps / 2 || both >= rate_bps * 11 / 10)) && break
+done
 ((both > rate_bps / 2 && both < rate_bps * 11 / 10)) &&
   ok "the download tbf alone holds two senders to 100 Mbit/s" || fail "incast at $both bit/s"
 
