@@ -21,7 +21,18 @@ using Path = Pool::Path;
 
 namespace {
 
-class PoolProxyTest : public PoolTest {};
+class PoolProxyTest : public PoolTest {
+ protected:
+  // A bare UDP socket on loopback, for requests the client library would
+  // not send as a test needs them (a chosen txn, the same datagram twice).
+  std::unique_ptr<transport::UdpTransport> RawSocket() {
+    transport::UdpOptions u;
+    u.bind = transport::Endpoint{0x7F000001, 0};
+    auto opened = transport::UdpTransport::open(u);
+    EXPECT_TRUE(opened) << opened.error().message();
+    return opened ? std::move(*opened) : nullptr;
+  }
+};
 
 Status nak_status(const Error& e) { return e.code() == Error::Code::kNak ? e.status() : Status::kOk; }
 
@@ -185,11 +196,8 @@ TEST_F(PoolProxyTest, BadAccessesAndFullPool) {
 TEST_F(PoolProxyTest, ALateCopyOfAWriteIsNotRun) {
   Start(2);
   PoolAllocation a = Alloc("late", 4096);
-  transport::UdpOptions u;
-  u.bind = transport::Endpoint{0x7F000001, 0};
-  auto opened = transport::UdpTransport::open(u);
-  ASSERT_TRUE(opened) << opened.error().message();
-  auto sock = std::move(*opened);
+  auto sock = RawSocket();
+  ASSERT_TRUE(sock);
   auto to = transport::parse_endpoint(mmu_.endpoint());
   std::vector<std::byte> rx(kRxBufferSize);
   auto write = [&](uint64_t txn, uint8_t fill) {
@@ -230,11 +238,8 @@ TEST_F(PoolProxyTest, ALateCopyOfAWriteIsNotRun) {
 TEST_F(PoolProxyTest, DuplicateMutationAppliedOnce) {
   Start(2);
   PoolAllocation a = Alloc("ctr", 4096);
-  transport::UdpOptions u;
-  u.bind = transport::Endpoint{0x7F000001, 0};
-  auto opened = transport::UdpTransport::open(u);
-  ASSERT_TRUE(opened) << opened.error().message();
-  auto sock = std::move(*opened);
+  auto sock = RawSocket();
+  ASSERT_TRUE(sock);
   auto to = transport::parse_endpoint(mmu_.endpoint());
   core::Header h;
   h.opcode = Opcode::kFetchAdd;

@@ -79,6 +79,14 @@ double cpu_seconds() {
   return s(u.ru_utime) + s(u.ru_stime);
 }
 
+// The options both flows share.
+ClientOptions flow_options(const Args& a) {
+  ClientOptions o;
+  o.small_dscp = a.small_dscp;
+  o.spin = std::chrono::microseconds(a.spin_us);
+  return o;
+}
+
 FILE* open_out(const std::string& path) {
   if (path.empty()) return stdout;
   FILE* f = std::fopen(path.c_str(), "w");
@@ -87,14 +95,12 @@ FILE* open_out(const std::string& path) {
 }
 
 int run_write(const Args& a) {
-  ClientOptions o;
+  ClientOptions o = flow_options(a);
   auto cc = netdam::parse_congestion(a.cc);
   if (!cc) throw std::runtime_error("--cc: fixed, depth or swift");
   o.congestion = *cc;
   o.congestion_target = std::chrono::microseconds(a.target_us);
   o.timeout = 5s;
-  o.small_dscp = a.small_dscp;
-  o.spin = std::chrono::microseconds(a.spin_us);
   auto client = Client::connect(a.device, o);
   if (!client) throw std::runtime_error(client.error().to_string());
   Client& c = **client;
@@ -177,10 +183,7 @@ int run_write(const Args& a) {
 }
 
 int run_read(const Args& a) {
-  ClientOptions o;
-  o.small_dscp = a.small_dscp;
-  o.spin = std::chrono::microseconds(a.spin_us);
-  auto client = Client::connect(a.device, o);
+  auto client = Client::connect(a.device, flow_options(a));
   if (!client) throw std::runtime_error(client.error().to_string());
   Client& c = **client;
   std::vector<std::byte> buf(64);

@@ -98,7 +98,8 @@ const Error& error_of(const Result<T>& r) {
   return r.error();
 }
 
-// Runs f(client) for a non-idempotent operation. The device tells requesters
+// Runs f(client) for an operation the device runs once per txn (a
+// non-idempotent one, or a write: PROTOCOL.md 9.2). The device tells requesters
 // apart by IPv4:port only, so a new process that gets the UDP port of an
 // earlier client inherits that client's replay window: if its txns are
 // lower (the library starts them at the wall clock, so only after a clock
@@ -107,7 +108,7 @@ const Error& error_of(const Result<T>& r) {
 // is safe to repeat it from another port. Multi-request operations are not
 // repeated: some of their requests may have run.
 template <typename F>
-auto non_idempotent(Session& s, std::string_view op, bool single_request, F&& f) {
+auto retry_if_stale(Session& s, std::string_view op, bool single_request, F&& f) {
   auto r = f(s.client(op));
   for (int attempt = 0; attempt < 3; ++attempt) {
     const Error& e = error_of(r);
@@ -202,7 +203,7 @@ int cmd_write(Session& s, const WriteArgs& a) {
     // A WRITE runs once per txn too (PROTOCOL.md 9.2). Repeating the whole
     // write from another port is safe even if some of its requests ran:
     // they wrote these same bytes.
-    if (Error e = non_idempotent(s, op, true, [&](Client& c) { return c.write(addr, data); })) fail(op, e);
+    if (Error e = retry_if_stale(s, op, true, [&](Client& c) { return c.write(addr, data); })) fail(op, e);
     total = data.size();
   } else {
     std::FILE* in = open_input(op, a.file);
@@ -213,7 +214,7 @@ int cmd_write(Session& s, const WriteArgs& a) {
       check_range(op, addr, total + n);
       // The first piece from a reused port may be refused as stale (above);
       // later pieces come from a port the device has taken txns from.
-      if (Error e = non_idempotent(s, op, total == 0,
+      if (Error e = retry_if_stale(s, op, total == 0,
                                    [&](Client& c) { return c.write(addr + total, std::span(buf.data(), n)); }))
         fail(op, e, total ? fmt::format("the first {} bytes were written", total) : "");
       total += n;
@@ -242,7 +243,7 @@ int cmd_fill(Session& s, const FillArgs& a) {
     pattern[0] = static_cast<std::byte>(b);
   }
   // As for write: repeating a FILL writes the same bytes again.
-  if (Error e = non_idempotent(s, op, true, [&](Client& c) { return c.fill(addr, len, pattern); })) fail(op, e);
+  if (Error e = retry_if_stale(s, op, true, [&](Client& c) { return c.fill(addr, len, pattern); })) fail(op, e);
   return kExitOk;
 }
 
@@ -256,7 +257,7 @@ int cmd_copy(Session& s, const CopyArgs& a) {
   // 64-bit keys are a pool proxy's (the client refuses them towards a device).
   const uint64_t src_key = a.src_key.empty() ? s.key(op) : key_arg(op, "--src-key", a.src_key, 64);
   constexpr uint64_t kOneRequest = 1ull << 30;  // Client::copy splits larger copies
-  Error e = non_idempotent(s, op, len <= kOneRequest,
+  Error e = retry_if_stale(s, op, len <= kOneRequest,
                            [&](Client& c) { return c.copy(dst, src, len, src_key); });
   if (e) fail(op, e);
   return kExitOk;
@@ -268,7 +269,7 @@ int cmd_fetch_add(Session& s, const AtomicArgs& a) {
   const std::string_view op = "fetch-add";
   const uint64_t addr = number_arg(op, "ADDR", a.addr);
   const uint64_t v = value_arg(op, "VALUE", a.a);
-  auto r = non_idempotent(s, op, true, [&](Client& c) { return c.fetch_add(addr, v); });
+  auto r = retry_if_stale(s, op, true, [&](Client& c) { return c.fetch_add(addr, v); });
   if (!r) fail(op, r.error());
   std::printf("%llu\n", static_cast<unsigned long long>(r.value()));
   return kExitOk;
@@ -279,7 +280,7 @@ int cmd_cas(Session& s, const AtomicArgs& a) {
   const uint64_t addr = number_arg(op, "ADDR", a.addr);
   const uint64_t expected = value_arg(op, "EXPECTED", a.a);
   const uint64_t desired = value_arg(op, "DESIRED", a.b);
-  auto r = non_idempotent(s, op, true,
+  auto r = retry_if_stale(s, op, true,
                           [&](Client& c) { return c.compare_swap(addr, expected, desired); });
   if (!r) fail(op, r.error());
   const bool swapped = r.value() == expected;
@@ -292,7 +293,7 @@ int cmd_swap(Session& s, const AtomicArgs& a) {
   const std::string_view op = "swap";
   const uint64_t addr = number_arg(op, "ADDR", a.addr);
   const uint64_t v = value_arg(op, "VALUE", a.a);
-  auto r = non_idempotent(s, op, true, [&](Client& c) { return c.swap(addr, v); });
+  auto r = retry_if_stale(s, op, true, [&](Client& c) { return c.swap(addr, v); });
   if (!r) fail(op, r.error());
   std::printf("%llu\n", static_cast<unsigned long long>(r.value()));
   return kExitOk;
@@ -322,7 +323,7 @@ int cmd_reduce(Session& s, const ReduceArgs& a) {
                                 data.size(), esize, a.type));
   check_range(op, addr, data.size());
   const size_t per_packet = s.client(op).options().max_payload / esize * esize;
-  Error e = non_idempotent(s, op, data.size() <= per_packet,
+  Error e = retry_if_stale(s, op, data.size() <= per_packet,
                            [&](Client& c) { return c.reduce(addr, *type, *rop, data, sparse); });
   if (e) fail(op, e);
   std::printf("%s\n", fmt::format("reduced {} {} elements ({}) at {:#x}", data.size() / esize,
@@ -343,7 +344,7 @@ int cmd_region_add(Session& s, const RegionArgs& a) {
   if (!perms) usage_error(op, fmt::format("--perms: '{}' is not r, w or rw", a.perms));
   r.perms = *perms;
   const uint32_t admin = s.admin_key(op);
-  Error e = non_idempotent(s, op, true, [&](Client& c) { return c.region_add(admin, r); });
+  Error e = retry_if_stale(s, op, true, [&](Client& c) { return c.region_add(admin, r); });
   if (e) fail(op, e);
   return kExitOk;
 }
@@ -352,7 +353,7 @@ int cmd_region_del(Session& s, const RegionArgs& a) {
   const std::string_view op = "region del";
   const auto key = static_cast<uint32_t>(key_arg(op, "KEY", a.key));
   const uint32_t admin = s.admin_key(op);
-  Error e = non_idempotent(s, op, true, [&](Client& c) { return c.region_del(admin, key); });
+  Error e = retry_if_stale(s, op, true, [&](Client& c) { return c.region_del(admin, key); });
   if (e) fail(op, e);
   return kExitOk;
 }

@@ -120,7 +120,6 @@ class ReceiveSlots {
     for (size_t i = 0; i < buffers && i < slots; ++i) slots_[i].buf = {bytes_.get() + i * kRxBufferSize, kRxBufferSize};
   }
   std::span<InMsg> slots() { return {slots_.get(), count_}; }
-  InMsg& operator[](size_t i) { return slots_[i]; }
 
  private:
   std::unique_ptr<std::byte[]> bytes_;
