@@ -552,7 +552,8 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   Allocation* a = catalog_.find(pool::allocation_of(h.addr));
   // One exception, for what is not a mutation: a client whose answers a
   // device refused to send (forward_refused) is served here for a while.
-  const bool by_devices = a && served_by_devices(h, *a) && (mutation || !refused_client(from));
+  std::optional<DirectPlan> plan;
+  const bool by_devices = a && served_by_devices(h, *a, plan) && (mutation || !refused_client(from));
   // WRITE and FILL are idempotent, but a copy that the proxy runs beside
   // another (a retransmission), its pieces resent after a loss, can land
   // after the proxy has answered the other and the client has moved on,
@@ -636,7 +637,7 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   }
   if (Status st = check_access(a, shown_key(h), h.addr, len); st != Status::kOk) return fail(st);
   const uint64_t off = pool::offset_of(h.addr);
-  if (by_devices && forward(from, h, payload, *a)) return;
+  if (by_devices && forward(from, h, payload, *a, plan)) return;
   resync_count_writer(*job);
   // A device it needs is not answering (lost data was refused above). A
   // mutation is refused without running anywhere; the rest is served here
@@ -823,7 +824,7 @@ bool Proxy::plan_pieces(const core::Header& h, const Allocation& a, bool usable_
     const uint32_t payload = device_payload(e.device_id);
     const uint32_t limit = atomic ? 8 : payload ? payload : pc.length;
     for (uint32_t done = 0; done < pc.length; done += limit)
-      out.push_back({e.device_id, e.key, e.base + at->extent_offset + done, pc.offset + done,
+      out.push_back({e.device_id, at->slot, e.key, e.base + at->extent_offset + done, pc.offset + done,
                      std::min(limit, pc.length - done)});
   }
   return true;
@@ -837,16 +838,17 @@ bool Proxy::plan_pieces(const core::Header& h, const Allocation& a, bool usable_
 // most one on each device: its parts share the client's txn, and a
 // device's window, which runs each (requester, txn) once (PROTOCOL.md
 // 9.2), would take a second one for a retransmission of the first.
-bool Proxy::served_by_devices(const core::Header& h, const Allocation& a) {
+bool Proxy::served_by_devices(const core::Header& h, const Allocation& a, std::optional<DirectPlan>& plan) {
   if (!(h.flags & kFlagDirect)) return false;
+  // By the layout alone, whatever the devices' health: forward() checks that.
+  auto one_part_each = [&] { return plan_direct(h, a, false, plan.emplace()) && one_part_per_device(*plan, a); };
   switch (h.opcode) {
     case Opcode::kRead:
     case Opcode::kReducePayload: return true;
     case Opcode::kWrite:
       // A malformed one is refused by the proxy's checks; its length is
       // not trusted with the work of planning yet.
-      return (h.flags & kFlagAckReq) && a.layout.copies == 1 && h.length <= opts_.max_payload &&
-             one_part_per_device(h, a);
+      return (h.flags & kFlagAckReq) && a.layout.copies == 1 && h.length <= opts_.max_payload && one_part_each();
     case Opcode::kFetchAdd:
     case Opcode::kCompareSwap:
     case Opcode::kSwap: return a.layout.copies == 1;
@@ -855,24 +857,23 @@ bool Proxy::served_by_devices(const core::Header& h, const Allocation& a) {
       // As for WRITE; and a malformed one is refused here, through the
       // proxy's window.
       return a.layout.copies == 1 && is_valid_dtype(static_cast<uint8_t>(h.dtype)) && h.dtype != DType::kBytes &&
-             h.length <= opts_.max_payload && one_part_per_device(h, a);
+             h.length <= opts_.max_payload && one_part_each();
     default: return false;
   }
 }
 
-// Whether forward() would put at most one part of the request on each
-// device: the gathered parts of a GATHER READ or WRITE, else the pieces.
-bool Proxy::one_part_per_device(const core::Header& h, const Allocation& a) {
+bool Proxy::plan_direct(const core::Header& h, const Allocation& a, bool usable_only, DirectPlan& out) {
+  out.gathered =
+      (h.flags & kFlagGather) && (h.opcode == Opcode::kRead || h.opcode == Opcode::kWrite) && a.layout.copies == 1;
+  if (!out.gathered) return plan_pieces(h, a, usable_only, out.pieces);
+  out.parts = pool::gather(a.layout, pool::offset_of(h.addr), h.length, 0, smallest_payload(a, core::kGatheredMaxLength));
+  return true;
+}
+
+bool Proxy::one_part_per_device(const DirectPlan& plan, const Allocation& a) {
   std::vector<uint32_t> devices;
-  if ((h.flags & kFlagGather) && (h.opcode == Opcode::kRead || h.opcode == Opcode::kWrite) && a.layout.copies == 1) {
-    for (const pool::Gather& g : pool::gather(a.layout, pool::offset_of(h.addr), h.length, 0,
-                                              smallest_payload(a, core::kGatheredMaxLength)))
-      devices.push_back(a.slots[g.slot].device_id);
-  } else {
-    std::vector<Target> pieces;
-    plan_pieces(h, a, false, pieces);
-    for (const Target& t : pieces) devices.push_back(t.device);
-  }
+  for (const pool::Gather& g : plan.parts) devices.push_back(a.slots[g.slot].device_id);
+  for (const Target& t : plan.pieces) devices.push_back(t.device);
   std::sort(devices.begin(), devices.end());
   return std::adjacent_find(devices.begin(), devices.end()) == devices.end();
 }
@@ -883,17 +884,24 @@ bool Proxy::one_part_per_device(const core::Header& h, const Allocation& a) {
 // whole before anything is queued, so a request is forwarded entirely or
 // served entirely by the proxy.
 bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
-                    const Allocation& a) {
+                    const Allocation& a, std::optional<DirectPlan>& plan) {
   const bool atomic = is_atomic(h.opcode);
   // Pieces of the request's payload go with the pieces: WRITE's data,
   // REDUCE_*'s operand.
   const bool carries = h.opcode == Opcode::kWrite || h.opcode == Opcode::kReduceMem ||
                        h.opcode == Opcode::kReducePayload || h.opcode == Opcode::kOptStep;
   const uint64_t off = pool::offset_of(h.addr);
-  if ((h.flags & kFlagGather) && (h.opcode == Opcode::kRead || h.opcode == Opcode::kWrite) && a.layout.copies == 1)
-    return forward_gathered(from, h, payload, a);
-  std::vector<Target> targets;
-  if (!plan_pieces(h, a, true, targets)) return false;
+  if (!plan && !plan_direct(h, a, true, plan.emplace())) return false;
+  // Served here (UNAVAILABLE or DEVICE_LOST, named) if a part's device is not usable.
+  for (const pool::Gather& g : plan->parts)
+    if (!usable(a, g.slot)) return false;
+  for (const Target& t : plan->pieces)
+    if (!usable(a, t.slot)) return false;
+  if (plan->gathered) {
+    forward_gathered(from, h, payload, a, plan->parts);
+    return true;
+  }
+  const std::vector<Target>& targets = plan->pieces;
   for (const Target& t : targets) {
     const Endpoint& dev = catalog_.devices()[t.device].endpoint;
     core::Header fh;
@@ -923,13 +931,9 @@ bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const
 // stripes over 2 devices is 2 parts, not 16. A part names its first byte in
 // `addr` and its length, stripe and slot count in `rkey`, from which the
 // client finds its runs.
-bool Proxy::forward_gathered(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
-                             const Allocation& a) {
+void Proxy::forward_gathered(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
+                             const Allocation& a, const std::vector<pool::Gather>& parts) {
   const uint64_t off = pool::offset_of(h.addr);
-  const uint64_t limit = smallest_payload(a, core::kGatheredMaxLength);
-  const std::vector<pool::Gather> parts = pool::gather(a.layout, off, h.length, 0, limit);
-  for (const pool::Gather& g : parts)
-    if (!usable(a, g.slot)) return false;  // served here: UNAVAILABLE or DEVICE_LOST, named
   bool first = true;  // the request is timed once
   for (const pool::Gather& g : parts) {
     const ExtentRow& e = a.slots[g.slot];
@@ -950,7 +954,6 @@ bool Proxy::forward_gathered(const Endpoint& from, const core::Header& h, std::s
     }
     remember_forward(dev, from, h.txn, fh.addr, false);
   }
-  return true;
 }
 
 // A chain on pool memory (PROTOCOL.md 17.6): each segment names a global

@@ -116,20 +116,34 @@ class Proxy {
   Status pool_free(std::span<const std::byte> payload, AnsweredRequest& answered);
   void persist_opt_config(const Job& j);
   void data(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload);
-  // A request with DIRECT that the devices can answer themselves: sent on
-  // as one-segment chains whose reply-to is the client (PROTOCOL.md 17.5).
-  // False if some piece has no usable device: the proxy then serves it.
-  bool forward(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
-               const Allocation& a);
-  bool forward_gathered(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
-                        const Allocation& a);
   struct Target {  // a piece of a request on one device
-    uint32_t device;
+    uint32_t device, slot;
     uint32_t key;
     uint64_t device_addr, off;
     uint32_t len;
   };
   bool plan_pieces(const core::Header& h, const Allocation& a, bool usable_only, std::vector<Target>& out);
+  // How a DIRECT request goes to the devices (PROTOCOL.md 17.5): the
+  // gathered parts of a GATHER READ or WRITE, else its pieces.
+  struct DirectPlan {
+    bool gathered = false;
+    std::vector<pool::Gather> parts;
+    std::vector<Target> pieces;
+  };
+  bool plan_direct(const core::Header& h, const Allocation& a, bool usable_only, DirectPlan& out);
+  // Whether the devices serve a request or the proxy does. Where that
+  // depends on the plan, it is made here, once, and left in `plan` for
+  // forward().
+  bool served_by_devices(const core::Header& h, const Allocation& a, std::optional<DirectPlan>& plan);
+  static bool one_part_per_device(const DirectPlan& plan, const Allocation& a);
+  // A request with DIRECT that the devices can answer themselves: sent on
+  // as one-segment chains whose reply-to is the client (PROTOCOL.md 17.5),
+  // by `plan` if served_by_devices() made one. False if some piece has no
+  // usable device: the proxy then serves it.
+  bool forward(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
+               const Allocation& a, std::optional<DirectPlan>& plan);
+  void forward_gathered(const transport::Endpoint& from, const core::Header& h, std::span<const std::byte> payload,
+                        const Allocation& a, const std::vector<pool::Gather>& parts);
   std::optional<pool::Place> first_copy(const Allocation& a, uint64_t off, bool usable_only) const;
   // A chain on global addresses, translated and sent to its first device.
   void chain(const transport::Endpoint& from, const core::Packet& pkt);
@@ -141,8 +155,6 @@ class Proxy {
   // datagram without copying it: the turn's answers then leave before the
   // next receive overwrites it.
   void borrow(Answer& a, std::span<const std::byte> data);
-  bool served_by_devices(const core::Header& h, const Allocation& a);
-  bool one_part_per_device(const core::Header& h, const Allocation& a);
   Op device_op(const Job& j, Client& cl, uint64_t addr, std::span<std::byte> piece, uint32_t key);
   void start_opt_config(std::unique_ptr<Job> job, const Allocation& a, std::span<const std::byte> payload);
   Status check_access(const Allocation* a, uint64_t key, uint64_t addr, uint64_t len) const;
