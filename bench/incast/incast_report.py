@@ -83,8 +83,9 @@ def run_figures(base, writers, rate_bps, seconds, header_idle_p99_us):
         "steal_ms": int(d.get("steal_ticks", 0)) * 10,
         "retransmits": sum(int(t["retransmits"]) for t, _ in flows),
         "decreases": sum(int(t["window_decreases"]) for t, _ in flows),
-        # Cores the writers kept busy (their processes' CPU time over the
-        # run): hosts that here share two cores, each its own in a cluster.
+        # Cores the writers kept busy while they wrote (each flow's CPU time
+        # from its start to its last answer, over the run's seconds): hosts
+        # that here share two cores, each its own in a cluster.
         "writers_cores": sum(float(t.get("cpu_s", "nan")) for t, _ in flows) / seconds,
     }
 

@@ -23,7 +23,8 @@
 // probe that a real host's own cores would not.
 //
 // Output (--out, default stdout): a header line of key=value totals (with
-// cpu_s, the CPU seconds the process used, user and system), then
+// cpu_s, the CPU seconds the process used while its flow ran, user and
+// system: not its start, connect or the write flow's read-back), then
 // CSV: write "t_ms,answered_packets,window_bytes,answered_bytes", read "latency_ns".
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -114,6 +115,7 @@ int run_write(const Args& a) {
     d[0] = static_cast<std::byte>(a.slot);
   };
   sleep_until_realtime(a.start_at);
+  const double cpu0 = cpu_seconds();
   const auto t0 = std::chrono::steady_clock::now();
   const auto end = t0 + std::chrono::duration<double>(a.seconds);
   struct Sample {
@@ -156,6 +158,7 @@ int run_write(const Args& a) {
   for (netdam::Op& op : ops)
     if (op.valid() && c.wait(op)) ++failed;
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double cpu = cpu_seconds() - cpu0;
   std::vector<std::byte> back(kSlot);
   int wrong = 0;
   if (netdam::Error e = c.read(base, back)) {
@@ -173,7 +176,7 @@ int run_write(const Args& a) {
                a.slot, a.cc.c_str(), secs, static_cast<unsigned long long>(bytes_done),
                static_cast<unsigned long long>(k.packets_sent), static_cast<unsigned long long>(k.retransmits),
                static_cast<unsigned long long>(k.probes), static_cast<unsigned long long>(k.answers),
-               static_cast<unsigned long long>(k.window_decreases), failed, wrong, cpu_seconds());
+               static_cast<unsigned long long>(k.window_decreases), failed, wrong, cpu);
   std::fprintf(f, "t_ms,answered_packets,window_bytes,answered_bytes\n");
   for (size_t i = 0; i < samples.size(); ++i)
     std::fprintf(f, "%zu,%llu,%zu,%llu\n", (i + 1) * 10, static_cast<unsigned long long>(samples[i].answers),
@@ -188,6 +191,7 @@ int run_read(const Args& a) {
   Client& c = **client;
   std::vector<std::byte> buf(64);
   sleep_until_realtime(a.start_at);
+  const double cpu0 = cpu_seconds();
   std::vector<int64_t> lat;
   const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(a.seconds);
   int failed = 0;
@@ -202,7 +206,7 @@ int run_read(const Args& a) {
     std::this_thread::sleep_for(1ms);  // a probe, not a load: about 1000 per second
   }
   FILE* f = open_out(a.out);
-  std::fprintf(f, "# flow=read reads=%zu failed=%d cpu_s=%.3f\nlatency_ns\n", lat.size(), failed, cpu_seconds());
+  std::fprintf(f, "# flow=read reads=%zu failed=%d cpu_s=%.3f\nlatency_ns\n", lat.size(), failed, cpu_seconds() - cpu0);
   for (int64_t l : lat) std::fprintf(f, "%lld\n", static_cast<long long>(l));
   if (f != stdout) std::fclose(f);
   return failed ? 1 : 0;
