@@ -8,6 +8,10 @@
 #
 #   --writers N      writing hosts (default 8)
 #   --rate RATE      every link, each way (default 500mbit)
+#   --mtu BYTES      every link's MTU (default 9000, scripts/cluster.sh's):
+#                    the device's datagrams follow it, and one of them in
+#                    front of the probe's READ holds it for its time on
+#                    the wire (9000 B at 500 Mbit/s: 144 us)
 #   --seconds S      each run (default 1)
 #   --rounds R       runs per controller, interleaved (default 3)
 #   --ccs LIST       controllers, comma-separated (default fixed,depth,swift)
@@ -62,7 +66,7 @@ build="$repo/${BUILD_DIR:-build}"
 [[ "${BUILD_DIR:-}" == /* ]] && build="$BUILD_DIR"
 incast="$build/bench/netdam-incast"
 
-writers=8 rate=500mbit seconds=1 rounds=3 ccs=fixed,depth,swift target_us="" loss=0 priority="" netdamd_args="" prefix=nic out="" check=0 max_loss=0.001 warmup=1 writer_spin=""
+writers=8 rate=500mbit mtu=9000 seconds=1 rounds=3 ccs=fixed,depth,swift target_us="" loss=0 priority="" netdamd_args="" prefix=nic out="" check=0 max_loss=0.001 warmup=1 writer_spin=""
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 while (($#)); do
   case "$1" in
@@ -75,6 +79,7 @@ while (($#)); do
     --target-us) target_us=$2; shift 2 ;;
     --loss) loss=$2; shift 2 ;;
     --priority) priority=$2; shift 2 ;;
+    --mtu) mtu=$2; shift 2 ;;
     --netdamd-args) netdamd_args=$2; shift 2 ;;
     --warmup) warmup=$2; shift 2 ;;
     --writer-spin-us) writer_spin=$2; shift 2 ;;
@@ -110,7 +115,7 @@ up() {  # up LOSS
   local extra="${marking[*]}"
   [[ "$1" != 0 ]] && extra+=" --inject-drop $1"
   [[ -n "$netdamd_args" ]] && extra+=" $netdamd_args"
-  CLUSTER_QUIET=1 "${cl[@]}" --hosts $((writers + 1)) --devices 1 --rate "$rate" --build "$build" --netdamd \
+  CLUSTER_QUIET=1 "${cl[@]}" --hosts $((writers + 1)) --devices 1 --rate "$rate" --mtu "$mtu" --build "$build" --netdamd \
     ${priority:+--priority "$priority"} ${extra:+--netdamd-args "$extra"} up >/dev/null || { rc=$?; echo "incast_bench: cluster did not come up ($rc)" >&2; exit "$rc"; }
   set -a
   # shellcheck disable=SC1090
@@ -165,7 +170,7 @@ for setting in "${settings[@]}"; do
   up "$setting"
   label=clean
   [[ "$setting" != 0 ]] && label="loss$setting"
-  echo "== $label: $writers writers -> 1 device at $rate, ${seconds}s per run, $rounds rounds of: ${cc_list[*]}${priority:+; small datagrams marked DSCP $priority and served first}${writer_spin:+; writers spin ${writer_spin} us}"
+  echo "== $label: $writers writers -> 1 device at $rate (MTU $mtu), ${seconds}s per run, $rounds rounds of: ${cc_list[*]}${priority:+; small datagrams marked DSCP $priority and served first}${writer_spin:+; writers spin ${writer_spin} us}"
   # The probe alone first: its idle latency (the report's header; each run
   # is compared with the probe alone right before it).
   ip netns exec "${host_ns[$writers]}" "$incast" read --device "$device" --seconds 1 "${marking[@]}" \
