@@ -108,6 +108,32 @@ TEST(SharedExchange, EveryTypeAndOperatorBitForBitInRankOrder) {
 
 // Ranks at different speeds, sizes from 0 up: the two buffers alternate
 // and a fast rank never overwrites what a slow one has yet to read.
+// A rank looks at the flags and finds rank 1 missing; rank 1 then
+// contributes and finishes before rank 0 goes to sleep. Rank 0's wait,
+// counted from before its look, ends at once: counted from when it began
+// to wait, it would last until the next store, and none comes (in CI,
+// rank 2 of 5 slept its whole 5 s timeout this way, under ASan, and ranks
+// 0 and 1 failed naming it).
+TEST(SharedExchange, AStoreBetweenALookAndTheWaitEndsTheWait) {
+  auto x = join_all(area_name("lookthenwait"), 2, 64);
+  for (auto& e : x) ASSERT_NE(e, nullptr);
+  std::vector<std::byte> a(8, std::byte{1}), b(8, std::byte{2}), out0(8), out1(8);
+  auto c = x[0]->begin(a, out0, DType::kI32, RedOp::kSum);
+  ASSERT_TRUE(c);
+  EXPECT_FALSE(x[0]->advance(*c));  // contributes; rank 1 has not
+  const uint32_t seen = x[0]->changes();
+  EXPECT_FALSE(x[0]->advance(*c));  // the look: still missing
+  ASSERT_FALSE(x[1]->allreduce(b, out1, DType::kI32, RedOp::kSum));  // finds rank 0's part and finishes
+  const auto t0 = Clock::now();
+  x[0]->wait_change(seen, 3s);
+  EXPECT_LT(Clock::now() - t0, 1s);
+  auto done = x[0]->advance(*c);
+  ASSERT_TRUE(done);
+  EXPECT_FALSE(*done) << done->to_string();
+  EXPECT_EQ(out0, out1);
+  EXPECT_EQ(out0, std::vector<std::byte>(8, std::byte{3}));
+}
+
 TEST(SharedExchange, ManyInARowWithRanksAtDifferentSpeeds) {
   constexpr int p = 4, kRounds = 300;
   constexpr size_t kMax = 16384;  // int32: up to 64 KiB, across the split at 32 KiB

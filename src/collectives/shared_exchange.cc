@@ -226,8 +226,9 @@ std::optional<Error> SharedExchange::advance(Collective& c) {
   return complete(Error{});
 }
 
-void SharedExchange::wait_change(std::chrono::nanoseconds max) {
-  const uint32_t seen = seq(base_).load(std::memory_order_seq_cst);
+uint32_t SharedExchange::changes() const { return seq(base_).load(std::memory_order_seq_cst); }
+
+void SharedExchange::wait_change(uint32_t seen, std::chrono::nanoseconds max) {
   const auto until = Clock::now() + max;
   (void)wait_until(base_, [&] { return seq(base_).load(std::memory_order_seq_cst) != seen; }, until, o_.spin);
 }
@@ -236,8 +237,9 @@ Error SharedExchange::allreduce(std::span<const std::byte> in, std::span<std::by
   auto c = begin(in, out, t, op);
   if (!c) return c.error();
   for (;;) {
+    const uint32_t seen = changes();
     if (auto e = advance(*c)) return std::move(*e);
-    wait_change(c->deadline - Clock::now());
+    wait_change(seen, c->deadline - Clock::now());
   }
 }
 

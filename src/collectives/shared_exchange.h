@@ -89,9 +89,16 @@ class SharedExchange {
   // Does what can be done now without waiting: nullopt while it waits for
   // other ranks, else its outcome (an error past its deadline).
   std::optional<Error> advance(Collective& c);
-  // Sleeps until some rank stores a flag, or `max` passes (first yielding
-  // for up to the spin: the rank awaited may need this core).
-  void wait_change(std::chrono::nanoseconds max);
+  // The count of flag stores so far, to wait from: read it *before*
+  // advance() looks at the flags, so that a store made between that look
+  // and the wait ends the wait at once. (Read after, it would count that
+  // store as seen, and the wait would last until the next store, which may
+  // never come: every other rank may be waiting for this one.)
+  uint32_t changes() const;
+  // Sleeps until the count differs from `seen` (some rank stored a flag
+  // since), or `max` passes (first yielding for up to the spin: the rank
+  // awaited may need this core).
+  void wait_change(uint32_t seen, std::chrono::nanoseconds max);
 
   uint64_t max_bytes() const { return o_.max_bytes; }
   uint64_t collectives() const { return done_; }  // completed (or failed) here

@@ -16,6 +16,9 @@ bool Group::wait_for(Work& w, std::chrono::microseconds max, const std::function
                                                              : client_->now() + max;
   auto idle = 1us;
   while (!w.done()) {
+    // Before progress() looks at the shared area's flags: a store made
+    // after that look must end the wait below (SharedExchange::changes).
+    const uint32_t seen = shared_ ? shared_->changes() : 0;
     if (progress()) {
       idle = 1us;
       continue;
@@ -33,7 +36,7 @@ bool Group::wait_for(Work& w, std::chrono::microseconds max, const std::function
       waiting_on_network |= !shared && (a->phase != detail::WorkState::Phase::kStamps || a->pending.valid());
     }
     if (waiting_on_shared) {
-      shared_->wait_change(std::min<std::chrono::nanoseconds>(waiting_on_network ? 50us : 1ms, until - now));
+      shared_->wait_change(seen, std::min<std::chrono::nanoseconds>(waiting_on_network ? 50us : 1ms, until - now));
     } else if (waiting_on_network) {
       client_->wait_any();
     } else {
