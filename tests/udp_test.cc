@@ -20,6 +20,37 @@ namespace {
 
 using std::chrono::milliseconds;
 
+// The decision to spin before sleeping (docs/ARCHITECTURE.md, "Waiting").
+TEST(SpinHistory, AQuietSocketStopsSpinningAndOneCloseWaitResumesIt) {
+  using std::chrono::microseconds;
+  const microseconds spin(100);
+  SpinHistory h;
+  EXPECT_TRUE(h.spin());  // a new socket looks first
+  for (int i = 0; i < 7; ++i) {
+    h.ended(milliseconds(5), spin);
+    EXPECT_TRUE(h.spin()) << i;  // one of the last 8 was close: the first
+  }
+  h.timed_out();
+  EXPECT_FALSE(h.spin());  // 8 quiet waits
+  h.ended(microseconds(30), spin);
+  EXPECT_TRUE(h.spin());
+}
+
+// A wait a little longer than the spin is an exchange still in progress,
+// not a quiet socket: a receiver that stopped spinning for it would be
+// woken late for its next waits, and its peers would wait for it.
+TEST(SpinHistory, WaitsALittleLongerThanTheSpinKeepItSpinning) {
+  using std::chrono::microseconds;
+  const microseconds spin(100);
+  SpinHistory h;
+  for (int i = 0; i < 64; ++i) h.ended(microseconds(150), spin);
+  EXPECT_TRUE(h.spin());
+  for (int i = 0; i < 64; ++i) h.ended(SpinHistory::kCloseSpins * spin, spin);
+  EXPECT_TRUE(h.spin());
+  for (int i = 0; i < 8; ++i) h.ended(SpinHistory::kCloseSpins * spin + microseconds(1), spin);
+  EXPECT_FALSE(h.spin());
+}
+
 constexpr uint32_t kLoopback = 0x7F000001;
 
 std::unique_ptr<UdpTransport> open_loopback() {

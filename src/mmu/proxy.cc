@@ -203,20 +203,24 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
 // then the scheduler) each time the socket goes quiet between a client's
 // bursts. As the devices do (ARCHITECTURE.md, "Waiting"), the proxy looks
 // for datagrams for up to --spin-us first, yielding the core between
-// looks, but only while one of its last 8 waits ended within the spin: an
+// looks, but only while its recent waits were short (SpinHistory): an
 // idle proxy sleeps at once.
 void Proxy::wait_readable(std::vector<pollfd>& fds, int ms) {
   const auto spin = opts_.spin;
-  auto note = [&](bool soon) { recent_soon_ = static_cast<uint8_t>((recent_soon_ << 1) | (soon ? 1 : 0)); };
   const auto start = std::chrono::steady_clock::now();
-  if (spin.count() > 0 && recent_soon_ != 0) {
+  if (spin.count() > 0 && spin_history_.spin()) {
     do {
-      if (::poll(fds.data(), fds.size(), 0) > 0) return note(true);
+      if (::poll(fds.data(), fds.size(), 0) > 0)
+        return spin_history_.ended(std::chrono::steady_clock::now() - start, spin);
       sched_yield();
     } while (std::chrono::steady_clock::now() - start < spin);
   }
   const int ready = ::poll(fds.data(), fds.size(), ms);
-  if (spin.count() > 0) note(ready > 0 && std::chrono::steady_clock::now() - start <= spin);
+  if (spin.count() == 0) return;
+  if (ready > 0)
+    spin_history_.ended(std::chrono::steady_clock::now() - start, spin);
+  else
+    spin_history_.timed_out();
 }
 
 // ---------------------------------------------------------------- requests

@@ -303,7 +303,7 @@ class Proxy {
   std::vector<Arrival> unanswered_;  // finished this turn without an answer (WRITE without ACK_REQ)
   core::Stats stats_;  // written by the loop only
   uint64_t integrity_drops_seen_ = 0;
-  uint8_t recent_soon_ = 0xFF;  // wait_readable: whether each of the last 8 waits ended within the spin
+  transport::SpinHistory spin_history_;  // wait_readable's recent waits
   metrics::LatencyShard* latency_ = nullptr;
   mutable std::mutex view_mu_;
   View view_;  // published by health_tick() when serving metrics

@@ -517,18 +517,11 @@ size_t UdpTransport::recv_raw(std::span<InMsg> msgs, Duration timeout) {
   const TimePoint start = Clock::now();
   const TimePoint deadline = start + timeout;
   const auto spin = std::chrono::duration_cast<Duration>(spin_);
-  // Whether each of the last 8 waits ended within the spin: spinning pays
-  // only where datagrams follow each other closely (the contributions of
-  // one collective), not on a quiet socket, which then sleeps at once.
-  auto note = [&](bool soon) {
-    recent_soon_.store(static_cast<uint8_t>((recent_soon_.load(std::memory_order_relaxed) << 1) | (soon ? 1 : 0)),
-                       std::memory_order_relaxed);
-  };
-  if (spin > Duration::zero() && recent_soon_.load(std::memory_order_relaxed) != 0) {
+  if (spin > Duration::zero() && spin_history_.spin()) {
     const TimePoint stop = std::min(deadline, start + spin);
     do {
       if (const size_t got = recv_now(msgs); got > 0) {
-        note(true);
+        spin_history_.ended(Clock::now() - start, spin);
         return got;
       }
       sched_yield();
@@ -536,14 +529,14 @@ size_t UdpTransport::recv_raw(std::span<InMsg> msgs, Duration timeout) {
   }
   for (;;) {
     if (const size_t got = recv_now(msgs); got > 0) {
-      if (spin > Duration::zero()) note(Clock::now() - start <= spin);
+      if (spin > Duration::zero()) spin_history_.ended(Clock::now() - start, spin);
       return got;
     }
     // Loop rather than trust one wakeup: poll can report readable and the
     // datagram still vanish (bad checksum, another thread took it).
     const Duration left = deadline - Clock::now();
     if (left <= Duration::zero()) {
-      if (spin > Duration::zero()) note(false);
+      if (spin > Duration::zero()) spin_history_.timed_out();
       return 0;
     }
     pollfd p[2] = {{fd_, POLLIN, 0}, {group_ ? group_->fd_ : -1, POLLIN, 0}};

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "transport/spin_history.h"
 #include "transport/transport.h"
 
 namespace netdam::transport {
@@ -135,7 +136,7 @@ class UdpTransport final : public Transport {
   bool recverr_ = false;
   std::chrono::microseconds spin_{0};
   int small_tos_ = -1;  // UdpOptions::small_dscp as the IP TOS byte
-  std::atomic<uint8_t> recent_soon_{0xFF};  // recv_raw: a bit per recent wait, 1 = ended within spin_
+  SpinHistory spin_history_;  // recv_raw's recent waits
   // Largest datagram sent in a train. A train the kernel refuses (a
   // segment above the route's MTU: EINVAL) lowers it below that segment
   // size and is sent datagram by datagram; 0: no trains at all.
