@@ -23,16 +23,17 @@ using std::chrono::milliseconds;
 // The decision to spin before sleeping (docs/ARCHITECTURE.md, "Waiting").
 TEST(SpinHistory, AQuietSocketStopsSpinningAndOneCloseWaitResumesIt) {
   using std::chrono::microseconds;
-  const microseconds spin(100);
   SpinHistory h;
+  EXPECT_FALSE(h.spin());  // no length: never
+  h.set_length(microseconds(100));
   EXPECT_TRUE(h.spin());  // a new socket looks first
   for (int i = 0; i < 7; ++i) {
-    h.ended(milliseconds(5), spin);
+    h.ended(milliseconds(5));
     EXPECT_TRUE(h.spin()) << i;  // one of the last 8 was close: the first
   }
   h.timed_out();
   EXPECT_FALSE(h.spin());  // 8 quiet waits
-  h.ended(microseconds(30), spin);
+  h.ended(microseconds(30));
   EXPECT_TRUE(h.spin());
 }
 
@@ -43,11 +44,12 @@ TEST(SpinHistory, WaitsALittleLongerThanTheSpinKeepItSpinning) {
   using std::chrono::microseconds;
   const microseconds spin(100);
   SpinHistory h;
-  for (int i = 0; i < 64; ++i) h.ended(microseconds(150), spin);
+  h.set_length(spin);
+  for (int i = 0; i < 64; ++i) h.ended(microseconds(150));
   EXPECT_TRUE(h.spin());
-  for (int i = 0; i < 64; ++i) h.ended(SpinHistory::kCloseSpins * spin, spin);
+  for (int i = 0; i < 64; ++i) h.ended(SpinHistory::kCloseSpins * spin);
   EXPECT_TRUE(h.spin());
-  for (int i = 0; i < 8; ++i) h.ended(SpinHistory::kCloseSpins * spin + microseconds(1), spin);
+  for (int i = 0; i < 8; ++i) h.ended(SpinHistory::kCloseSpins * spin + microseconds(1));
   EXPECT_FALSE(h.spin());
 }
 

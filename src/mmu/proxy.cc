@@ -130,7 +130,9 @@ Proxy::Proxy(const ProxyOptions& o, std::unique_ptr<StateStore> store)
       probe_txn_(static_cast<uint64_t>(
           std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
               .count())),
-      rx_(kRxBatch, kRxSlots) {}
+      rx_(kRxBatch, kRxSlots) {
+  spin_history_.set_length(o.spin);
+}
 
 Proxy::~Proxy() = default;
 
@@ -206,19 +208,16 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
 // looks, but only while its recent waits were short (SpinHistory): an
 // idle proxy sleeps at once.
 void Proxy::wait_readable(std::vector<pollfd>& fds, int ms) {
-  const auto spin = opts_.spin;
   const auto start = std::chrono::steady_clock::now();
-  if (spin.count() > 0 && spin_history_.spin()) {
+  if (spin_history_.spin()) {
     do {
       if (::poll(fds.data(), fds.size(), 0) > 0)
-        return spin_history_.ended(std::chrono::steady_clock::now() - start, spin);
+        return spin_history_.ended(std::chrono::steady_clock::now() - start);
       sched_yield();
-    } while (std::chrono::steady_clock::now() - start < spin);
+    } while (std::chrono::steady_clock::now() - start < spin_history_.length());
   }
-  const int ready = ::poll(fds.data(), fds.size(), ms);
-  if (spin.count() == 0) return;
-  if (ready > 0)
-    spin_history_.ended(std::chrono::steady_clock::now() - start, spin);
+  if (::poll(fds.data(), fds.size(), ms) > 0)
+    spin_history_.ended(std::chrono::steady_clock::now() - start);
   else
     spin_history_.timed_out();
 }
@@ -867,9 +866,9 @@ bool Proxy::served_by_devices(const core::Header& h, const Allocation& a, std::o
 }
 
 bool Proxy::plan_direct(const core::Header& h, const Allocation& a, bool usable_only, DirectPlan& out) {
-  out.gathered =
+  const bool gathered =
       (h.flags & kFlagGather) && (h.opcode == Opcode::kRead || h.opcode == Opcode::kWrite) && a.layout.copies == 1;
-  if (!out.gathered) return plan_pieces(h, a, usable_only, out.pieces);
+  if (!gathered) return plan_pieces(h, a, usable_only, out.pieces);
   out.parts = pool::gather(a.layout, pool::offset_of(h.addr), h.length, 0, smallest_payload(a, core::kGatheredMaxLength));
   return true;
 }
@@ -901,10 +900,7 @@ bool Proxy::forward(const Endpoint& from, const core::Header& h, std::span<const
     if (!usable(a, g.slot)) return false;
   for (const Target& t : plan->pieces)
     if (!usable(a, t.slot)) return false;
-  if (plan->gathered) {
-    forward_gathered(from, h, payload, a, plan->parts);
-    return true;
-  }
+  forward_gathered(from, h, payload, a, plan->parts);  // a plan has parts or pieces, not both
   const std::vector<Target>& targets = plan->pieces;
   for (const Target& t : targets) {
     const Endpoint& dev = catalog_.devices()[t.device].endpoint;

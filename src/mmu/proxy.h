@@ -126,7 +126,6 @@ class Proxy {
   // How a DIRECT request goes to the devices (PROTOCOL.md 17.5): the
   // gathered parts of a GATHER READ or WRITE, else its pieces.
   struct DirectPlan {
-    bool gathered = false;
     std::vector<pool::Gather> parts;
     std::vector<Target> pieces;
   };

@@ -22,11 +22,13 @@ class SpinHistory {
  public:
   static constexpr int kCloseSpins = 4;
 
-  bool spin() const { return bits_.load(std::memory_order_relaxed) != 0; }
+  // How long to look before sleeping; 0: never.
+  void set_length(std::chrono::nanoseconds length) { length_ = length; }
+  std::chrono::nanoseconds length() const { return length_; }
+  // Whether the next wait should look first.
+  bool spin() const { return length_.count() > 0 && bits_.load(std::memory_order_relaxed) != 0; }
   // A wait that ended with a datagram after `waited`.
-  void ended(std::chrono::nanoseconds waited, std::chrono::nanoseconds spin) {
-    push(waited <= kCloseSpins * spin);
-  }
+  void ended(std::chrono::nanoseconds waited) { push(waited <= kCloseSpins * length_); }
   // A wait that ended with nothing: its timeout.
   void timed_out() { push(false); }
 
@@ -37,6 +39,7 @@ class SpinHistory {
     bits_.store(static_cast<uint8_t>((bits_.load(std::memory_order_relaxed) << 1) | (close ? 1 : 0)),
                 std::memory_order_relaxed);
   }
+  std::chrono::nanoseconds length_{0};
   std::atomic<uint8_t> bits_{0xFF};
 };
 

@@ -106,7 +106,7 @@ Result<std::unique_ptr<UdpTransport>> UdpTransport::open(const UdpOptions& optio
     transport->gso_max_segment_.store(kMaxTrainBytes, std::memory_order_relaxed);
   transport->gro_ = options.gro && setsockopt(fd, IPPROTO_UDP, UDP_GRO, &one, sizeof one) == 0;
   transport->enable_recverr(options.local_backpressure);
-  transport->spin_ = options.spin;
+  transport->spin_history_.set_length(options.spin);
   transport->small_tos_ = options.small_dscp < 0 ? -1 : options.small_dscp << 2;
 
   const sockaddr_in bind_addr = to_sockaddr(options.bind);
@@ -516,12 +516,11 @@ size_t UdpTransport::recv_raw(std::span<InMsg> msgs, Duration timeout) {
   if (timeout <= Duration::zero()) return recv_now(msgs);
   const TimePoint start = Clock::now();
   const TimePoint deadline = start + timeout;
-  const auto spin = std::chrono::duration_cast<Duration>(spin_);
-  if (spin > Duration::zero() && spin_history_.spin()) {
-    const TimePoint stop = std::min(deadline, start + spin);
+  if (spin_history_.spin()) {
+    const TimePoint stop = std::min(deadline, start + std::chrono::duration_cast<Duration>(spin_history_.length()));
     do {
       if (const size_t got = recv_now(msgs); got > 0) {
-        spin_history_.ended(Clock::now() - start, spin);
+        spin_history_.ended(Clock::now() - start);
         return got;
       }
       sched_yield();
@@ -529,14 +528,14 @@ size_t UdpTransport::recv_raw(std::span<InMsg> msgs, Duration timeout) {
   }
   for (;;) {
     if (const size_t got = recv_now(msgs); got > 0) {
-      if (spin > Duration::zero()) spin_history_.ended(Clock::now() - start, spin);
+      spin_history_.ended(Clock::now() - start);
       return got;
     }
     // Loop rather than trust one wakeup: poll can report readable and the
     // datagram still vanish (bad checksum, another thread took it).
     const Duration left = deadline - Clock::now();
     if (left <= Duration::zero()) {
-      if (spin > Duration::zero()) spin_history_.timed_out();
+      spin_history_.timed_out();
       return 0;
     }
     pollfd p[2] = {{fd_, POLLIN, 0}, {group_ ? group_->fd_ : -1, POLLIN, 0}};

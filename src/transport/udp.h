@@ -48,7 +48,7 @@ struct UdpOptions {
   // scheduler), and a small collective pays that on every hop; MPI and
   // eRPC poll for the same reason. Spinning costs the core meanwhile
   // (it yields to anything runnable), so a socket spins only while one of
-  // its last 8 waits ended within the spin; 0 never spins.
+  // its last 8 waits ended within four spins (SpinHistory); 0 never spins.
   std::chrono::microseconds spin{0};
   // DSCP (0..63) for datagrams of at most kSmallDatagram bytes (requests
   // without data, acknowledgements, small answers); -1 marks nothing. A
@@ -134,9 +134,8 @@ class UdpTransport final : public Transport {
   std::atomic<uint64_t> trains_sent_{0}, trains_received_{0}, stashed_{0};
   std::atomic<uint64_t> local_drops_{0}, icmp_errors_{0};
   bool recverr_ = false;
-  std::chrono::microseconds spin_{0};
   int small_tos_ = -1;  // UdpOptions::small_dscp as the IP TOS byte
-  SpinHistory spin_history_;  // recv_raw's recent waits
+  SpinHistory spin_history_;  // recv_raw's spin (UdpOptions::spin) and recent waits
   // Largest datagram sent in a train. A train the kernel refuses (a
   // segment above the route's MTU: EINVAL) lowers it below that segment
   // size and is sent datagram by datagram; 0: no trains at all.
