@@ -53,6 +53,34 @@ TEST(SpinHistory, WaitsALittleLongerThanTheSpinKeepItSpinning) {
   EXPECT_FALSE(h.spin());
 }
 
+TEST(SpinUntil, AStopAlreadyPastLooksOnce) {
+  int looks = 0;
+  EXPECT_FALSE(netdam::transport::spin_until(std::chrono::steady_clock::now() - std::chrono::seconds(1), [&] {
+    ++looks;
+    return false;
+  }));
+  EXPECT_EQ(looks, 1);
+  EXPECT_TRUE(netdam::transport::spin_until(std::chrono::steady_clock::time_point{}, [] { return true; }));
+}
+
+TEST(SpinUntil, StopsAtTheFirstLookThatSucceeds) {
+  int looks = 0;
+  EXPECT_TRUE(netdam::transport::spin_until(std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                                            [&] { return ++looks == 3; }));
+  EXPECT_EQ(looks, 3);
+}
+
+TEST(SpinUntil, GivesUpOnlyOnceTheStopHasPassed) {
+  int looks = 0;
+  const auto stop = std::chrono::steady_clock::now() + std::chrono::milliseconds(5);
+  EXPECT_FALSE(netdam::transport::spin_until(stop, [&] {
+    ++looks;
+    return false;
+  }));
+  EXPECT_GE(std::chrono::steady_clock::now(), stop);
+  EXPECT_GE(looks, 2);
+}
+
 constexpr uint32_t kLoopback = 0x7F000001;
 
 std::unique_ptr<UdpTransport> open_loopback() {

@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 #include <linux/futex.h>
-#include <sched.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -13,6 +12,7 @@
 
 #include "common/mapping.h"
 #include "core/reduce.h"
+#include "transport/spin_history.h"
 
 namespace netdam::collectives {
 
@@ -52,15 +52,11 @@ void announce(std::byte* base) {
 // core), then sleeps on the futex until a flag store or the deadline.
 template <class Done>
 bool wait_until(std::byte* base, Done done, Clock::time_point deadline, std::chrono::microseconds spin) {
-  const auto start = Clock::now();
+  if (transport::spin_until(std::min(Clock::now() + spin, deadline), done)) return true;
   for (;;) {
     if (done()) return true;
     const auto now = Clock::now();
     if (now >= deadline) return done();
-    if (now - start < spin) {
-      sched_yield();
-      continue;
-    }
     const uint32_t seen = seq(base).load(std::memory_order_seq_cst);
     if (done()) return true;
     const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);

@@ -1,7 +1,6 @@
 #include "mmu/proxy.h"
 
 #include <poll.h>
-#include <sched.h>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -209,13 +208,9 @@ void Proxy::poll_once(std::chrono::milliseconds timeout) {
 // idle proxy sleeps at once.
 void Proxy::wait_readable(std::vector<pollfd>& fds, int ms) {
   const auto start = std::chrono::steady_clock::now();
-  if (spin_history_.spin()) {
-    do {
-      if (::poll(fds.data(), fds.size(), 0) > 0)
-        return spin_history_.ended(std::chrono::steady_clock::now() - start);
-      sched_yield();
-    } while (std::chrono::steady_clock::now() - start < spin_history_.length());
-  }
+  if (spin_history_.spin() &&
+      transport::spin_until(start + spin_history_.length(), [&] { return ::poll(fds.data(), fds.size(), 0) > 0; }))
+    return spin_history_.ended(std::chrono::steady_clock::now() - start);
   if (::poll(fds.data(), fds.size(), ms) > 0)
     spin_history_.ended(std::chrono::steady_clock::now() - start);
   else

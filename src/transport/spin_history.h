@@ -2,6 +2,8 @@
 // (docs/ARCHITECTURE.md, "Waiting"). Pure: the caller measures its waits.
 #pragma once
 
+#include <sched.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -42,5 +44,17 @@ class SpinHistory {
   std::chrono::nanoseconds length_{0};
   std::atomic<uint8_t> bits_{0xFF};
 };
+
+// Looks until `look` returns true or `stop` passes (a `stop` already past:
+// one look), yielding the core between looks: the peer being waited for may
+// need this very core. Whether a look succeeded.
+template <class Look>
+bool spin_until(std::chrono::steady_clock::time_point stop, Look&& look) {
+  for (;;) {
+    if (look()) return true;
+    if (std::chrono::steady_clock::now() >= stop) return false;
+    sched_yield();
+  }
+}
 
 }  // namespace netdam::transport

@@ -5,7 +5,6 @@
 #include <netinet/in.h>
 #include <netinet/udp.h>
 #include <poll.h>
-#include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -518,13 +517,11 @@ size_t UdpTransport::recv_raw(std::span<InMsg> msgs, Duration timeout) {
   const TimePoint deadline = start + timeout;
   if (spin_history_.spin()) {
     const TimePoint stop = std::min(deadline, start + std::chrono::duration_cast<Duration>(spin_history_.length()));
-    do {
-      if (const size_t got = recv_now(msgs); got > 0) {
-        spin_history_.ended(Clock::now() - start);
-        return got;
-      }
-      sched_yield();
-    } while (Clock::now() < stop);
+    size_t got = 0;
+    if (spin_until(stop, [&] { return (got = recv_now(msgs)) > 0; })) {
+      spin_history_.ended(Clock::now() - start);
+      return got;
+    }
   }
   for (;;) {
     if (const size_t got = recv_now(msgs); got > 0) {
