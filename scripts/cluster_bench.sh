@@ -24,6 +24,13 @@
 #                      generation parity: the first use of device memory
 #                      pays a page fault per page (docs/CLUSTER.md)
 #   --budget SIZE      (default 64M)
+#   --rounds R         run every system R times, interleaved (round k runs
+#                      each system once, in the order below), and report per
+#                      size each system's median round (for an even R the
+#                      faster of the middle two) with the range of the
+#                      rounds and of netdam / best peer per round (default
+#                      1). A stall of the machine's CPUs then moves one
+#                      round of one system, not the comparison
 #   --systems LIST     gloo,mpi,netdam (default) and/or netdam-chains
 #                      (netdam-bench --devices: the ring by chains, one
 #                      device per rank, M = P)
@@ -49,7 +56,7 @@ peers="$repo/bench/peers"
 build="$repo/${BUILD_DIR:-build}"
 [[ "${BUILD_DIR:-}" == /* ]] && build="$BUILD_DIR"
 
-P=4 M="" rate=auto mtu=9000 min=4K max=64M factor=4 iters=10 warmup=5 budget=64M
+P=4 M="" rate=auto mtu=9000 min=4K max=64M factor=4 iters=10 warmup=5 budget=64M rounds=1
 systems=gloo,mpi,netdam colocated=0 prefix=ndb out="" sys_timeout=1800
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -66,6 +73,7 @@ while (($#)); do
     --iters|-n) iters=$2; shift 2 ;;
     --warmup|-w) warmup=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
+    --rounds) rounds=$2; shift 2 ;;
     --systems) systems=$2; shift 2 ;;
     --colocated) colocated=1; shift ;;
     --prefix) prefix=$2; shift 2 ;;
@@ -83,6 +91,7 @@ M=${M:-$P}
 [[ "$P" =~ ^[0-9]+$ ]] && ((P >= 2 && P <= 64)) || { echo "cluster_bench: --hosts 2..64" >&2; exit 2; }
 [[ "$warmup" =~ ^[0-9]+$ ]] || { echo "cluster_bench: --warmup: a number of iterations, 0 or more" >&2; exit 2; }
 [[ "$M" =~ ^[0-9]+$ ]] && ((M <= 64)) || { echo "cluster_bench: --devices 0..64" >&2; exit 2; }
+[[ "$rounds" =~ ^[0-9]+$ ]] && ((rounds >= 1 && rounds <= 100)) || { echo "cluster_bench: --rounds 1..100" >&2; exit 2; }
 want() { [[ ",$systems," == *",$1,"* ]]; }
 for s in ${systems//,/ }; do
   [[ "$s" =~ ^(gloo|mpi|netdam|netdam-chains)$ ]] || { echo "cluster_bench: unknown system '$s'" >&2; exit 2; }
@@ -93,7 +102,7 @@ out=$(cd "$out" && pwd)  # written into the rsh agent, which runs elsewhere
 : >"$out/runs.txt"
 
 echo "== cluster_bench: p=$P hosts, M=$M devices, rate $rate each way, MTU $mtu, allreduce f32 sum $min..$max x$factor"
-echo "== $(date '+%F %T'), $0 --hosts $P --devices $M --rate $rate --mtu $mtu -b $min -e $max -f $factor --systems $systems$( ((colocated)) && echo ' --colocated')"
+echo "== $(date '+%F %T'), $0 --hosts $P --devices $M --rate $rate --mtu $mtu -b $min -e $max -f $factor --systems $systems --rounds $rounds$( ((colocated)) && echo ' --colocated')"
 echo "== $(nproc) cores, loadavg $(cut -d' ' -f1-3 /proc/loadavg) at the start; logs and CSVs in $out"
 
 # ------------------------------------------------------------ what can run ---
@@ -303,9 +312,9 @@ gloo_run() {
   rank_cmd() {
     c=("$peers/build/gloo_bench" --rank "$1" --ranks "$P" --store "$store" --host "${host_ip[$1]}"
        --mode "async,sync" --algos "${GLOO_ALGOS:-all}" --timeout 300 "${common[@]}")
-    (($1 == 0)) && c+=(--csv "$out/gloo.csv")
+    (($1 == 0)) && c+=(--csv "$out/gloo$tag.csv")
   }
-  run_ranks gloo
+  run_ranks "gloo$tag"
   rm -rf "$store"
 }
 
@@ -342,21 +351,21 @@ mpi_run() {
       --mca plm_rsh_agent "$out/mpi.agent" --mca oob_tcp_if_include "$CLUSTER_SUBNET" --mca routed direct \
       --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include "$CLUSTER_SUBNET" \
       --mca coll '^sm' --mca mpi_yield_when_idle 1 \
-      "$peers/build/mpi_bench" "${common[@]}" --csv "$out/mpi.csv" >"$out/mpi.log" 2>&1 </dev/null
+      "$peers/build/mpi_bench" "${common[@]}" --csv "$out/mpi$tag.csv" >"$out/mpi$tag.log" 2>&1 </dev/null
   rc=$?
 }
 
 netdam_aggregate() {  # netdam_aggregate NAME ADDRS
-  local name=$1 addrs=$2
+  local name=$1 addrs=$2 csv_path="$out/$1$tag.csv"
   # One number for this run's ranks, new for each run (GroupOptions::job).
   job=$(od -An -N6 -tu8 /dev/urandom | tr -d ' ')
   rank_cmd() {
     # shellcheck disable=SC2206
     c=("$bench" allreduce --ranks "$P" --rank "$1" --aggregators "$addrs" --algo aggregate --job "$job"
        "${iterations[@]}" --admin-key 0xAD ${NETDAM_ARGS:-})
-    (($1 == 0)) && c+=(--csv "$out/$name.csv")
+    (($1 == 0)) && c+=(--csv "$csv_path")  # (run_ranks has a $name of its own)
   }
-  run_ranks "$name"
+  run_ranks "$name$tag"
 }
 netdam_run() { netdam_aggregate netdam "$CLUSTER_DEVICE_ADDRS"; }
 netdam_colocated_run() { netdam_aggregate netdam-colocated "$CLUSTER_COLOCATED_ADDRS"; }
@@ -365,9 +374,9 @@ netdam_chains_run() {
     # shellcheck disable=SC2206
     c=("$bench" allreduce --devices "$CLUSTER_DEVICE_ADDRS" --rank "$1"
        "${iterations[@]}" --admin-key 0xAD ${NETDAM_ARGS:-})
-    (($1 == 0)) && c+=(--csv "$out/netdam-chains.csv")
+    (($1 == 0)) && c+=(--csv "$out/netdam-chains$tag.csv")
   }
-  run_ranks netdam-chains
+  run_ranks "netdam-chains$tag"
 }
 
 check_rc() {  # check_rc NAME LOG: 0 ok, 3 peers' wrong elements (reported)
@@ -381,35 +390,42 @@ check_rc() {  # check_rc NAME LOG: 0 ok, 3 peers' wrong elements (reported)
   fi
 }
 
-if want gloo; then
-  echo "== gloo: one rank per host namespace, TCP bound to the host's address, FileStore rendezvous," \
-       "every allreduce algorithm, async pairs (and sync up to 64K)"
-  measure gloo gloo_run; check_rc gloo "$out/gloo.0.log"
-fi
-if want mpi; then
-  echo "== Open MPI: mpirun in ${host_ns[0]}, orted per host namespace, pml ob1, btl tcp,self on $CLUSTER_SUBNET"
-  measure mpi mpi_run; check_rc mpi "$out/mpi.log"
-fi
-if ((run_aggregate)) && want netdam; then
-  echo "== netdam: --algo aggregate, one rank per host namespace, aggregators in the $M device namespaces"
-  measure netdam netdam_run; check_rc netdam "$out/netdam.0.log"
-  ((rc == 3)) && status=1
-fi
-if ((run_aggregate && colocated)); then
-  echo "== netdam (co-located): --algo aggregate, aggregators = netdamd in each host namespace"
-  measure netdam-colocated netdam_colocated_run; check_rc netdam-colocated "$out/netdam-colocated.0.log"
-  ((rc == 3)) && status=1
-fi
-if ((run_chains)); then
-  echo "== netdam-chains: netdam-bench --devices (auto: direct/ring by chains), device r in ${dev_ns[0]%0}r"
-  measure netdam-chains netdam_chains_run; check_rc netdam-chains "$out/netdam-chains.0.log"
-  ((rc == 3)) && status=1
-fi
+# One round: every system once. say HEADER prints a system's header in
+# the first round only; the logs and CSVs of round k of several end in .rk.
+say() { if ((round == 1)); then echo "$@"; fi; }
+for ((round = 1; round <= rounds; round++)); do
+  tag=""
+  if ((rounds > 1)); then tag=".r$round"; echo "== round $round of $rounds"; fi
+  if want gloo; then
+    say "== gloo: one rank per host namespace, TCP bound to the host's address, FileStore rendezvous," \
+         "every allreduce algorithm, async pairs (and sync up to 64K)"
+    measure "gloo$tag" gloo_run; check_rc gloo "$out/gloo$tag.0.log"
+  fi
+  if want mpi; then
+    say "== Open MPI: mpirun in ${host_ns[0]}, orted per host namespace, pml ob1, btl tcp,self on $CLUSTER_SUBNET"
+    measure "mpi$tag" mpi_run; check_rc mpi "$out/mpi$tag.log"
+  fi
+  if ((run_aggregate)) && want netdam; then
+    say "== netdam: --algo aggregate, one rank per host namespace, aggregators in the $M device namespaces"
+    measure "netdam$tag" netdam_run; check_rc netdam "$out/netdam$tag.0.log"
+    ((rc == 3)) && status=1
+  fi
+  if ((run_aggregate && colocated)); then
+    say "== netdam (co-located): --algo aggregate, aggregators = netdamd in each host namespace"
+    measure "netdam-colocated$tag" netdam_colocated_run; check_rc netdam-colocated "$out/netdam-colocated$tag.0.log"
+    ((rc == 3)) && status=1
+  fi
+  if ((run_chains)); then
+    say "== netdam-chains: netdam-bench --devices (auto: direct/ring by chains), device r in ${dev_ns[0]%0}r"
+    measure "netdam-chains$tag" netdam_chains_run; check_rc netdam-chains "$out/netdam-chains$tag.0.log"
+    ((rc == 3)) && status=1
+  fi
+done
 
 # ----------------------------------------------------------------- report ---
 
 /usr/bin/python3 - "$out" "$P" "$M" "$CLUSTER_RATE_BPS" "$CLUSTER_RATE" "$(nproc)" "$CLUSTER_BURST" <<'PY' || status=1
-import csv, os, sys
+import csv, glob, os, re, sys
 
 out, P, M, bps, rate, cores = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
 burst = int(sys.argv[7])
@@ -460,13 +476,22 @@ names = {"gloo": "gloo", "mpi": "Open MPI", "netdam": "netdam", "netdam-colocate
 order = ["gloo", "mpi", "netdam", "netdam-colocated", "netdam-chains"]
 peers = ("gloo", "mpi")
 
-rows, wrong_total, per_algo = {}, {}, {}
-for s in order:
-    path = os.path.join(out, s + ".csv")
-    if not os.path.exists(path):
-        continue
+# A system's CSVs: NAME.csv of one round, or NAME.r1.csv, NAME.r2.csv, ...
+def round_files(s):
+    one = os.path.join(out, s + ".csv")
+    if os.path.exists(one):
+        return [one]
+    found = []
+    for path in glob.glob(os.path.join(out, glob.escape(s) + ".r*.csv")):
+        m = re.fullmatch(re.escape(s) + r"\.r(\d+)\.csv", os.path.basename(path))
+        if m:
+            found.append((int(m.group(1)), path))
+    return [p for _, p in sorted(found)]
+
+# One round's CSV: per size the fastest correct algorithm (a wrong one only
+# where none was correct); every algorithm's busbw into per_algo.
+def read_round(path, s):
     best = {}
-    wrong_total[s] = 0
     with open(path, newline="") as fh:
         for r in csv.DictReader(fh):
             if r.get("op", "allreduce").replace("_", "") != "allreduce":
@@ -478,14 +503,31 @@ for s in order:
                 continue
             wrong_total[s] += wrong
             algo = r.get("algo", "")
-            per_algo.setdefault(s, {}).setdefault(algo, {})[size] = (bw, wrong)
+            per_algo.setdefault(s, {}).setdefault(algo, {}).setdefault(size, []).append((bw, wrong))
             cur = best.get(size)
             row = {"t": t, "bw": bw, "algo": algo, "wrong": wrong}
             if (cur is None or (wrong == 0 and cur["wrong"] != 0) or
                     ((wrong == 0) == (cur["wrong"] == 0) and t < cur["t"])):
                 best[size] = row
+    return best
+
+# rows[s][size]: the system's median round at that size (by time; for an
+# even count the faster of the middle two), with every round's time in "ts".
+rows, rounds_of, wrong_total, per_algo = {}, {}, {}, {}
+for s in order:
+    files = round_files(s)
+    if not files:
+        continue
+    wrong_total[s] = 0
+    per_round = [read_round(path, s) for path in files]
+    rounds_of[s] = per_round
+    best = {}
+    for size in set().union(*(r.keys() for r in per_round)):
+        rs = sorted((r[size] for r in per_round if size in r), key=lambda x: x["t"])
+        best[size] = dict(rs[(len(rs) - 1) // 2], ts=[x["t"] for x in rs])
     if best:
         rows[s] = best
+n_rounds = max(len(v) for v in rounds_of.values()) if rounds_of else 0
 
 if not rows:
     print("cluster_bench: no results", file=sys.stderr)
@@ -503,6 +545,9 @@ print()
 print(f"# AllReduce f32 sum in the emulated cluster: p={P} hosts, M={M} devices, every link {rate_s} each way;")
 print(f"# busbw = algbw x 2(p-1)/p (GB/s, decimal); bound = the line-rate bound of the algorithm; timing: each")
 print("# (fresh input, barrier, one timed collective, verify; mean, slowest rank); peers: best correct algorithm.")
+if n_rounds > 1:
+    print(f"# {n_rounds} rounds, the systems interleaved in each: per system and size its median round (for an even")
+    print("#   count the faster of the middle two), the rounds' times in 'range us', netdam / best peer per round.")
 if B:
     print(f"# ~ after %bound: that system's busiest link moves < 4 tbf buckets ({burst} B each) per AllReduce,")
     print("#   much of which leaves at wire speed after an idle moment: the bound does not bind there.")
@@ -510,7 +555,8 @@ summary = []
 for size in sizes:
     print()
     print(f"## {human(size)} ({size} B)")
-    print(f"  {'system':<14} {'algo':<22} {'busbw':>7} {'bound':>7} {'%bound':>7} {'time us':>12} {'wrong':>6}  nodes and links")
+    rng_h = f" {'range us':>15}" if n_rounds > 1 else ""
+    print(f"  {'system':<14} {'algo':<22} {'busbw':>7} {'bound':>7} {'%bound':>7} {'time us':>12}{rng_h} {'wrong':>6}  nodes and links")
     for s in order:
         r = rows.get(s, {}).get(size)
         if r is None:
@@ -520,7 +566,8 @@ for size in sizes:
         # a good part of which can leave at wire speed after an idle moment.
         pct = (f"{100 * r['bw'] / b:5.0f}%" + ("~" if link_load(s) * size < 4 * burst else " ")) if b else "     - "
         bs = f"{b:7.4f}" if b else "      -"
-        print(f"  {names[s]:<14} {r['algo'][:22]:<22} {r['bw']:7.4f} {bs} {pct} {r['t']:12.1f} {r['wrong']:6d}  {nodes(s)}")
+        rng = f" {min(r['ts']):7.1f}-{max(r['ts']):<7.1f}" if n_rounds > 1 else ""
+        print(f"  {names[s]:<14} {r['algo'][:22]:<22} {r['bw']:7.4f} {bs} {pct} {r['t']:12.1f}{rng} {r['wrong']:6d}  {nodes(s)}")
         summary.append((s, r["algo"], size, r["t"], r["bw"], b, r["wrong"]))
     best_peer = None
     for s in peers:
@@ -533,6 +580,17 @@ for size in sizes:
         print(f"  netdam / best peer ({names[best_peer[0]]} {best_peer[1]['algo']}): "
               f"{nd['bw'] / best_peer[1]['bw']:.2f}x busbw" +
               (f"   (ratio of the bounds: {bp:.2f}x)" if bp else ""))
+        # Round k of netdam against the best correct peer of round k.
+        per = []
+        for k, nr in enumerate(rounds_of.get("netdam", [])):
+            n = nr.get(size)
+            ps = [rounds_of[p][k][size] for p in peers
+                  if k < len(rounds_of.get(p, [])) and size in rounds_of[p][k] and rounds_of[p][k][size]["wrong"] == 0]
+            if n and ps:
+                per.append(n["bw"] / max(x["bw"] for x in ps))
+        if len(per) > 1:
+            print(f"  per round: {', '.join(f'{x:.2f}' for x in per)}x busbw "
+                  f"(time at or below the best peer's in {sum(x >= 1.0 for x in per)} of {len(per)})")
     elif best_peer:
         print(f"  best peer: {names[best_peer[0]]} {best_peer[1]['algo']}"
               + ("" if "netdam" in rows else "   (netdam not measured in this run)"))
@@ -541,14 +599,18 @@ for size in sizes:
 if "gloo" in per_algo:
     algos = sorted(per_algo["gloo"])
     print()
-    print("# gloo, busbw of every algorithm (GB/s; * = wrong elements); the bound of each is B" +
-          (f" = {B:.4f}" if B else ""))
+    print("# gloo, busbw of every algorithm (GB/s" + ("; the median of the rounds" if n_rounds > 1 else "") +
+          "; * = wrong elements); the bound of each is B" + (f" = {B:.4f}" if B else ""))
     print(f"  {'size':>8} " + " ".join(f"{a:>21}" for a in algos))
     for size in sizes:
         cells = []
         for a in algos:
             v = per_algo["gloo"][a].get(size)
-            cells.append(f"{v[0]:20.4f}{'*' if v[1] else ' '}" if v else f"{'-':>20} ")
+            if v:
+                bws = sorted(x[0] for x in v)
+                cells.append(f"{bws[(len(bws) - 1) // 2]:20.4f}{'*' if any(x[1] for x in v) else ' '}")
+            else:
+                cells.append(f"{'-':>20} ")
         print(f"  {human(size):>8} " + " ".join(cells))
 
 # CPU and links of each system's whole run (all sizes).
@@ -593,10 +655,13 @@ print("# tbf queues dropped, host up/host down/device up/device down (TCP resend
 
 with open(os.path.join(out, "summary.csv"), "w", newline="") as fh:
     w = csv.writer(fh)
-    w.writerow(["impl", "algo", "op", "size", "time_us", "busbw", "bound_busbw", "wrong", "hosts", "devices", "rate_bps"])
+    w.writerow(["impl", "algo", "op", "size", "time_us", "busbw", "bound_busbw", "wrong", "hosts", "devices", "rate_bps",
+                "rounds", "time_us_min", "time_us_max"])
     for s, algo, size, t, bw, b, wrong in summary:
+        ts = rows[s][size]["ts"]
         w.writerow([s, algo, "allreduce", size, f"{t:.3f}", f"{bw:.6f}", f"{b:.6f}" if b else "", wrong, P,
-                    M if s in ("netdam", "netdam-chains") else (P if s == "netdam-colocated" else 0), bps])
+                    M if s in ("netdam", "netdam-chains") else (P if s == "netdam-colocated" else 0), bps,
+                    len(ts), f"{min(ts):.3f}", f"{max(ts):.3f}"])
 print()
 print("# #wrong over every row: " + ", ".join(f"{names[k]} {v}" for k, v in wrong_total.items()))
 sys.exit(1 if any(wrong_total.get(k) for k in ("netdam", "netdam-colocated", "netdam-chains")) else 0)
