@@ -390,36 +390,32 @@ check_rc() {  # check_rc NAME LOG: 0 ok, 3 peers' wrong elements (reported)
   fi
 }
 
-# One round: every system once. say HEADER prints a system's header in
-# the first round only; the logs and CSVs of round k of several end in .rk.
-say() { if ((round == 1)); then echo "$@"; fi; }
+# One round: every system once; the logs and CSVs of round k of several end
+# in .rk. A system's header is printed in the first round only.
+# system_round NAME FUNC LOG NETDAM HEADER...: measures NAME (its log
+# $out/NAME$tag.LOG); NETDAM=1: a wrong element fails the whole run.
+system_round() {
+  local name=$1 fn=$2 log=$3 netdam=$4
+  shift 4
+  if ((round == 1)); then echo "$@"; fi
+  measure "$name$tag" "$fn"
+  check_rc "$name" "$out/$name$tag.$log"
+  if ((netdam && rc == 3)); then status=1; fi
+}
 for ((round = 1; round <= rounds; round++)); do
   tag=""
   if ((rounds > 1)); then tag=".r$round"; echo "== round $round of $rounds"; fi
-  if want gloo; then
-    say "== gloo: one rank per host namespace, TCP bound to the host's address, FileStore rendezvous," \
-         "every allreduce algorithm, async pairs (and sync up to 64K)"
-    measure "gloo$tag" gloo_run; check_rc gloo "$out/gloo$tag.0.log"
-  fi
-  if want mpi; then
-    say "== Open MPI: mpirun in ${host_ns[0]}, orted per host namespace, pml ob1, btl tcp,self on $CLUSTER_SUBNET"
-    measure "mpi$tag" mpi_run; check_rc mpi "$out/mpi$tag.log"
-  fi
-  if ((run_aggregate)) && want netdam; then
-    say "== netdam: --algo aggregate, one rank per host namespace, aggregators in the $M device namespaces"
-    measure "netdam$tag" netdam_run; check_rc netdam "$out/netdam$tag.0.log"
-    ((rc == 3)) && status=1
-  fi
-  if ((run_aggregate && colocated)); then
-    say "== netdam (co-located): --algo aggregate, aggregators = netdamd in each host namespace"
-    measure "netdam-colocated$tag" netdam_colocated_run; check_rc netdam-colocated "$out/netdam-colocated$tag.0.log"
-    ((rc == 3)) && status=1
-  fi
-  if ((run_chains)); then
-    say "== netdam-chains: netdam-bench --devices (auto: direct/ring by chains), device r in ${dev_ns[0]%0}r"
-    measure "netdam-chains$tag" netdam_chains_run; check_rc netdam-chains "$out/netdam-chains$tag.0.log"
-    ((rc == 3)) && status=1
-  fi
+  want gloo && system_round gloo gloo_run 0.log 0 \
+    "== gloo: one rank per host namespace, TCP bound to the host's address, FileStore rendezvous," \
+    "every allreduce algorithm, async pairs (and sync up to 64K)"
+  want mpi && system_round mpi mpi_run log 0 \
+    "== Open MPI: mpirun in ${host_ns[0]}, orted per host namespace, pml ob1, btl tcp,self on $CLUSTER_SUBNET"
+  ((run_aggregate)) && want netdam && system_round netdam netdam_run 0.log 1 \
+    "== netdam: --algo aggregate, one rank per host namespace, aggregators in the $M device namespaces"
+  ((run_aggregate && colocated)) && system_round netdam-colocated netdam_colocated_run 0.log 1 \
+    "== netdam (co-located): --algo aggregate, aggregators = netdamd in each host namespace"
+  ((run_chains)) && system_round netdam-chains netdam_chains_run 0.log 1 \
+    "== netdam-chains: netdam-bench --devices (auto: direct/ring by chains), device r in ${dev_ns[0]%0}r"
 done
 
 # ----------------------------------------------------------------- report ---
