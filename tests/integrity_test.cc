@@ -50,7 +50,7 @@ std::vector<std::byte> random_bytes(size_t n, uint64_t seed) {
 }
 
 constexpr Crc32cImpl kImpls[] = {Crc32cImpl::kTable, Crc32cImpl::kSse42, Crc32cImpl::kPclmul,
-                                  Crc32cImpl::kVpclmul, Crc32cImpl::kHybrid};
+                                  Crc32cImpl::kVpclmul, Crc32cImpl::kHybrid, Crc32cImpl::kVpclmul512};
 const char* impl_name(Crc32cImpl impl) {
   switch (impl) {
     case Crc32cImpl::kTable:
@@ -63,6 +63,8 @@ const char* impl_name(Crc32cImpl impl) {
       return "vpclmul-4x256";
     case Crc32cImpl::kHybrid:
       return "hybrid";
+    case Crc32cImpl::kVpclmul512:
+      return "vpclmul-4x512";  // from 512 B, else vpclmul-4x256
   }
   return "?";
 }
@@ -144,7 +146,8 @@ TEST(Crc32c, FastPathMatchesTable) {
       ASSERT_EQ(crc32c_with(impl, s, init), crc32c_portable(s, init)) << len << " at " << off;
     }
     for (size_t off = 0; off < 64; ++off)
-      for (size_t len : {127, 128, 129, 255, 256, 257, 300, 1023, 1024, 1031, 4095, 4096, 8192, 12800, 65536}) {
+      for (size_t len : {127, 128, 129, 255, 256, 257, 300, 511, 512, 513, 767, 768, 1023, 1024, 1031, 4095, 4096, 8192,
+                         12800, 65536}) {
         const auto s = std::span(data).subspan(off, len);
         ASSERT_EQ(crc32c_with(impl, s, 0), crc32c_portable(s, 0)) << len << " at " << off;
       }
@@ -168,7 +171,7 @@ TEST(Crc32c, FastPathMatchesTable) {
   EXPECT_EQ(crc32c(s, 1), crc32c_with(crc32c_best(), s, 1));
   EXPECT_EQ(crc32c(s, 1), crc32c_portable(s, 1));
   // So is the one for cold data, at every length around its thresholds.
-  for (size_t len : {0, 1, 127, 128, 255, 256, 383, 640, 641, 8192, 8236, 70000})
+  for (size_t len : {0, 1, 127, 128, 255, 256, 383, 511, 512, 640, 641, 8192, 8236, 70000})
     EXPECT_EQ(crc32c_uncached(std::span(data).subspan(5, len), 7), crc32c_portable(std::span(data).subspan(5, len), 7))
         << len;
 }
