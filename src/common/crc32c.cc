@@ -536,21 +536,7 @@ uint32_t crc32c_uncached(std::span<const std::byte> data, uint32_t crc) {
 }
 
 uint32_t crc32c(std::span<const std::byte> data, uint32_t crc) {
-#if defined(__x86_64__)
-  switch (kLevel) {
-    case 4:
-      return ~crc_vpclmul512(data.data(), data.size(), ~crc);
-    case 3:
-      return ~crc_hybrid(data.data(), data.size(), ~crc);
-    case 2:
-      return ~crc_pclmul(data.data(), data.size(), ~crc);
-    case 1:
-      return ~crc_sse42(data.data(), data.size(), ~crc);
-    default:
-      break;
-  }
-#endif
-  return crc32c_portable(data, crc);
+  return crc32c_with(crc32c_best(), data, crc);
 }
 
 }  // namespace netdam
