@@ -10,7 +10,10 @@
 // - Large transfers are split into packets of at most the device's maximum
 //   payload; up to `window_packets` / `window_bytes` are in flight at once
 //   (a request's bytes: what it carries or, for READ and chains, what it
-//   brings back, whichever is more).
+//   brings back, whichever is more). An AGGREGATE contribution that waits
+//   for other contributors (held, or sent QUIET) is not counted: counted,
+//   two collectives' contributions could fill two ranks' windows, each
+//   waiting for a block the other cannot send (docs/COLLECTIVES.md 14).
 // - Lost packets are retransmitted with an adaptive timeout. READ is
 //   idempotent; acknowledged WRITEs, FILL, atomics, REDUCE_MEM, COPY,
 //   OPT_CONFIG and OPT_STEP are executed exactly once by the device even when
@@ -408,6 +411,7 @@ class Client {
   // A datagram with txn 0: an AGGREGATE result sent to a group.
   void receive_group_result(std::span<const std::byte> datagram, const transport::Endpoint& from);
   void forget_group_wait(const Packet& p);
+  void leave_window(Packet& p);
   void first_answer(Packet& p, bool timed, uint8_t depth);
   Error deliver(Packet& p, std::span<const std::byte> payload);
   // Whether a request to a pool proxy asks for its answer from the devices.
@@ -455,7 +459,10 @@ class Client {
     size_t operator()(const GroupWait& w) const;
   };
   std::unordered_map<GroupWait, uint64_t, GroupWaitHash> group_waits_;  // -> txn
+  // What the window counts: requests in the network, not those waiting
+  // for other ranks (see Packet::in_window).
   size_t inflight_bytes_ = 0;
+  size_t inflight_packets_ = 0;
   struct Recovery;  // per route class: RTT, timers, loss detection
   std::unique_ptr<Recovery> recovery_;
   // Receive slots over buffers that are not zeroed (zeroing 2 MiB made

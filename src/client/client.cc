@@ -68,6 +68,15 @@ struct Client::Packet {
   bool aggregate = false;             // an AGGREGATE contribution: the answer starts with its record
   bool held = false;                  // AGGREGATE: the device has it and answers when all are in
   bool quiet = false;                 // AGGREGATE sent with QUIET (its first send only)
+  // Counted by the window (inflight_bytes_, inflight_packets_). A request
+  // is, from its send until its answer, while that answer depends on the
+  // device alone. An AGGREGATE contribution the device holds (its held
+  // answer came) or sent QUIET waits for other ranks, not for the network:
+  // counted, contributions of two collectives that reach a rank's queue in
+  // another order than another rank's could fill both windows with blocks
+  // each waiting for one the other rank cannot send (docs/COLLECTIVES.md
+  // section 14). They are not counted.
+  bool in_window = false;
   // AGGREGATE naming a result group: how a group result names this block
   // (its key in group_waits_ while in flight).
   std::optional<GroupWait> group;
@@ -105,8 +114,11 @@ struct Client::Packet {
   // Bytes this request puts on the network, for the window: a READ or a
   // chain carries `length` bytes back (a chain's first hop loads its block),
   // however small the request itself is.
+  // An AGGREGATE contribution carries its block unless it is staged, a
+  // marker or a relay, and brings the result back only if asked for it.
   size_t window_cost() const {
-    const bool returns_data = is_chain() || h.opcode == Opcode::kRead || h.opcode == Opcode::kReducePayload;
+    const bool returns_data = aggregate ? answer_to != nullptr
+                                        : is_chain() || h.opcode == Opcode::kRead || h.opcode == Opcode::kReducePayload;
     const size_t sent = payload.size() + more_bytes;
     return returns_data ? std::max<size_t>(sent, h.length) : sent;
   }
@@ -980,7 +992,7 @@ void Client::fail_op(detail::OpState& op, Error e) {
   for (auto it = inflight_.begin(); it != inflight_.end();) {
     if (it->second->op.get() == &op) {
       --op.outstanding;
-      inflight_bytes_ -= it->second->window_cost();
+      leave_window(*it->second);
       forget_group_wait(*it->second);
       it = inflight_.erase(it);
     } else {
@@ -992,7 +1004,7 @@ void Client::fail_op(detail::OpState& op, Error e) {
 void Client::finish(Packet& p, Error e) {
   auto op = p.op;  // p dies below
   const uint64_t txn = p.h.txn;
-  inflight_bytes_ -= p.window_cost();
+  leave_window(p);
   forget_group_wait(p);
   inflight_.erase(txn);
   --op->outstanding;
@@ -1006,6 +1018,13 @@ void Client::first_answer(Packet& p, bool timed, uint8_t depth) {
   recovery_->route(p).on_answer(p.first_sent, p.last_sent, p.sends, now);
   recovery_->cc.on_answer(now, p.window_cost(), timed ? std::optional(now - p.first_sent) : std::nullopt, depth);
   counters_.answered_bytes += p.window_cost();
+}
+
+void Client::leave_window(Packet& p) {
+  if (!p.in_window) return;
+  p.in_window = false;
+  inflight_bytes_ -= p.window_cost();
+  --inflight_packets_;
 }
 
 void Client::forget_group_wait(const Packet& p) {
@@ -1024,13 +1043,26 @@ void Client::send_queued(TimePoint now) {
     for (size_t sent = 0; sent < n;) sent += transport_->send_batch(std::span(batch).subspan(sent, n - sent));
     n = 0;
   };
+  // A device remembers the last replay_window txns of a requester (9.2):
+  // a retransmission must still be among them. AGGREGATE contributions are
+  // never remembered (the block's contributor set makes them run once), so
+  // a held one, which may wait for a late rank as long as the group's
+  // timeout, does not hold back the requests after it.
   const uint64_t txn_span = std::max<uint64_t>(info_.replay_window / 2, 1);
-  const uint64_t oldest = inflight_.empty() ? next_txn_ : inflight_.begin()->first;
+  uint64_t oldest = inflight_.empty() ? next_txn_ : inflight_.begin()->first;
+  if (next_txn_ - oldest >= txn_span) {
+    oldest = next_txn_;
+    for (const auto& [txn, q] : inflight_)
+      if (!q->aggregate) {
+        oldest = txn;
+        break;
+      }
+  }
   std::vector<std::unique_ptr<Packet>> unacked;  // alive until the batch is flushed
   client_detail::CongestionControl& cc = recovery_->cc;
   const size_t window = cc.window();  // at most window_bytes
-  while (!queue_.empty() && inflight_.size() < opts_.window_packets &&
-         (inflight_.empty() || inflight_bytes_ + queue_.front()->window_cost() <= window) &&
+  while (!queue_.empty() && inflight_packets_ < opts_.window_packets &&
+         (inflight_packets_ == 0 || inflight_bytes_ + queue_.front()->window_cost() <= window) &&
          next_txn_ - oldest < txn_span && cc.send_at(now) <= now) {
     auto p = std::move(queue_.front());
     queue_.pop_front();
@@ -1048,7 +1080,11 @@ void Client::send_queued(TimePoint now) {
     batch[n++] = transport::OutMsg{p->routed() ? p->to : *device_, {p->head(), p->payload}, p->more};
     ++counters_.packets_sent;
     if (p->expect_answer) {
-      inflight_bytes_ += p->window_cost();
+      if (!p->quiet) {
+        p->in_window = true;
+        inflight_bytes_ += p->window_cost();
+        ++inflight_packets_;
+      }
       if (p->group) group_waits_[*p->group] = p->h.txn;
       inflight_.emplace(p->h.txn, std::move(p));
     } else {
@@ -1412,6 +1448,7 @@ void Client::deliver_aggregate(Packet& p, std::span<const std::byte> payload) {
   if (rec.flags & core::kAggHeld) {
     if (!p.held) p.held_since = rx_time_;
     p.held = true;
+    leave_window(p);
     return;
   }
   recovery_->route(p).on_result(p.first_sent);
