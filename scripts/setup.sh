@@ -16,6 +16,7 @@ packages=(
   iputils-ping                         # tests/cluster: ping across the emulated cluster
   python3-dev pybind11-dev python3-numpy  # the netdam Python module (for /usr/bin/python3)
   python3-torch libtorch-dev           # the torch.distributed backend and optimizer offload
+  python3-torchvision                  # real models (resnet18/50) for the DDP tests and bench/torch/ddp_models.py
   libopenblas0-pthread                 # the BLAS libtorch recommends; without it torch's matmuls run on
                                        # the reference BLAS (docs/TORCH.md, "DDP: netdam against gloo")
   tshark                               # tests/wireshark: decodes a capture with tools/wireshark/netdam.lua
