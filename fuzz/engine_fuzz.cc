@@ -165,10 +165,13 @@ struct World {
     FUZZ_CHECK(h.flags == kFlagResponse && h.status == Status::kOk && h.seg_count == 0 && h.boot == kBoot);
     FUZZ_CHECK(h.length == kAggAnswerRecordSize + data.size());
     FUZZ_CHECK(h.length <= dev->config().max_payload);
-    FUZZ_CHECK(data.empty() || Inside(data, mem));
     const AggAnswerRecord r = decode_agg_answer(head.data() + kHeaderSize);
     FUZZ_CHECK((r.flags & ~(kAggResultZero | kAggResultNone | kAggHeld)) == 0);
-    FUZZ_CHECK(!(r.flags & kAggHeld) || (r.flags == kAggHeld && data.empty()));
+    // A held answer's data is the set of contributors, after the record in
+    // `out`; a result's is in device memory.
+    FUZZ_CHECK(!(r.flags & kAggHeld) ||
+               (r.flags == kAggHeld && data.size() == kAggHeldSetSize && data.data() == head.data() + head.size()));
+    FUZZ_CHECK((r.flags & kAggHeld) || data.empty() || Inside(data, mem));
     FUZZ_CHECK(data.empty() || r.flags == 0);
   }
 

@@ -133,11 +133,13 @@ class AggregateTest : public ::testing::Test {
     for (const Fanout& f : eng_->fanout()) take(f.to, f.head, f.data);
     return all;
   }
-  // The device holds the contribution and says so (a record with HELD).
+  // The device holds the contribution and says so (a record with HELD,
+  // then the contributors it holds).
   static bool Held(const std::vector<Answer>& a) {
-    return a.size() == 1 && a[0].h.status == Status::kOk && a[0].rec.flags == kAggHeld && a[0].data.empty() &&
-           a[0].h.length == kAggAnswerRecordSize;
+    return a.size() == 1 && a[0].h.status == Status::kOk && a[0].rec.flags == kAggHeld &&
+           a[0].data.size() == kAggHeldSetSize && a[0].h.length == kAggAnswerRecordSize + kAggHeldSetSize;
   }
+  static uint64_t HeldSet(const std::vector<Answer>& a) { return load_be<uint64_t>(a[0].data.data()); }
   Status StatusOf(const Contribution& c) {
     auto a = Send(c);
     EXPECT_EQ(a.size(), 1u);
@@ -195,8 +197,17 @@ TEST_F(AggregateTest, HeldUntilTheLastContributorThenEveryoneIsAnswered) {
   // Order matters for floats: in rank order (1e8 - 1e8) + 1 = 1; in arrival
   // order (2, 0, 1) or reversed, 1 vanishes next to 1e8 and the sum is 0.
   const Bytes in[3] = {Floats({1e8f, 2.0f}), Floats({-1e8f, 3.0f}), Floats({1.0f, 4.0f})};
-  EXPECT_TRUE(Held(Send({.rank = 2, .data = in[2]})));
-  EXPECT_TRUE(Held(Send({.rank = 0, .data = in[0]})));
+  // Each held answer names the contributors the block holds: the one that
+  // waits can tell whom it waits for.
+  auto held = Send({.rank = 2, .data = in[2]});
+  EXPECT_TRUE(Held(held));
+  EXPECT_EQ(held[0].data, Hex("00000000 00000004"));
+  held = Send({.rank = 0, .data = in[0]});
+  EXPECT_TRUE(Held(held));
+  EXPECT_EQ(HeldSet(held), 0b101u);
+  held = Send({.rank = 2, .data = in[2]});  // a retransmission is told the same
+  EXPECT_TRUE(Held(held));
+  EXPECT_EQ(HeldSet(held), 0b101u);
   auto answers = Send({.rank = 1, .data = in[1]});
   ASSERT_EQ(answers.size(), 3u);
   Bytes want = in[0];

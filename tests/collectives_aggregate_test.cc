@@ -645,6 +645,26 @@ TEST(AggregateGroup, LateRankIsWaitedFor) {
   }
 }
 
+// A rank that never comes fails the others at the timeout, and the error
+// names it: the aggregators' held answers say whose blocks they have.
+TEST(AggregateGroup, TheTimeoutNamesTheRankThatNeverCame) {
+  AggCluster c(3, 2, {}, 64u << 10, 1s);
+  std::vector<std::vector<std::byte>> in, out;
+  for (int r = 0; r < 3; ++r) {
+    in.push_back(random_elements(DType::kF32, 12000, static_cast<uint64_t>(r + 3)));
+    out.emplace_back(in.back().size());
+  }
+  std::vector<Work> works = start_allreduce(c.groups, in, out, 2);  // rank 2 never contributes
+  c.run(works);
+  for (int r = 0; r < 2; ++r) {
+    const Work& w = works[static_cast<size_t>(r)];
+    ASSERT_TRUE(w.done());
+    EXPECT_EQ(w.error().code(), Error::Code::kTimeout) << w.error().to_string();
+    EXPECT_NE(w.error().message().find("not the block of contributor 2 "), std::string::npos) << w.error().message();
+    EXPECT_EQ(w.waiting_for(), 0b100u);
+  }
+}
+
 // A run on the aggregators of an earlier one (GroupOptions::job): until
 // rank 0 has replaced aggregator 0's regions, the other ranks'
 // contributions reach the earlier run's. Whether its generations are ahead

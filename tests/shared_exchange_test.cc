@@ -188,7 +188,7 @@ TEST(SharedExchange, ARankThatNeverComesFailsTheOthersNamingItAndFindsTheirsLate
   for (const Error& e : err) {
     ASSERT_TRUE(e);
     EXPECT_EQ(e.code(), Error::Code::kTimeout);
-    EXPECT_NE(e.to_string().find("ranks 2 did not contribute"), std::string::npos) << e.to_string();
+    EXPECT_NE(e.to_string().find("rank 2 did not contribute"), std::string::npos) << e.to_string();
   }
   // The late rank still finds the others' contributions where they left them.
   const std::array<int32_t, 4> in{10, 10, 10, 10};

@@ -188,7 +188,9 @@ class Op {
   bool valid() const { return s_ != nullptr; }
   bool done() const;
   const Error& error() const;  // meaningful once done()
-  uint64_t value() const;      // atomics: the previous value of the word
+  // Atomics: the previous value of the word. AGGREGATE: the contributors
+  // the device held with this one, as its last held answer said (bit r).
+  uint64_t value() const;
   int failed_segment() const;  // a refused chain: the refusing segment, else -1
 
  private:

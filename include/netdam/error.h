@@ -39,6 +39,7 @@ class Error {
   std::string to_string() const;
   // The same error (code, status) with `prefix` put before its message.
   Error prefixed(std::string_view prefix) const { return {code_, status_, std::string(prefix) + message_}; }
+  Error suffixed(std::string_view suffix) const { return {code_, status_, message_ + std::string(suffix)}; }
 
  private:
   Error(Code c, Status s, std::string m) : code_(c), status_(s), message_(std::move(m)) {}

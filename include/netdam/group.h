@@ -201,6 +201,11 @@ class Work {
   bool valid() const { return s_ != nullptr; }
   bool done() const;
   const Error& error() const;
+  // A collective that failed waiting for other ranks (a block held at its
+  // aggregator past the timeout, or the shared area's flags): the ranks
+  // whose contributions were not there, as this rank last learned (bit r:
+  // rank r); 0 if unknown.
+  uint64_t waiting_for() const;
 
  private:
   friend class Group;

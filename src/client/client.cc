@@ -1231,9 +1231,17 @@ Error Client::timed_out(const Packet& p) const {
   const auto waited_ms = std::chrono::duration_cast<std::chrono::milliseconds>(transport_->now() - p.first_sent).count();
   if (p.aggregate && p.held) {
     auto seg = core::decode_segment(p.chain_head.data() + kHeaderSize + kSrPreambleSize);
-    return Error::timeout(fmt::format("AGGREGATE block {} on {}: timeout: the device holds this block, but not "
-                                      "every contributor's block arrived within {} ms (a rank is late or gone)",
-                                      seg.aux, transport::Endpoint{seg.ip, seg.port}.to_string(), waited_ms));
+    const core::AggRecord rec = core::decode_agg_record(p.chain_head.data() + core::payload_offset(1));
+    std::string missing;
+    for (uint16_t r = 0; r < rec.contributors && p.op->value != 0; ++r)
+      if (!(p.op->value >> r & 1)) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
+    return Error::timeout(fmt::format(
+        "AGGREGATE block {} on {}: timeout: the device holds this block, but {} within {} ms",
+        seg.aux, transport::Endpoint{seg.ip, seg.port}.to_string(),
+        missing.empty() ? "not every contributor's block arrived (a rank is late or gone)"
+                        : fmt::format("not the block of contributor{} {} (late or gone)",
+                                      missing.find(',') == std::string::npos ? "" : "s", missing),
+        waited_ms));
   }
   if (p.is_chain()) {
     std::string route;
@@ -1449,6 +1457,8 @@ void Client::deliver_aggregate(Packet& p, std::span<const std::byte> payload) {
     if (!p.held) p.held_since = rx_time_;
     p.held = true;
     leave_window(p);
+    // Who the block holds: the op's value, and what a timeout names.
+    if (data.size() == core::kAggHeldSetSize) p.op->value = load_be<uint64_t>(data.data());
     return;
   }
   recovery_->route(p).on_result(p.first_sent);

@@ -67,6 +67,7 @@ const Error& Work::error() const {
   static const Error kNone;
   return s_ ? s_->error : kNone;
 }
+uint64_t Work::waiting_for() const { return s_ ? s_->waiting_for : 0; }
 
 // ---------------------------------------------------------------- setup
 
@@ -1024,6 +1025,7 @@ bool Group::step(detail::WorkState& w) {
     case Phase::kShared: {
       auto outcome = shared_->advance(*w.shared);
       if (!outcome) return false;
+      w.waiting_for = w.shared->waiting_for;
       if (!*outcome && w.average) divide(w.average_out, w.average_type, size());
       finish(w, std::move(*outcome));
       return true;
@@ -1334,6 +1336,7 @@ bool Group::step_aggregate(detail::WorkState& w) {
     }
     advanced = true;
     const Error e = op.error();
+    const uint64_t held = op.value();  // who the aggregator had, if it held this block
     op = Op();
     if (e.code() == Error::Code::kNak && e.status() == Status::kBadKey && client_->now() < w.deadline) {
       w.retry.emplace_back(client_->now() + 1ms, i);  // its rank has not registered the region yet
@@ -1355,6 +1358,8 @@ bool Group::step_aggregate(detail::WorkState& w) {
     }
     if (e) {
       const Hop& at = w.requests[i].device;
+      if (e.code() == Error::Code::kTimeout && held != 0)
+        w.waiting_for = (ranks_ >= 64 ? ~uint64_t{0} : (uint64_t{1} << ranks_) - 1) & ~held;
       finish(w, e.code() == Error::Code::kNak && e.status() == Status::kBadKey
                     ? Error::nak(Status::kBadKey,
                                  fmt::format("aggregator {} has no aggregation region {:#x} after {} ms: {}",

@@ -107,11 +107,18 @@ bool all_reached(std::byte* base, Flag f, uint64_t p, uint64_t epoch, uint64_t n
   return true;
 }
 // The ranks whose flag f is short of n, for an error ("1, 3").
-std::string behind(std::byte* base, Flag f, uint64_t p, uint64_t epoch, uint64_t n) {
-  std::vector<uint64_t> late;
-  for (uint64_t r = 0; r < p; ++r)
-    if (!reached(base, f, p, r, epoch, n)) late.push_back(r);
-  return fmt::format("{}", fmt::join(late, ", "));
+// The ranks whose flag f is short of n (bit r: rank r).
+uint64_t behind(std::byte* base, Flag f, uint64_t p, uint64_t epoch, uint64_t n) {
+  uint64_t late = 0;
+  for (uint64_t r = 0; r < p && r < 64; ++r)
+    if (!reached(base, f, p, r, epoch, n)) late |= uint64_t{1} << r;
+  return late;
+}
+std::string ranks_of(uint64_t set) {
+  std::vector<uint64_t> ranks;
+  for (uint64_t r = 0; r < 64; ++r)
+    if (set >> r & 1) ranks.push_back(r);
+  return fmt::format("rank{} {}", ranks.size() == 1 ? "" : "s", fmt::join(ranks, ", "));
 }
 }  // namespace
 
@@ -180,8 +187,9 @@ std::optional<Error> SharedExchange::advance(Collective& c) {
   // naming them.
   const auto overdue = [&](Flag f, uint64_t n, std::string_view what) -> std::optional<Error> {
     if (!late) return std::nullopt;
-    return complete(Error::timeout(fmt::format("shared-memory allreduce {}: ranks {} {} within {} ms", g,
-                                               behind(base_, f, p, epoch, n), what, o_.timeout.count())));
+    c.waiting_for = behind(base_, f, p, epoch, n);
+    return complete(Error::timeout(fmt::format("shared-memory allreduce {}: {} {} within {} ms", g,
+                                               ranks_of(c.waiting_for), what, o_.timeout.count())));
   };
   if (!c.contributed) {
     // The buffers it writes were collective g - 2's: everyone must have read those.

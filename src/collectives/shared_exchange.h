@@ -84,6 +84,7 @@ class SharedExchange {
     RedOp op = RedOp::kSum;
     bool contributed = false, reduced = false;
     std::chrono::steady_clock::time_point deadline;
+    uint64_t waiting_for = 0;  // failed past the deadline: the ranks it waited for (bit r)
   };
   Result<Collective> begin(std::span<const std::byte> in, std::span<std::byte> out, DType t, RedOp op);
   // Does what can be done now without waiting: nullopt while it waits for

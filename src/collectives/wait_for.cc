@@ -19,12 +19,15 @@ bool Group::wait_for(Work& w, std::chrono::microseconds max, const std::function
     // Before progress() looks at the shared area's flags: a store made
     // after that look must end the wait below (SharedExchange::changes).
     const uint32_t seen = shared_ ? shared_->changes() : 0;
-    if (progress()) {
+    const bool advanced = progress();
+    // The limit holds also while answers keep coming: the caller has other
+    // duties (the torch backend's liveness probes and deadlines).
+    const auto now = client_->now();
+    if (!w.done() && (now >= until || (stop && stop()))) return false;
+    if (advanced) {
       idle = 1us;
       continue;
     }
-    const auto now = client_->now();
-    if (now >= until || (stop && stop())) return false;
     // Nothing to do but wait: for answers (the client blocks in its
     // socket), or for stamps that other ranks' chains write (back off).
     // Or for other ranks' stores in the host's shared area (a short sleep

@@ -41,6 +41,7 @@ struct WorkState {
                               kAggregating, kShared, kDone };
   Phase phase = Phase::kQueued;
   Error error;
+  uint64_t waiting_for = 0;  // Work::waiting_for()
   std::function<collectives::Plan(const collectives::Context&)> make_plan;
   // Aggregation instead of a plan of chains (collectives/aggregate.cc);
   // `own` is copied to `own_to` at the end (AllGather: a rank's own shard).

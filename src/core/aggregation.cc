@@ -176,6 +176,7 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
   };
   if (b.have[s] & me) {
     out.duplicate = true;
+    out.have = b.have[s];
     if (b.done[s]) {
       answer_now(c.reply);  // its answer was lost: send it again
     } else {
@@ -196,6 +197,7 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
   if (relay) b.skip[s] |= me;
   if (r.flags & kAggZero) b.zeros[s] |= me;
   waiting = c.reply;
+  out.have = b.have[s];
   if (b.have[s] != full_set(r.contributors)) return out;  // held until the last one arrives
 
   // Complete: reduce the staged contributions in contributor order, so the

@@ -54,6 +54,10 @@ inline constexpr uint32_t kAggNoPayload = kAggZero | kAggSkip | kAggStaged;
 inline constexpr uint32_t kAggResultZero = 0x1;  // the result is all zero bits: no data follows
 inline constexpr uint32_t kAggResultNone = 0x2;  // no data asked for (kAggNoResult)
 inline constexpr uint32_t kAggHeld = 0x4;        // not a result: the contribution is held until all are in
+// A held answer's data: the contributors the device holds for the block
+// (bit r: contributor r, big-endian u64), so that a contributor that waits
+// knows whom it waits for.
+inline constexpr size_t kAggHeldSetSize = 8;
 // A result sent once to a multicast group for every contributor that named
 // it (the segment's addr): the header's txn is 0, its rkey the region's key
 // and its addr the block's index, which is how a receiver finds its block.
@@ -151,6 +155,7 @@ struct AggOutcome {
   std::vector<AggReply> answer;
   AggAnswerRecord record;
   std::span<const std::byte> result;  // the result's bytes in device memory (empty if zero)
+  uint64_t have = 0;          // the contributors the block holds (while it waits: the held answer's)
   bool completed = false;     // this contribution completed the block
   bool duplicate = false;     // already had it (a retransmission or a copy)
   bool abandoned = false;     // reset a block whose previous generation never completed

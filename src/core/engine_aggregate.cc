@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/aggregation.h"
+#include "core/endian.h"
 #include "core/engine.h"
 #include "core/optimizer.h"
 
@@ -136,10 +137,14 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address from, Address
     // retransmits only if the result does not come for a long while.
     // Unless it asked not to be told (QUIET): the result will say it.
     if (rec.flags & kAggQuiet) return Action{};
+    // Its data is who the block holds so far: a contributor that waits
+    // long can then name the ranks it waits for.
     AggReply to = c.reply;
-    to.with_data = true;  // (a held answer carries no data either way: no NONE flag)
-    build(to, {p.sr.generation, kAggHeld}, {}, out.data());
-    return Action{Action::Kind::kReply, reply_to, head, {}};
+    to.with_data = true;  // (not the result's data: no NONE flag)
+    const std::span<std::byte> have = out.subspan(head.size(), kAggHeldSetSize);
+    store_be<uint64_t>(have.data(), o.have);
+    build(to, {p.sr.generation, kAggHeld}, have, out.data());
+    return Action{Action::Kind::kReply, reply_to, head, have};
   }
   // Who gets the result: each contributor by unicast, except that the
   // contributors naming a group (when the block has just completed) share

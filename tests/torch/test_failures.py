@@ -8,6 +8,10 @@ First set of processes (devices started by the ranks):
   before) with an error that says " timeout " (PyTorch's own
   test_barrier_timeout_* look for that word);
 - a rank 5 s late (2.5 x the liveness) is waited for;
+- a Runner kept busy (a future's callback that sleeps 2.5 x the liveness
+  on its thread) does not take the others for gone: it saw nothing;
+- a rank later than the group's timeout (2 s) fails the others with an
+  error that names it and says its heartbeat moves (late, not gone);
 - init with a configured device that does not answer (a silent UDP port as
   rank 3's device), with a device too small (rank 2's) and with a device
   that refuses the admin key (rank 1's): every rank fails within seconds
@@ -173,6 +177,30 @@ def worker(rank, port, args):
         assert torch.equal(x, torch.full((1000,), float(WORLD)))
         dist.destroy_process_group()
 
+    def busy_runner():
+        init("busy")
+        dist.barrier()
+        x = torch.ones(1000)
+        work = dist.all_reduce(x, async_op=True)
+        if rank == 0:  # the callback runs on the Runner's thread
+            work.get_future().then(lambda fut: time.sleep(2.5 * LIVENESS))
+        y = torch.ones(4000)
+        dist.all_reduce(y)
+        work.wait()
+        assert torch.equal(x, torch.full((1000,), float(WORLD))) and torch.equal(y, torch.full((4000,), float(WORLD)))
+        dist.destroy_process_group()
+
+    def late_past_timeout():
+        init("pasttimeout", timeout=2)
+        dist.barrier()
+        if rank == 2:
+            time.sleep(4)
+        else:
+            fails_within(lambda: dist.all_reduce(torch.ones(100)), 2 + LIVENESS + 3, " timeout ",
+                         "rank 2", "its heartbeat moved", "collective #2")
+        sync("pasttimeout")
+        dist.destroy_process_group()
+
     def init_fails(name, devices, *words):
         def run():
             os.environ["NETDAM_DEVICES"] = devices
@@ -201,6 +229,8 @@ def worker(rank, port, args):
 
     check("barrier timeout says timeout, not before the timeout", barrier_timeout)
     check("a late rank is waited for", late_rank)
+    check("a Runner busy longer than the liveness takes nobody for gone", busy_runner)
+    check("a timeout names the late rank, alive", late_past_timeout)
     check("init: a configured device that does not answer",
           init_fails("silent", silent, "rank 3", "does not answer"))
     check("init: a device too small", init_fails("small", small, "rank 2", "MiB of memory"))

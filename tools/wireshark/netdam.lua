@@ -198,6 +198,7 @@ field("agg_result_zero", ProtoField.bool, "agg.answer_flags.result_zero", "RESUL
 field("agg_none", ProtoField.bool, "agg.answer_flags.none", "NONE", 32, nil, 0x2)
 field("agg_held", ProtoField.bool, "agg.answer_flags.held", "HELD", 32, nil, 0x4)
 field("agg_group", ProtoField.bool, "agg.answer_flags.group", "GROUP", 32, nil, 0x8)
+field("agg_held_set", U64, "agg.held_set", "Contributors held", HEX)
 -- regions (6.15)
 field("region", ProtoField.none, "region", "Region")
 field("region_count", U32, "region.count", "Records", DEC)
@@ -542,7 +543,12 @@ local function agg_answer(tvb, tree, off, len, dtype)
   local t = tree:add(tvb(off, 8), "Aggregation answer record")
   t:add(f.agg_generation, tvb(off, 4))
   add_bits(t, f.agg_answer_flags, tvb(off + 4, 4), {f.agg_result_zero, f.agg_none, f.agg_held, f.agg_group})
-  if len > 8 then dense_elements(tvb, tree, off + 8, len - 8, dtype, "Result") end
+  -- A held answer's data: the contributors the block holds (bit r).
+  if band(tvb(off + 4, 4):uint(), 0x4) ~= 0 and len == 16 then
+    tree:add(f.agg_held_set, tvb(off + 8, 8))
+  elseif len > 8 then
+    dense_elements(tvb, tree, off + 8, len - 8, dtype, "Result")
+  end
 end
 
 -- Element payload of WRITE, REDUCE_*, OPT_STEP (dense or sparse).

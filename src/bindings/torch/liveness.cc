@@ -61,10 +61,14 @@ struct Watch::Peer {
   std::unique_ptr<Client> client;
   Error failed;  // connecting failed
   Op probe;
+  Clock::time_point probe_sent{}, next_probe{};
   std::array<std::byte, 8> word{};
   uint64_t value = 0;
   bool have_value = false;
-  Clock::time_point changed{}, next_probe{};
+  // When the probes that read `value` were sent: the first and the latest.
+  // The heartbeat stood still at least from first_read to last_read.
+  Clock::time_point first_read{}, last_read{};
+  Clock::time_point moved{};  // when a probe's answer first showed `value`
 };
 
 Watch::Watch(std::vector<std::string> devices, int rank, const ControlLayout& control,
@@ -95,11 +99,8 @@ void Watch::waiting(bool on) {
     // The first probes go out only once the wait has lasted a while:
     // collectives that finish sooner cost no packet.
     const auto now = Clock::now();
-    for (auto& p : peers_) {
-      if (!p) continue;
-      p->changed = now;
-      p->next_probe = now + every();
-    }
+    for (auto& p : peers_)
+      if (p && !p->probe.valid()) p->next_probe = now + every();
   }
   waiting_ = on;
 }
@@ -126,20 +127,40 @@ Error Watch::check() {
       if (!p->have_value || v != p->value) {
         p->value = v;
         p->have_value = true;
-        p->changed = now;
+        p->first_read = p->probe_sent;
+        p->moved = now;
       }
+      p->last_read = p->probe_sent;
       p->probe = Op();
     }
-    if (now - p->changed > liveness_)
+    if (p->have_value && p->last_read - p->first_read > liveness_)
       return Error::timeout(fmt::format("rank {} is gone: its heartbeat on device {} has not moved for {:.1f} s "
                                         "(its process ended or is frozen)",
-                                        r, dev, seconds(now - p->changed)));
+                                        r, dev, seconds(p->last_read - p->first_read)));
     if (!p->probe.valid() && now >= p->next_probe) {
       p->probe = p->client->read_async(control_.heartbeat(), p->word);
+      p->probe_sent = now;
       p->next_probe = now + every();
     }
   }
   return {};
+}
+
+std::string Watch::describe(int r) const {
+  const Peer* p = r >= 0 && static_cast<size_t>(r) < peers_.size() ? peers_[static_cast<size_t>(r)].get() : nullptr;
+  if (!p || !p->have_value) return fmt::format("rank {}: its heartbeat not read yet", r);
+  const auto now = Clock::now();
+  if (p->last_read - p->first_read > liveness_ / 2)
+    return fmt::format("rank {}: its heartbeat has not moved for {:.1f} s (gone or frozen)", r,
+                       seconds(p->last_read - p->first_read));
+  return fmt::format("rank {}: its heartbeat moved {:.1f} s ago (alive: it is late)", r, seconds(now - p->moved));
+}
+
+std::string Watch::summary() const {
+  std::string out = "heartbeats:";
+  for (size_t r = 0; r < peers_.size(); ++r)
+    if (peers_[r]) out += (out.back() == ':' ? " " : ", ") + describe(static_cast<int>(r));
+  return out;
 }
 
 }  // namespace netdam::torch_backend

@@ -51,6 +51,13 @@ class Heartbeat {
 };
 
 // Watches the other ranks' heartbeats; driven by the Runner's thread.
+//
+// A rank is gone only on evidence: two probes of its heartbeat sent more
+// than `liveness` apart read the same value, or its device does not answer
+// a probe within `liveness`. A Runner that could not probe for a while
+// (its thread was busy, or starved of a core) has no evidence either way,
+// and waits for the next probes: how long it went without looking says
+// nothing about the others.
 class Watch {
  public:
   Watch(std::vector<std::string> devices, int rank, const ControlLayout& control, std::chrono::milliseconds liveness);
@@ -61,6 +68,11 @@ class Watch {
   // Sends due probes and takes their answers, without blocking; returns
   // an error naming the rank that is gone, once one is.
   Error check();
+  // What the probes say of rank r's heartbeat: moved how long ago, or not
+  // moved for how long, for an error that waited for that rank.
+  std::string describe(int r) const;
+  // The same for every other rank, in one line.
+  std::string summary() const;
 
  private:
   struct Peer;

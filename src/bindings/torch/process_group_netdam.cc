@@ -8,7 +8,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <numeric>
 #include <stdexcept>
 
@@ -172,6 +174,20 @@ WorkNetdam::WorkNetdam(int rank, c10d::OpType type, const char* what, std::vecto
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
 std::vector<at::Tensor> WorkNetdam::result() { return outputs_; }
+
+bool WorkNetdam::wait(std::chrono::milliseconds timeout) {
+  using namespace std::chrono;
+  const auto backstop = created_ + timeout_ + std::clamp<steady_clock::duration>(timeout_ / 10, 50ms, 5s) + 1s;
+  const auto until = timeout == ::kNoTimeout ? backstop : std::min(backstop, steady_clock::now() + timeout);
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!cv_.wait_until(lock, until, [&] { return completed_; })) {
+    if (until < backstop) TORCH_CHECK(false, "netdam: ", what_, ": wait() timed out after ", timeout.count(), " ms");
+    TORCH_CHECK(false, "netdam: ", what_, " failed: timeout after ", timeout_.count() / 1000.0,
+                " s (the process group's timeout): the group's thread has not completed it (it is stuck)");
+  }
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkNetdam::getFuture() { return future_; }
 

@@ -42,6 +42,11 @@ class WorkNetdam : public c10d::Work {
              std::chrono::milliseconds timeout);
   std::vector<at::Tensor> result() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  // Bounded whatever the caller passes: the Runner completes every work
+  // within the group's timeout from its call (Runner::overdue); should its
+  // thread not run at all, wait() still returns a little after that, with
+  // an error that says so.
+  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
   // recvAnysource: the rank the message came from (once completed).
   int sourceRank() const override;
   std::shared_ptr<std::atomic<int>> source;  // set by the Runner before complete()
@@ -51,6 +56,7 @@ class WorkNetdam : public c10d::Work {
  private:
   const char* what_;
   std::chrono::milliseconds timeout_;
+  std::chrono::steady_clock::time_point created_ = std::chrono::steady_clock::now();
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };

@@ -26,6 +26,12 @@ struct Runner::Pending {
   std::function<void(const Error&)> done;
   size_t chunks_left = 0;
   Error error;  // the first chunk's error
+  uint64_t number = 0;  // the request's place in this group's calls (1, 2, ...), the same on every rank
+  Collective kind = Collective::kBarrier;
+  Clock::time_point deadline{};  // submitted + the group's timeout
+  bool finished = false;
+  // Calls `done` (once): the request is over.
+  void finish(const Error& e);
 };
 
 // One collective on the Group: a whole request or a piece of one.
@@ -40,6 +46,7 @@ struct Runner::Chunk {
   // is done, then its chunks go first.
   std::function<std::vector<std::unique_ptr<Chunk>>(Chunk&)> expand;
   Work work;
+  size_t piece = 0, pieces = 1;  // which piece of its request
 };
 
 namespace {
@@ -70,6 +77,27 @@ std::vector<Hop> hops_of(const std::vector<std::string>& devices) {
 }
 
 }  // namespace
+
+void Runner::Pending::finish(const Error& e) {
+  if (finished) return;
+  finished = true;
+  complete(done, e);
+}
+
+std::string_view to_string(Collective c) {
+  switch (c) {
+    case Collective::kAllReduce: return "allreduce";
+    case Collective::kReduceScatter: return "reduce_scatter";
+    case Collective::kAllGather: return "allgather";
+    case Collective::kBroadcast: return "broadcast";
+    case Collective::kReduce: return "reduce";
+    case Collective::kBarrier: return "barrier";
+    case Collective::kAllToAll: return "alltoall";
+    case Collective::kSend: return "send";
+    case Collective::kRecv: return "recv";
+  }
+  return "?";
+}
 
 Result<std::unique_ptr<Runner>> Runner::start(const GroupOptions& group) {
   RunnerOptions o;
@@ -130,6 +158,7 @@ Runner::Runner(const RunnerOptions& opts, std::unique_ptr<Group> g, const Contro
       capacity_(opts.group.capacity),
       slots_end_(group_->slots_end()),
       max_in_flight_(static_cast<size_t>(std::max(opts.group.slots, 1))),
+      timeout_(opts.group.timeout),
       control_(control) {}
 
 Runner::~Runner() {
@@ -144,6 +173,7 @@ Runner::~Runner() {
 }
 
 void Runner::submit(Request r) {
+  r.submitted = Clock::now();
   {
     std::lock_guard lk(mu_);
     queue_.push_back(std::move(r));
@@ -155,8 +185,12 @@ void Runner::submit(Request r) {
 void Runner::expand(Request r) {
   auto owner = std::make_shared<Pending>();
   owner->done = std::move(r.done);
-  if (broken_) return complete(owner->done, broken_);
-  auto fail = [&](std::string why) { complete(owner->done, Error::invalid(std::move(why))); };
+  owner->number = ++requests_;
+  owner->kind = r.kind;
+  owner->deadline = r.submitted + timeout_;
+  if (broken_) return owner->finish(broken_);
+  deadlines_.push_back(owner);
+  auto fail = [&](std::string why) { owner->finish(Error::invalid(std::move(why))); };
   std::vector<std::unique_ptr<Chunk>> out;
   auto add = [&](std::function<Work(Group&, Chunk&)> issue, std::function<void(Chunk&)> after = {}) {
     auto c = std::make_unique<Chunk>();
@@ -248,13 +282,12 @@ void Runner::expand(Request r) {
     case Collective::kSend:
     case Collective::kRecv: {
       if (r.kind == Collective::kRecv && r.root == -1) {  // from any source
-        mailboxes_->recv_any(r.tag, r.out, std::move(r.source),
-                             [owner](const Error& e) { complete(owner->done, e); });
+        mailboxes_->recv_any(r.tag, r.out, std::move(r.source), [owner](const Error& e) { owner->finish(e); });
         return;
       }
       if (r.root < 0 || r.root >= size_ || r.root == rank_)
         return fail(fmt::format("no peer rank {} in a group of {} (this rank is {})", r.root, size_, rank_));
-      auto done = [owner](const Error& e) { complete(owner->done, e); };
+      auto done = [owner](const Error& e) { owner->finish(e); };
       if (r.kind == Collective::kSend)
         mailboxes_->send(r.root, r.tag, r.in, std::move(done));
       else
@@ -298,9 +331,13 @@ void Runner::expand(Request r) {
       return;
     }
   }
-  if (out.empty()) return complete(owner->done, Error::ok());  // empty buffers: nothing to move
+  if (out.empty()) return owner->finish(Error::ok());  // empty buffers: nothing to move
   owner->chunks_left = out.size();
-  for (auto& c : out) chunks_.push_back(std::move(c));
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i]->piece = i;
+    out[i]->pieces = out.size();
+    chunks_.push_back(std::move(out[i]));
+  }
 }
 
 // AllToAll in rounds: round i moves bytes [i*stride, (i+1)*stride) of every
@@ -397,7 +434,7 @@ bool Runner::retire_done() {
     any = true;
     std::shared_ptr<Pending> keep = c.owner;
     Pending& owner = *keep;
-    if (const Error& e = c.work.error(); e && !owner.error) owner.error = e;
+    if (const Error& e = c.work.error(); e && !owner.error) owner.error = explain(c, e);
     if (!c.work.error() && c.after) c.after(c);
     if (c.expand) {
       // Its chunks replace the placeholder counted at expand(), and go
@@ -406,12 +443,31 @@ bool Runner::retire_done() {
       if (!c.work.error()) more = c.expand(c);
       owner.chunks_left += more.size();
       --owner.chunks_left;
+      for (size_t i = 0; i < more.size(); ++i) {
+        more[i]->piece = i;
+        more[i]->pieces = more.size();
+      }
       for (auto m = more.rbegin(); m != more.rend(); ++m) chunks_.push_front(std::move(*m));
     }
-    if (--owner.chunks_left == 0) complete(owner.done, owner.error);
+    if (--owner.chunks_left == 0) owner.finish(owner.error);
     it = in_flight_.erase(it);
   }
   return any;
+}
+
+// A chunk's error, saying which call and piece it was and, for a block
+// that waited for other ranks, what their heartbeats say: late (its
+// heartbeat moves) or gone.
+Error Runner::explain(const Chunk& c, const Error& e) const {
+  std::string where = fmt::format("collective #{} ({}", c.owner->number, to_string(c.owner->kind));
+  if (c.pieces > 1) where += fmt::format(", piece {} of {}", c.piece + 1, c.pieces);
+  Error out = e.prefixed(where + "): ");
+  const uint64_t missing = c.work.waiting_for();
+  if (missing == 0) return out;
+  std::string ranks;
+  for (int r = 0; r < size_ && r < 64; ++r)
+    if (missing >> r & 1) ranks += "; " + (watch_ ? watch_->describe(r) : fmt::format("rank {} (no liveness watch)", r));
+  return out.suffixed(ranks);
 }
 
 bool Runner::idle() const { return chunks_.empty() && in_flight_.empty() && !(mailboxes_ && mailboxes_->busy()); }
@@ -456,10 +512,37 @@ void Runner::break_group(const Error& e) {
   for (auto* q : {&in_flight_, &chunks_}) {
     for (auto& c : *q) {
       if (!failed.insert(c->owner.get()).second) continue;
-      complete(c->owner->done, e);
+      c->owner->finish(e);
     }
     q->clear();
   }
+  deadlines_.clear();
+}
+
+// The oldest request still unfinished past the group's timeout (from its
+// submission, as torch counts it) stops the group: whatever it waits for
+// (a rank that never calls, a message never sent), no wait outlives the
+// timeout. The Group's own timeouts come first when it can name what is
+// missing (they run from a block's first send, a little later); this is
+// the bound.
+Error Runner::overdue() {
+  while (!deadlines_.empty()) {
+    std::shared_ptr<Pending> p = deadlines_.front().lock();
+    if (!p || p->finished) {
+      deadlines_.pop_front();
+      continue;
+    }
+    const auto now = Clock::now();
+    const auto grace = std::clamp<Clock::duration>(timeout_ / 10, 50ms, 5s);
+    if (now < p->deadline + grace) return {};
+    const double waited = std::chrono::duration<double>(now - (p->deadline - timeout_)).count();
+    std::string why = fmt::format("collective #{} ({}) has not finished {:.1f} s after it was called; the process "
+                                  "group stops (destroy it and create a new one)",
+                                  p->number, to_string(p->kind), waited);
+    if (watch_) why += "; " + watch_->summary();
+    return Error::timeout(std::move(why));
+  }
+  return {};
 }
 
 void Runner::run() {
@@ -486,6 +569,8 @@ void Runner::run() {
     retire_done();
     if (watch_)
       if (Error e = watch_->check()) break_group(e);
+    if (!broken_)
+      if (Error e = overdue()) break_group(e);
   }
 }
 

@@ -16,7 +16,11 @@
 // slices (Group::wait_for), and between slices starts what was submitted
 // meanwhile, moves point-to-point messages (p2p.h) and watches the other
 // ranks' liveness (liveness.h): a rank that is gone fails every request at
-// once, and the Runner refuses later ones (destroy the process group).
+// once, and the Runner refuses later ones (destroy the process group). A
+// request unfinished one group timeout after it was submitted does the
+// same (the bound of every wait); a chunk that fails says which request
+// and piece it was, and names the ranks it waited for with what their
+// heartbeats say.
 //
 // On every device, a Runner's group occupies [base, base + device bytes):
 // its control region (control.h), then the Group's slots.
@@ -25,6 +29,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
@@ -32,6 +37,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -61,6 +67,7 @@ enum class Collective : uint8_t {
   kSend,
   kRecv,
 };
+std::string_view to_string(Collective c);
 
 struct Request {
   Collective kind = Collective::kBarrier;
@@ -90,6 +97,7 @@ struct Request {
   std::function<void(int)> source;
   // Called once, on the Runner's thread, with the outcome.
   std::function<void(const Error&)> done;
+  std::chrono::steady_clock::time_point submitted{};  // set by submit()
 };
 
 struct RunnerOptions {
@@ -113,7 +121,8 @@ class Runner {
   Runner& operator=(const Runner&) = delete;
 
   // Queues `r`; never blocks on the network. Invalid requests (sizes that do
-  // not fit together) complete at once with an error, still in order.
+  // not fit together) complete at once with an error, still in order. Any
+  // thread.
   void submit(Request r);
 
   int rank() const { return rank_; }
@@ -124,6 +133,7 @@ class Runner {
   uint64_t slots_end() const { return slots_end_; }
 
  private:
+  using Clock = std::chrono::steady_clock;
   struct Chunk;
   struct Pending;
   Runner(const RunnerOptions& opts, std::unique_ptr<Group> g, const ControlLayout& control);
@@ -143,6 +153,10 @@ class Runner {
   // Group (nothing writes into the callers' buffers any more) and fails
   // everything in progress and every later request with `e`.
   void break_group(const Error& e);
+  // The oldest unfinished request past its deadline, as an error; ok if none.
+  Error overdue();
+  // A failed chunk's error, naming its request, piece and the ranks it waited for.
+  Error explain(const Chunk& c, const Error& e) const;
 
   std::unique_ptr<Group> group_;
   const int rank_;
@@ -150,6 +164,7 @@ class Runner {
   const uint64_t capacity_;
   const uint64_t slots_end_;
   const size_t max_in_flight_;
+  const std::chrono::milliseconds timeout_;  // the group's: every request's bound
   ControlLayout control_;
 
   std::mutex mu_;
@@ -161,6 +176,8 @@ class Runner {
   // Runner thread only.
   std::deque<std::unique_ptr<Chunk>> chunks_;     // not yet issued, in order
   std::deque<std::unique_ptr<Chunk>> in_flight_;  // issued, in issue order
+  uint64_t requests_ = 0;                          // requests expanded so far
+  std::deque<std::weak_ptr<Pending>> deadlines_;  // unfinished requests, oldest first
   std::unique_ptr<LocalMemory> local_;         // this rank's device memory, if mapped
   std::unique_ptr<Mailboxes> mailboxes_;    // uses group_'s client: destroyed first
   std::unique_ptr<Watch> watch_;
