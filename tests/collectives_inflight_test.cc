@@ -160,6 +160,146 @@ TEST(InFlight, TwoAggregationsWithHeldBlocksFillingTheWindow) {
   run_in_flight(c, 2, 200000, 4, 1, 2ms);
 }
 
+// Several collectives of 1.25x the capacity in flight at once: together
+// far above the area, each in two pieces; under loss, duplication and
+// reordering, and rank 0 starting each one late.
+TEST(InFlight, FourAllReducesAboveTheCapacityUnderFaults) {
+  FaultModel f;
+  f.drop = f.duplicate = f.reorder = 0.1;
+  f.delay_max = 100us;
+  f.seed = 9;
+  const uint64_t capacity = 256u << 10;
+  Cluster c(4, 2, f, capacity, 2, {});
+  ASSERT_EQ(c.groups.size(), 4u);
+  run_in_flight(c, 4, capacity * 5 / 4 / 4, 2, 3, 1ms);
+}
+
+// Every collective of 3x the capacity (AllGather: its output), three in a
+// row of each, under 10% loss, duplication and reordering: by aggregation
+// and by the ring's chains.
+struct Expect {
+  std::vector<std::vector<std::byte>> in, out, want;
+};
+
+template <class C>
+void every_collective_in_pieces(C& c, uint64_t capacity, uint64_t seed) {
+  const size_t p = c.groups.size();
+  const size_t n = 3 * capacity / 4 + 7;  // floats per rank: not a multiple of a piece
+  for (int round = 0; round < 3; ++round) {
+    for (int kind = 0; kind < 5; ++kind) {
+      Expect e;
+      const size_t in_n = kind == 3 ? n / p : kind == 4 ? n / p * p : n;  // allgather: the output is 3x
+      for (size_t r = 0; r < p; ++r) e.in.push_back(random_floats(in_n, seed + 100 * round + 10 * kind + r));
+      const auto sum = rank_order_sum(e.in);
+      const int root = round % static_cast<int>(p);
+      std::vector<Work> works;
+      for (size_t r = 0; r < p; ++r) {
+        Group& g = *c.groups[r];
+        switch (kind) {
+          case 0:  // allreduce
+            e.out.emplace_back(4 * in_n);
+            e.want.push_back(sum);
+            works.push_back(g.allreduce_async(e.in[r], e.out[r], DType::kF32, Reduction::kSum));
+            break;
+          case 1:  // reduce: the result at the root only
+            e.out.emplace_back(4 * in_n, std::byte{0x5A});
+            e.want.push_back(static_cast<int>(r) == root ? sum : e.out[r]);
+            works.push_back(g.reduce_async(e.in[r], e.out[r], DType::kF32, Reduction::kSum, root));
+            break;
+          case 2:  // broadcast, in place
+            e.out.push_back(e.in[r]);
+            e.want.push_back(e.in[static_cast<size_t>(root)]);
+            works.push_back(g.broadcast_async(e.out[r], root));
+            break;
+          case 3: {  // allgather
+            e.out.emplace_back(4 * in_n * p);
+            std::vector<std::byte> all;
+            for (const auto& x : e.in) all.insert(all.end(), x.begin(), x.end());
+            e.want.push_back(all);
+            works.push_back(g.allgather_async(e.in[r], e.out[r]));
+            break;
+          }
+          case 4: {  // reduce_scatter: block r of the sum
+            const size_t block = 4 * in_n / p;
+            e.out.emplace_back(block);
+            e.want.emplace_back(sum.begin() + static_cast<ptrdiff_t>(r * block),
+                                sum.begin() + static_cast<ptrdiff_t>((r + 1) * block));
+            works.push_back(g.reduce_scatter_async(e.in[r], e.out[r], DType::kF32, Reduction::kSum));
+            break;
+          }
+        }
+      }
+      run_unevenly(c, works);
+      for (size_t r = 0; r < p; ++r) {
+        ASSERT_TRUE(works[r].done()) << "kind " << kind << " rank " << r << " never finished";
+        ASSERT_TRUE(works[r].error().is_ok()) << "kind " << kind << ": " << works[r].error().to_string();
+        ASSERT_EQ(e.out[r], e.want[r]) << "round " << round << " kind " << kind << " rank " << r;
+      }
+    }
+  }
+}
+
+TEST(InFlight, EveryCollectiveInPiecesByAggregation) {
+  FaultModel f;
+  f.drop = f.duplicate = f.reorder = 0.1;
+  f.delay_max = 100us;
+  f.seed = 10;
+  const uint64_t capacity = 128u << 10;
+  Cluster c(4, 2, f, capacity, 2, {});
+  ASSERT_EQ(c.groups.size(), 4u);
+  every_collective_in_pieces(c, capacity, 20);
+}
+
+TEST(InFlight, EveryCollectiveInPiecesByChains) {
+  FaultModel f;
+  f.drop = f.duplicate = f.reorder = 0.1;
+  f.delay_max = 100us;
+  f.seed = 11;
+  testing::ClusterSpec spec;
+  spec.p = 4;
+  spec.faults = f;
+  spec.capacity = 128u << 10;
+  spec.algorithm = Algorithm::kRing;
+  spec.timeout = 20s;
+  testing::CollectivesCluster c(spec);
+  ASSERT_EQ(c.groups.size(), 4u);
+  every_collective_in_pieces(c, spec.capacity, 30);
+}
+
+// A collective of 3x the capacity while one rank comes later than a
+// piece takes: the others' first pieces wait for it, held, and the rest
+// queue behind them; nothing fails, and the result is exact.
+TEST(InFlight, ALateRankInACollectiveOfThreePieces) {
+  FaultModel f;
+  f.drop = f.duplicate = f.reorder = 0.05;
+  f.seed = 12;
+  const uint64_t capacity = 256u << 10;
+  Cluster c(4, 2, f, capacity, 2, {});
+  ASSERT_EQ(c.groups.size(), 4u);
+  const size_t n = 3 * capacity / 4;
+  std::vector<std::vector<std::byte>> in, out;
+  for (int r = 0; r < 4; ++r) {
+    in.push_back(random_floats(n, 40 + static_cast<uint64_t>(r)));
+    out.emplace_back(4 * n);
+  }
+  std::vector<Work> works;
+  for (size_t r = 0; r < 3; ++r)
+    works.push_back(c.groups[r]->allreduce_async(in[r], out[r], DType::kF32, Reduction::kSum));
+  const auto until = c.fabric.now() + 500ms;  // far more than a piece takes here
+  while (c.fabric.now() < until) {
+    for (auto& g : c.groups) g->progress();
+    testing::idle_wait(*c.idle, 100us);
+  }
+  for (const Work& w : works) EXPECT_FALSE(w.done());
+  works.push_back(c.groups[3]->allreduce_async(in[3], out[3], DType::kF32, Reduction::kSum));
+  run_unevenly(c, works);
+  const auto want = rank_order_sum(in);
+  for (size_t r = 0; r < 4; ++r) {
+    ASSERT_TRUE(works[r].error().is_ok()) << works[r].error().to_string();
+    EXPECT_EQ(out[r], want) << "rank " << r;
+  }
+}
+
 // The same with the ring by chains: a chain the device holds until its
 // host arms the slot waits for another rank as a held block does.
 TEST(InFlight, TwoRingAllReducesWithTheWindowFull) {

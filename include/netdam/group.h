@@ -14,7 +14,11 @@
 //   first send) if a device does not answer; it never hangs.
 // - Buffers of an asynchronous collective must stay alive until its Work is
 //   done. Collectives on one slot run one at a time, in call order; with
-//   `slots` > 1 that many run at once.
+//   `slots` > 1 that many run at once. Any number may be called before the
+//   first is done: they wait for their slot, queued.
+// - A collective larger than `capacity` (AllGather: its output; the others:
+//   the input) runs as pieces of the capacity, each a collective of its own
+//   on the next slot, so `slots` pieces overlap (docs/COLLECTIVES.md 14).
 // Threading: like Client, one thread drives a Group.
 #pragma once
 
@@ -398,6 +402,14 @@ class Group {
   bool step_aggregate(detail::WorkState& w);
   uint8_t chain_flags() const { return opts_.sparse ? kFlagSparseOk : 0; }
   void finish(detail::WorkState& w, Error e);
+  void took_slot(detail::WorkState& w);
+  // --- pieces of collectives larger than the capacity (pieces.cc)
+  Slot& next_slot();
+  Work in_pieces(size_t bytes, size_t step, const std::function<Work(size_t off, size_t len)>& issue);
+  void add_piece(const std::shared_ptr<detail::WorkState>& whole, Work piece);
+  void piece_done(detail::WorkState& piece);
+  Work allgather_in_pieces(std::span<const std::byte> in, std::span<std::byte> out);
+  Work reduce_scatter_in_pieces(std::span<const std::byte> in, std::span<std::byte> out, DType t, Reduction op);
 
   GroupOptions opts_;
   std::vector<Hop> devices_;  // ip/port of every rank's device
@@ -427,6 +439,7 @@ class Group {
   uint64_t slot_bytes_ = 0;
   std::vector<std::unique_ptr<Slot>> slots_;
   size_t next_slot_ = 0;
+  bool hold_progress_ = false;  // submit() only queues (in_pieces)
   std::deque<std::shared_ptr<detail::WorkState>> active_;
   Hop multicast_;  // the group, if it reaches every device (ip 0: chains only)
   Hop result_group_;  // aggregation results' group, if it reaches this rank (ip 0: unicast)

@@ -604,7 +604,7 @@ Work Group::submit_shared(std::shared_ptr<detail::WorkState> w, std::span<const 
   w->shared = std::move(*c);
   w->phase = detail::WorkState::Phase::kShared;
   active_.push_back(w);
-  progress();
+  if (!hold_progress_) progress();
   return Work(std::move(w));
 }
 
@@ -615,7 +615,7 @@ Work Group::submit(std::shared_ptr<detail::WorkState> w) {
         "segments (at most {} ranks)", ranks_, kMaxSegments / 2))));
   w->slot = slots_[next_slot_++ % slots_.size()].get();
   active_.push_back(w);
-  progress();
+  if (!hold_progress_) progress();
   return Work(std::move(w));
 }
 
@@ -684,11 +684,12 @@ Work Group::allreduce_async(std::span<const std::byte> in, std::span<std::byte> 
     return Work(failed(Error::invalid(fmt::format(
         "allreduce: input {} and output {} bytes must be equal and whole {} elements", in.size(),
         out.size(), to_string(t)))));
-  if (in.size() > opts_.capacity)
-    return Work(failed(Error::invalid(fmt::format("allreduce of {} bytes exceeds the group capacity {}",
-                                                  in.size(), opts_.capacity))));
   if (op == Reduction::kAvg && !is_float(t))
     return Work(failed(Error::invalid("avg needs a floating-point type")));
+  if (in.size() > opts_.capacity)
+    return in_pieces(in.size(), opts_.capacity / dtype_size(t) * dtype_size(t), [&](size_t off, size_t len) {
+      return allreduce_async(in.subspan(off, len), out.subspan(off, len), t, op);
+    });
   auto w = std::make_shared<detail::WorkState>();
   w->average = op == Reduction::kAvg;
   w->average_out = out;  // kShared and kAggregate divide here; chains their plan's output
@@ -721,10 +722,9 @@ Work Group::reduce_scatter_async(std::span<const std::byte> in, std::span<std::b
     return Work(failed(Error::invalid(fmt::format(
         "reduce_scatter: input must be {} x output ({} bytes of whole elements), got {}", p,
         out.size(), in.size()))));
-  if (in.size() > opts_.capacity)
-    return Work(failed(Error::invalid("reduce_scatter exceeds the group capacity")));
   if (op == Reduction::kAvg && !is_float(t))
     return Work(failed(Error::invalid("avg needs a floating-point type")));
+  if (in.size() > opts_.capacity) return reduce_scatter_in_pieces(in, out, t, op);
   auto w = std::make_shared<detail::WorkState>();
   w->average = op == Reduction::kAvg;
   if (use_aggregation(in.size())) {
@@ -745,8 +745,7 @@ Work Group::reduce_scatter_async(std::span<const std::byte> in, std::span<std::b
 Work Group::allgather_async(std::span<const std::byte> in, std::span<std::byte> out) {
   if (out.size() != in.size() * static_cast<size_t>(size()))
     return Work(failed(Error::invalid(fmt::format("allgather: output must be {} x input bytes", size()))));
-  if (out.size() > opts_.capacity)
-    return Work(failed(Error::invalid("allgather exceeds the group capacity")));
+  if (out.size() > opts_.capacity) return allgather_in_pieces(in, out);
   auto w = std::make_shared<detail::WorkState>();
   if (use_aggregation(out.size())) {
     w->own = in;
@@ -767,7 +766,9 @@ Work Group::allgather_async(std::span<const std::byte> in, std::span<std::byte> 
 Work Group::broadcast_async(std::span<std::byte> buf, int root) {
   if (root < 0 || root >= size()) return Work(failed(Error::invalid("broadcast: no such root")));
   if (buf.size() > opts_.capacity)
-    return Work(failed(Error::invalid("broadcast exceeds the group capacity")));
+    return in_pieces(buf.size(), opts_.capacity, [&](size_t off, size_t len) {
+      return broadcast_async(buf.subspan(off, len), root);
+    });
   auto w = std::make_shared<detail::WorkState>();
   if (use_aggregation(buf.size())) {
     w->make_aggregate = [=](const collectives::AggregateContext& c) {
@@ -789,9 +790,13 @@ Work Group::reduce_async(std::span<const std::byte> in, std::span<std::byte> out
   if (root < 0 || root >= size()) return Work(failed(Error::invalid("reduce: no such root")));
   if (t == DType::kBytes || (rank() == root && out.size() != in.size()) || in.size() % dtype_size(t))
     return Work(failed(Error::invalid("reduce: bad buffers")));
-  if (in.size() > opts_.capacity) return Work(failed(Error::invalid("reduce exceeds the group capacity")));
   if (op == Reduction::kAvg && !is_float(t))
     return Work(failed(Error::invalid("avg needs a floating-point type")));
+  if (in.size() > opts_.capacity)
+    return in_pieces(in.size(), opts_.capacity / dtype_size(t) * dtype_size(t), [&](size_t off, size_t len) {
+      return reduce_async(in.subspan(off, len), rank() == root ? out.subspan(off, len) : std::span<std::byte>{},
+                          t, op, root);
+    });
   auto w = std::make_shared<detail::WorkState>();
   w->average = op == Reduction::kAvg && rank() == root;
   const bool mine = rank() == root;
@@ -858,13 +863,23 @@ void Group::finish(detail::WorkState& w, Error e) {
   if (e && w.error.is_ok()) w.error = std::move(e);
   w.phase = detail::WorkState::Phase::kDone;
   if (w.slot && w.slot->owner == &w) w.slot->owner = nullptr;
+  if (w.whole) piece_done(w);  // (pieces.cc)
+}
+
+// A collective has its slot: what a piece does first (pieces.cc).
+void Group::took_slot(detail::WorkState& w) {
+  w.slot->owner = &w;
+  if (w.before) {
+    w.before();
+    w.before = nullptr;
+  }
 }
 
 // Copies the input in and arms the slot (steps 1 and 2).
 bool Group::start(detail::WorkState& w) {
   if (w.make_aggregate) return start_aggregate(w);
   if (w.slot->owner != nullptr && w.slot->owner != &w) return false;  // an earlier collective holds the slot
-  w.slot->owner = &w;
+  took_slot(w);
   // Every rank decides alike: from the kinds of the slot's collectives.
   w.then_again = w.stores_early && w.slot->fallbacks_read_out;
   w.slot->fallbacks_read_out = !w.then_again && w.fallbacks_read_out;
@@ -1148,7 +1163,7 @@ bool Group::step_stamps(detail::WorkState& w) {
 // rank's window and completes).
 bool Group::start_aggregate(detail::WorkState& w) {
   if (w.slot->owner != nullptr) return false;
-  w.slot->owner = &w;
+  took_slot(w);
   w.slot->fallbacks_read_out = false;  // no chains of this slot's OUT
   w.generation = next_generation(w.slot->agg_generation);
   if (w.config) {

@@ -33,6 +33,10 @@ struct Group::Slot {
   // The last collective here may leave a refused chain reading a moved-on
   // host's OUT (WorkState::fallbacks_read_out).
   bool fallbacks_read_out = false;
+  // The pieces of an AllGather or ReduceScatter larger than the capacity
+  // that run here gather or scatter through this (pieces.cc): a slot runs
+  // one at a time, so one buffer per slot serves them all in turn.
+  std::vector<std::byte> staging;
 };
 
 namespace detail {
@@ -42,6 +46,16 @@ struct WorkState {
   Phase phase = Phase::kQueued;
   Error error;
   uint64_t waiting_for = 0;  // Work::waiting_for()
+  // A collective larger than the capacity runs as pieces, each a
+  // collective of its own (pieces.cc). On a piece: the whole it belongs
+  // to, which piece it is, and what it does with its slot's staging
+  // buffer when it starts (`before`: a ReduceScatter piece gathers its
+  // input there) and once it succeeded (`after`: an AllGather piece moves
+  // its output out). On the whole: how many pieces are not done yet.
+  std::shared_ptr<WorkState> whole;
+  size_t piece = 0, pieces = 0;
+  std::function<void()> before, after;
+  size_t pieces_left = 0;
   std::function<collectives::Plan(const collectives::Context&)> make_plan;
   // Aggregation instead of a plan of chains (collectives/aggregate.cc);
   // `own` is copied to `own_to` at the end (AllGather: a rank's own shard).

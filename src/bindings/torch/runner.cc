@@ -206,74 +206,33 @@ void Runner::expand(Request r) {
   const int root = r.root;
 
   switch (r.kind) {
+    // A tensor larger than the capacity runs in pieces: the Group cuts it
+    // (docs/COLLECTIVES.md 14), so the pieces of one request overlap.
     case Collective::kAllReduce:
     case Collective::kReduce: {
       if (r.in.size() != r.out.size()) return fail("input and output sizes differ");
       if (r.in.size() % esize != 0) return fail("buffer is not a whole number of elements");
-      const size_t step = capacity_ / esize * esize;
+      if (r.in.empty()) break;
       const bool all = r.kind == Collective::kAllReduce;
-      for (size_t off = 0; off < r.in.size(); off += step) {
-        const size_t n = std::min(step, r.in.size() - off);
-        auto in = r.in.subspan(off, n);
-        auto o = r.out.subspan(off, n);
-        add([=](Group& g, Chunk&) {
-          return all ? g.allreduce_async(in, o, t, op) : g.reduce_async(in, o, t, op, root);
-        });
-      }
+      add([=, in = r.in, o = r.out](Group& g, Chunk&) {
+        return all ? g.allreduce_async(in, o, t, op) : g.reduce_async(in, o, t, op, root);
+      });
       break;
     }
-    case Collective::kBroadcast: {
-      for (size_t off = 0; off < r.out.size(); off += capacity_) {
-        auto buf = r.out.subspan(off, std::min<size_t>(capacity_, r.out.size() - off));
-        add([=](Group& g, Chunk&) { return g.broadcast_async(buf, root); });
-      }
+    case Collective::kBroadcast:
+      if (!r.out.empty()) add([buf = r.out, root](Group& g, Chunk&) { return g.broadcast_async(buf, root); });
       break;
-    }
     case Collective::kAllGather: {
       const size_t n = r.in.size();
       if (r.out.size() != p * n) return fail(fmt::format("allgather output of {} bytes for {} x {}", r.out.size(), p, n));
-      if (p * n <= capacity_) {
-        if (n > 0) add([in = r.in, o = r.out](Group& g, Chunk&) { return g.allgather_async(in, o); });
-        break;
-      }
-      // Pieces of `step` bytes of every rank's input, gathered into staging
-      // (rank-major), then moved to their places in `out`.
-      const size_t step = std::max<size_t>(capacity_ / p / 8 * 8, 1);
-      for (size_t off = 0; off < n; off += step) {
-        const size_t len = std::min(step, n - off);
-        auto in = r.in.subspan(off, len);
-        std::byte* dst = r.out.data();
-        add([=](Group& g, Chunk& c) {
-              c.staging.resize(p * len);
-              return g.allgather_async(in, c.staging);
-            },
-            [=](Chunk& c) {
-              for (size_t k = 0; k < p; ++k) std::memcpy(dst + k * n + off, c.staging.data() + k * len, len);
-            });
-      }
+      if (n > 0) add([in = r.in, o = r.out](Group& g, Chunk&) { return g.allgather_async(in, o); });
       break;
     }
     case Collective::kReduceScatter: {
       const size_t n = r.out.size();
       if (r.in.size() != p * n) return fail(fmt::format("reduce_scatter input of {} bytes for {} x {}", r.in.size(), p, n));
       if (n % esize != 0) return fail("buffer is not a whole number of elements");
-      if (p * n <= capacity_) {
-        if (n > 0) add([=, in = r.in, o = r.out](Group& g, Chunk&) { return g.reduce_scatter_async(in, o, t, op); });
-        break;
-      }
-      // Every rank's block cut the same way: piece `off` of each block,
-      // rank-major in staging, reduce-scattered into out[off, off + len).
-      const size_t step = std::max<size_t>(capacity_ / p / esize, 1) * esize;
-      for (size_t off = 0; off < n; off += step) {
-        const size_t len = std::min(step, n - off);
-        const std::byte* src = r.in.data();
-        auto o = r.out.subspan(off, len);
-        add([=](Group& g, Chunk& c) {
-          c.staging.resize(p * len);
-          for (size_t k = 0; k < p; ++k) std::memcpy(c.staging.data() + k * len, src + k * n + off, len);
-          return g.reduce_scatter_async(c.staging, o, t, op);
-        });
-      }
+      if (n > 0) add([=, in = r.in, o = r.out](Group& g, Chunk&) { return g.reduce_scatter_async(in, o, t, op); });
       break;
     }
     case Collective::kBarrier:

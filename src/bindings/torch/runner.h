@@ -7,12 +7,10 @@
 // them on every rank, and calls the request's `done` on its own thread once
 // the collective finished.
 //
-// Requests larger than the group's capacity are cut into chunks, each a
-// collective of its own: AllReduce, Reduce and Broadcast by element ranges;
-// AllGather and ReduceScatter by per-rank ranges through a staging buffer
-// (their buffers are p times the per-rank size); AllToAll by rounds of at
-// most capacity / p bytes per pair. Up to `slots` chunks or requests are in
-// flight at once (one per Group slot). The thread waits for the oldest in
+// A request is one collective of the Group, which runs those larger than
+// its capacity in pieces itself (docs/COLLECTIVES.md 14); an AllToAll
+// larger than that is cut here, into rounds of at most capacity / p bytes
+// per pair (chunks). Up to `slots` chunks or requests are in flight at once. The thread waits for the oldest in
 // slices (Group::wait_for), and between slices starts what was submitted
 // meanwhile, moves point-to-point messages (p2p.h) and watches the other
 // ranks' liveness (liveness.h): a rank that is gone fails every request at
