@@ -234,6 +234,70 @@ TEST(Client, AtomicsAnswerOldValues) {
   EXPECT_EQ(*c->fetch_add(8, 0), 100u);
 }
 
+// An AGGREGATE contribution the device holds waits for the other
+// contributors, not for the network: it holds neither the client's window
+// nor its txn span (docs/COLLECTIVES.md 14, rule W). Here the window is two
+// packets and the device remembers 16 txns (a span of 8); two held blocks,
+// then 40 writes, which would wait forever behind them before, go through;
+// the second contributor then completes the blocks, and each held answer
+// said whom the block had.
+TEST(Client, HeldContributionsHoldNeitherTheWindowNorTheTxnSpan) {
+  Fabric fabric;
+  core::DeviceConfig cfg = testing::FabricDevice::config(7, std::nullopt);
+  cfg.replay_window = 16;
+  std::vector<std::byte> memory(1 << 20);
+  core::Device device(memory, cfg);
+  core::Engine engine(device);
+  std::vector<std::byte> out(core::Engine::out_buffer_size(cfg));
+  fabric.attach_handler(kDeviceAddr, [&](transport::InMsg& m, transport::Transport& self) {
+    device::DeviceLoop::serve_one(engine, m, self, out);
+  });
+  device.regions().add(core::Region{0, 64 << 10, 1, core::kPermAll});
+  device.regions().add(core::Region{64 << 10, 64 << 10, 2, core::kPermAll});  // the aggregation region
+  ClientOptions o;
+  o.window_packets = 2;
+  auto c = connect(fabric, o);
+  ASSERT_TRUE(c);
+  const std::vector<std::byte> block(512, std::byte{1});
+  std::vector<std::vector<std::byte>> results(2, std::vector<std::byte>(512));
+  auto contribution = [&](uint16_t who, uint32_t b, std::span<std::byte> result) {
+    AggregateRequest r;
+    r.device = Hop{kDeviceAddr.ip, kDeviceAddr.port, Opcode::kAggregate, 0, 2, 0, 0};
+    r.generation = 1;
+    r.block = b;
+    r.contributor = who;
+    r.contributors = 2;
+    r.stride = 512;
+    r.dtype = DType::kI32;
+    r.redop = RedOp::kSum;
+    r.length = 512;
+    r.data = block;
+    r.result = result;
+    return r;
+  };
+  std::vector<Op> held;
+  for (uint32_t b = 0; b < 2; ++b) held.push_back(c->aggregate_async(contribution(0, b, results[b])));
+  for (int i = 0; i < 40; ++i) {
+    const std::byte word[8] = {std::byte(i)};
+    ASSERT_FALSE(c->write(8 * static_cast<uint64_t>(i), word)) << "write " << i;
+  }
+  for (const Op& h : held) {
+    EXPECT_FALSE(h.done());
+    EXPECT_EQ(h.value(), 0b01u);  // the device holds contributor 0's block
+  }
+  auto other = Client::connect(fabric.attach({0x0A000003, 40000}), kDeviceAddr, o);
+  ASSERT_TRUE(other.ok());
+  std::vector<std::byte> sink(512);
+  for (uint32_t b = 0; b < 2; ++b) {
+    Op op = (*other)->aggregate_async(contribution(1, b, sink));
+    ASSERT_FALSE((*other)->wait(op)) << b;
+  }
+  for (uint32_t b = 0; b < 2; ++b) {
+    ASSERT_FALSE(c->wait(held[b])) << b;
+    for (size_t i = 0; i < 512; i += 4) ASSERT_EQ(core::load_le<int32_t>(results[b].data() + i), 0x02020202);
+  }
+}
+
 // defer_sends: asynchronous calls only queue; the next poll sends them all,
 // and they complete as usual.
 TEST(Client, DeferredSendsLeaveTogetherAtThePoll) {

@@ -94,7 +94,7 @@ int collectives_main(int argc, char** argv) {
   CLI::App app{"netdam-bench allreduce|reducescatter|allgather|broadcast: in-network collectives measured "
                "the nccl-tests way"};
   std::string op_pos, op_flag, min_s = "8", max_s = "64M", type_s = "f32", redop_s = "sum", algo_s = "auto";
-  std::string admin_s = "0xAD", netdamd, csv, shm;
+  std::string admin_s = "0xAD", netdamd, csv, shm, capacity_s;
   std::vector<std::string> devices;
   BenchConfig c;
   int local = 0, local_devices = 0, check = 1;
@@ -166,6 +166,12 @@ int collectives_main(int argc, char** argv) {
                  "this run's number, the same on every rank and new for every run on the same devices "
                  "(GroupOptions::job; default 0: none, a run alone on its devices; --local: a random one)");
   app.add_option("--slots", c.slots, "collectives slots (default 2)")->check(CLI::Range(1, 64));
+  app.add_option("--capacity", capacity_s,
+                 "the group's area, the largest collective it runs at once (default: the largest size); "
+                 "larger sizes run in pieces of it, slots at a time");
+  app.add_option("--in-flight", c.in_flight,
+                 "collectives of each size started at once, each on its own buffers, then waited for (default 1)")
+      ->check(CLI::Range(1, 64));
   app.add_option("--timeout", timeout_ms, "group and client timeout in ms (default 5000)");
   app.add_option("--window", c.window, "packets (chains) in flight per rank's client (default: the client's, 64)");
   std::string congestion{to_string(c.congestion)};
@@ -211,6 +217,11 @@ int collectives_main(int argc, char** argv) {
   if (!mn || !mx || *mn == 0 || *mn > *mx) return usage_error("bad size range -b " + min_s + " -e " + max_s);
   c.min_bytes = *mn;
   c.max_bytes = *mx;
+  if (!capacity_s.empty()) {
+    auto cap = parse_size(capacity_s);
+    if (!cap || *cap < 1024) return usage_error("bad --capacity '" + capacity_s + "' (a size of at least 1KiB)");
+    c.capacity = *cap;
+  }
   auto t = parse_dtype(type_s);
   if (!t || *t == DType::kBytes) return usage_error("unknown --type '" + type_s + "'");
   c.type = *t;

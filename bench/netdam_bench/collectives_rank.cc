@@ -244,19 +244,25 @@ Combined combine(const std::vector<Stat>& all) {
   return c;
 }
 
+// One iteration: c.in_flight collectives at once, collective k on the
+// k-th input and output of the size, then waited for (the first error).
 Error run_one(Group& g, const BenchConfig& c, const Shape& s, std::span<std::byte> in, std::span<std::byte> out) {
-  std::span<const std::byte> cin = in.first(s.in_bytes);
-  std::span<std::byte> cout = out.first(s.out_bytes);
-  switch (c.op) {
-    case CollOp::kAllReduce: return g.allreduce(cin, cout, c.type, c.redop);
-    case CollOp::kReduceScatter: return g.reduce_scatter(cin, cout, c.type, c.redop);
-    case CollOp::kAllGather: return g.allgather(cin, cout);
-    case CollOp::kBroadcast: {
+  std::vector<Work> works;
+  for (int k = 0; k < c.in_flight; ++k) {
+    std::span<std::byte> kin = in.subspan(static_cast<size_t>(k) * s.in_bytes, s.in_bytes);
+    std::span<std::byte> kout = out.subspan(static_cast<size_t>(k) * s.out_bytes, s.out_bytes);
+    switch (c.op) {
+      case CollOp::kAllReduce: works.push_back(g.allreduce_async(kin, kout, c.type, c.redop)); break;
+      case CollOp::kReduceScatter: works.push_back(g.reduce_scatter_async(kin, kout, c.type, c.redop)); break;
+      case CollOp::kAllGather: works.push_back(g.allgather_async(kin, kout)); break;
       // In place, as Group's broadcast is: the input is the output.
-      return g.broadcast(in.first(s.in_bytes), c.root);
+      case CollOp::kBroadcast: works.push_back(g.broadcast_async(kin, c.root)); break;
     }
   }
-  return Error::invalid("unknown collective");
+  Error first;
+  for (Work& w : works)
+    if (Error e = g.wait(w); e && first.is_ok()) first = e;
+  return first;
 }
 
 
@@ -273,9 +279,10 @@ std::string_view to_string(CollOp op) {
 }
 
 uint64_t group_capacity(const BenchConfig& c) {
-  // Room for the largest buffer, and for the per-size exchange of the
-  // ranks' figures (an AllGather of 24 B each, at most 16 ranks).
-  const uint64_t cap = std::max<uint64_t>(c.max_bytes, 64 * 16);
+  // Room for the largest buffer (or what --capacity says), and for the
+  // per-size exchange of the ranks' figures (an AllGather of 24 B each, at
+  // most 16 ranks).
+  const uint64_t cap = std::max<uint64_t>(c.capacity ? c.capacity : c.max_bytes, 64 * 16);
   return (cap + 63) / 64 * 64;
 }
 
@@ -398,8 +405,14 @@ int run_rank(const BenchConfig& c) {
     if (c.zero_share > 0)
       fmt::print("#  input: {:.0f}% zero on every rank, in runs of 64 KiB chosen anew each iteration\n",
                  100 * c.zero_share);
-    fmt::print("#  time = max over ranks of the mean time of one collective; "
-               "algbw = size/time; busbw = algbw x {}\n",
+    if (c.in_flight > 1 || group_capacity(c) < c.max_bytes)
+      fmt::print("#  group capacity {} B (larger sizes run in pieces); {} collective{} of each size in flight at "
+                 "once, each on its own buffers\n",
+                 group_capacity(c), c.in_flight, c.in_flight > 1 ? "s" : "");
+    fmt::print("#  time = max over ranks of the mean time of one {}; "
+               "algbw = {}size/time; busbw = algbw x {}\n",
+               c.in_flight > 1 ? "iteration (the collectives in flight)" : "collective",
+               c.in_flight > 1 ? fmt::format("{} x ", c.in_flight) : std::string(),
                c.op == CollOp::kAllReduce ? "2(p-1)/p" : c.op == CollOp::kBroadcast ? "1" : "(p-1)/p");
     fmt::print("#\n");
     fmt::print("# {:>12} {:>12} {:>9} {:>6} {:>11} {:>8} {:>8} {:>7}\n", "size", "count", "type", "redop",
@@ -410,8 +423,8 @@ int run_rank(const BenchConfig& c) {
   }
 
   const Data data(c, p);
-  const uint64_t cap = group_capacity(c);
-  std::vector<std::byte> in(cap), out(cap);
+  std::vector<std::byte> in, out;  // c.in_flight inputs and outputs of the size, one after another
+  const size_t k_in_flight = static_cast<size_t>(std::max(c.in_flight, 1));
   uint64_t total_wrong = 0, total_rexmit = 0;
   double busbw_sum = 0;
   int rows = 0;
@@ -425,15 +438,32 @@ int run_rank(const BenchConfig& c) {
     if (s.count == 0) continue;  // too small to give every rank an element
     const uint64_t rexmit0 = g.client().counters().retransmits;
     Stat mine;
+    in.resize(std::max(in.size(), k_in_flight * s.in_bytes));
+    out.resize(std::max(out.size(), k_in_flight * s.out_bytes));
+    // Collective k of iteration `it` has the inputs of "iteration"
+    // it x K + k: the K in flight differ, so a result that lands in another
+    // collective's buffer is caught.
+    const auto fill = [&](int it) {
+      for (size_t k = 0; k < k_in_flight; ++k) {
+        data.fill_input(std::span(in).subspan(k * s.in_bytes, s.in_bytes), it * c.in_flight + static_cast<int>(k));
+        if (c.op != CollOp::kBroadcast) Data::poison_output(std::span(out).subspan(k * s.out_bytes, s.out_bytes));
+      }
+    };
+    const auto check = [&](int it) {
+      uint64_t wrong = 0;
+      for (size_t k = 0; k < k_in_flight; ++k) {
+        const auto result = c.op == CollOp::kBroadcast ? std::span<const std::byte>(in).subspan(k * s.in_bytes, s.in_bytes)
+                                                       : std::span<const std::byte>(out).subspan(k * s.out_bytes, s.out_bytes);
+        wrong += data.verify(result, s, it * c.in_flight + static_cast<int>(k));
+      }
+      return wrong;
+    };
 
     // One iteration: with timed_check, a fresh input, a barrier, the timed
     // collective and its check; without, the collective alone (warm-ups of
     // --check 0, on whatever the buffers hold).
     auto iteration = [&](int it, bool timed_check, double& us) -> Error {
-      if (timed_check) {
-        data.fill_input(std::span(in).first(s.in_bytes), it);
-        if (c.op != CollOp::kBroadcast) Data::poison_output(std::span(out).first(s.out_bytes));
-      }
+      if (timed_check) fill(it);
       if (timed_check)
         if (Error e = g.barrier()) return e;
       const auto t0 = Clock::now();
@@ -444,11 +474,7 @@ int run_rank(const BenchConfig& c) {
                      static_cast<unsigned long long>(s.size), it, us,
                      static_cast<unsigned long long>(g.client().counters().retransmits),
                      std::chrono::duration<double, std::micro>(t0.time_since_epoch()).count());
-      if (timed_check) {
-        const auto result = c.op == CollOp::kBroadcast ? std::span<const std::byte>(in).first(s.in_bytes)
-                                                       : std::span<const std::byte>(out).first(s.out_bytes);
-        mine.wrong += data.verify(result, s, it);
-      }
+      if (timed_check) mine.wrong += check(it);
       return {};
     };
 
@@ -465,7 +491,7 @@ int run_rank(const BenchConfig& c) {
     // (On a fresh input: an all-zero one would cross as zero markers and
     // touch nothing.)
     const int flush = std::clamp(c.warmup - 1, 0, 2 * c.slots);
-    if (flush > 0) data.fill_input(std::span(in).first(s.in_bytes), 0);
+    if (flush > 0) fill(0);
     // Numbered -flush .. -1 in the verbose log.
     for (int k = -flush; k < 0; ++k) {
       double us = 0;
@@ -499,17 +525,13 @@ int run_rank(const BenchConfig& c) {
         total_us += us;
       }
     } else {
-      data.fill_input(std::span(in).first(s.in_bytes), 0);  // untimed; every iteration then has these inputs
-      if (c.op != CollOp::kBroadcast) Data::poison_output(std::span(out).first(s.out_bytes));
+      fill(0);  // untimed; every iteration then has these inputs
       if (Error e = g.barrier()) return fail(fmt::format("size {}: barrier: {}", s.size, e.to_string()));
       const auto t0 = Clock::now();
       for (int i = 0; i < iters; ++i)
         if (Error e = run_one(g, c, s, in, out)) return fail(fmt::format("size {}: {}", s.size, e.to_string()));
       total_us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-      // Every iteration had the inputs of iteration 0.
-      const auto result = c.op == CollOp::kBroadcast ? std::span<const std::byte>(in).first(s.in_bytes)
-                                                     : std::span<const std::byte>(out).first(s.out_bytes);
-      mine.wrong += data.verify(result, s, 0);
+      mine.wrong += check(0);  // every iteration had the inputs of iteration 0
     }
     mine.time_us = total_us / iters;
     mine.retransmits = g.client().counters().retransmits - rexmit0;
@@ -519,7 +541,7 @@ int run_rank(const BenchConfig& c) {
     total_wrong += r.wrong;
     total_rexmit += r.retransmits;
     if (lead) {
-      const double algbw = static_cast<double>(s.size) / (r.time_us * 1e-6) / 1e9;
+      const double algbw = static_cast<double>(s.size) * c.in_flight / (r.time_us * 1e-6) / 1e9;
       const double busbw = algbw * bus_factor(c.op, p);
       busbw_sum += busbw;
       ++rows;

@@ -35,6 +35,12 @@ struct BenchConfig {
   // every rank, chosen anew each iteration.
   double zero_share = 0;
   size_t aggregate_window = 0;  // GroupOptions::aggregate_window (0: the group's)
+  // The group's area (GroupOptions::capacity): sizes above it run in
+  // pieces (docs/COLLECTIVES.md 14); 0: the largest size.
+  uint64_t capacity = 0;
+  // Collectives of each size started at once (each on buffers of its
+  // own), then waited for: one iteration; 1: one at a time.
+  int in_flight = 1;
   uint32_t aggregate_stride = 0;  // GroupOptions::aggregate_stride (0: the group's)
 
   // The group.
@@ -62,7 +68,7 @@ struct BenchConfig {
   bool device_stats = false;   // each rank prints its device's counters at the end
 };
 
-// Capacity the group needs for the sweep (the largest buffer).
+// The group's capacity: --capacity, else the sweep's largest buffer.
 uint64_t group_capacity(const BenchConfig& c);
 // Device memory that holds `slots` slots of that capacity for p ranks.
 // (`devices` of them: fewer than p when ranks share devices).
