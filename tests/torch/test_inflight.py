@@ -30,9 +30,11 @@ integers, so sums are exact in any order):
   averaged by an all_reduce; afterwards the replicas' parameters hash the
   same on every rank.
 
-Every wait is bounded: the process groups' timeout is 60 s, each worker
-dumps its stacks and exits after 130 s, the launcher kills every rank
-after 150 s and says so.
+Every wait is bounded: the process groups' timeout is 60 s, a wait on
+collectives in flight gives up 30 s after that (before the fix, the
+deadlocked collectives outlasted the group's timeout), each worker dumps
+its stacks and exits after 130 s, the launcher kills every rank after
+150 s and says so.
 
     PYTHONPATH=build/python NETDAM_DAEMON=build/src/daemon/netdamd /usr/bin/python3 tests/torch/test_inflight.py
 
@@ -129,7 +131,8 @@ def worker(rank, port):
 
     def pattern(n, salt, dtype=torch.float32):
         """n small integers (0..60) that differ with the position and the salt."""
-        return ((torch.arange(n, dtype=torch.int64) * 7 + salt) % 61).to(dtype)
+        cycle = ((torch.arange(61) * 7 + salt) % 61).to(dtype)
+        return cycle.repeat(n // 61 + 1)[:n]  # a copy: cheap where the ranks share 2 cores with their devices
 
     def elements(area, times, dtype=torch.float32):
         """Elements of `dtype` in `times` x `area` bytes, and a few more (an odd tail)."""
@@ -143,8 +146,15 @@ def worker(rank, port):
                                  f"got {got.flatten()[first].tolist()}, want {want.flatten()[first].tolist()}")
 
     def wait_all(works, reverse=False):
-        for w in (works[::-1] if reverse else works):
-            w.wait()
+        # Bounded even if the group's timeout were not: a deadlock fails here, saying so.
+        deadline = time.monotonic() + TIMEOUT + 30
+        for k in (reversed(range(len(works))) if reverse else range(len(works))):
+            while not works[k].is_completed():
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"collective {k} of the {len(works)} in flight is not done {TIMEOUT + 30} s "
+                                         f"after the wait began (the group's timeout is {TIMEOUT} s): deadlock")
+                time.sleep(0.002)
+            works[k].wait()  # raises the collective's error
 
     def async_allreduces(shapes, iters):
         # shapes: (times the area, dtype) of each all_reduce in flight.
@@ -156,11 +166,11 @@ def worker(rank, port):
                 expect_equal(t, pattern(n, salt, dtype) * WORLD + ranks_sum, f"iteration {it}, all_reduce {j}")
 
     def two_in_flight():
-        async_allreduces([(1.25, torch.float32), (3, torch.float32)], iters=6)
+        async_allreduces([(1.25, torch.float32), (3, torch.float32)], iters=4)
 
     def four_in_flight():
         async_allreduces([(1.25, torch.float32), (3, torch.int64), (1.25, torch.float32), (3, torch.float64)],
-                         iters=4)
+                         iters=3)
 
     n3 = elements(CAPACITY, 3) // WORLD * WORLD  # 3x the area, a multiple of the world size
 
@@ -214,7 +224,7 @@ def worker(rank, port):
         # area) and one on the default group (1.25x its area) in flight;
         # on odd iterations the default group's first.
         n_sub, n_all = elements(SUB_CAPACITY, 3), elements(CAPACITY, 1.25)
-        for it in range(5):
+        for it in range(4):
             jobs = [(members, pattern(n_sub, it + k) + rank) for k, members in enumerate(mine)]
             jobs.insert(0 if it % 2 else len(jobs), (tuple(range(WORLD)), pattern(n_all, it + 5) + rank))
             works = [dist.all_reduce(t, group=subgroups.get(members), async_op=True) for members, t in jobs]
@@ -245,7 +255,7 @@ def worker(rank, port):
         loss_fn = nn.CrossEntropyLoss()
         for step in range(2):
             g = torch.Generator().manual_seed(1000 * step + rank)
-            x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
+            x, y = torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 10, (2,), generator=g)
             local = copy.deepcopy(ddp.module) if step == 0 else None  # no DDP: this rank's own gradients
             opt.zero_grad(set_to_none=True)
             loss_fn(ddp(x), y).backward()
