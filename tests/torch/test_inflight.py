@@ -10,7 +10,7 @@ DDP's 25 MiB buckets do with the default area. Not smaller: the ranks
 aggregate in blocks of area / 16p (docs/TORCH.md), and only blocks larger
 than a datagram (above 64 KiB, so an area of 8 MiB at 4 ranks, 4 MiB at 2)
 are staged and few enough in the client's 2 MiB window for issue 58's
-deadlock. Before its fix (cd67bde) this test fails; with a 1 MiB area it
+deadlock. Before its fix (460ded5) this test fails; with a 1 MiB area it
 passed before the fix too. Checks, every result exact (inputs are small
 integers, so sums are exact in any order):
 
