@@ -24,6 +24,24 @@ using transport::FaultModel;
 
 constexpr uint32_t kAdmin = 0xAD;
 
+// Loss, duplication and reordering, each with probability `p`, and
+// delays of up to `delay`.
+FaultModel faults(double p, uint64_t seed, std::chrono::microseconds delay = 100us) {
+  FaultModel f;
+  f.drop = f.duplicate = f.reorder = p;
+  f.delay_max = delay;
+  f.seed = seed;
+  return f;
+}
+// Reordering and delays only: every datagram arrives.
+FaultModel reordering(uint64_t seed) {
+  FaultModel f;
+  f.reorder = 0.2;
+  f.delay_max = 200us;
+  f.seed = seed;
+  return f;
+}
+
 // Small integers: their float sums are exact in any order, so one reference
 // serves the ring's order and aggregation's alike.
 std::vector<std::byte> random_floats(size_t n, uint64_t seed) {
@@ -148,11 +166,7 @@ void run_in_flight(C& c, int k, size_t n, int rounds, uint64_t seed,
 // which two collectives' blocks join it differs from rank to rank (it
 // follows the answers). Held blocks must not keep the queue from moving.
 TEST(InFlight, TwoAggregationsWithHeldBlocksFillingTheWindow) {
-  FaultModel f;
-  f.reorder = 0.2;
-  f.delay_max = 200us;
-  f.seed = 5;
-  Cluster c(4, 4, f, 1u << 20, 2, [](GroupOptions& o) {
+  Cluster c(4, 4, reordering(5), 1u << 20, 2, [](GroupOptions& o) {
     o.client.window_bytes = 3 * 8192;
     o.zero_union_blocks = 0;
   });
@@ -164,12 +178,8 @@ TEST(InFlight, TwoAggregationsWithHeldBlocksFillingTheWindow) {
 // far above the area, each in two pieces; under loss, duplication and
 // reordering, and rank 0 starting each one late.
 TEST(InFlight, FourAllReducesAboveTheCapacityUnderFaults) {
-  FaultModel f;
-  f.drop = f.duplicate = f.reorder = 0.1;
-  f.delay_max = 100us;
-  f.seed = 9;
   const uint64_t capacity = 256u << 10;
-  Cluster c(4, 2, f, capacity, 2, {});
+  Cluster c(4, 2, faults(0.1, 9), capacity, 2, {});
   ASSERT_EQ(c.groups.size(), 4u);
   run_in_flight(c, 4, capacity * 5 / 4 / 4, 2, 3, 1ms);
 }
@@ -240,24 +250,16 @@ void every_collective_in_pieces(C& c, uint64_t capacity, uint64_t seed) {
 }
 
 TEST(InFlight, EveryCollectiveInPiecesByAggregation) {
-  FaultModel f;
-  f.drop = f.duplicate = f.reorder = 0.1;
-  f.delay_max = 100us;
-  f.seed = 10;
   const uint64_t capacity = 128u << 10;
-  Cluster c(4, 2, f, capacity, 2, {});
+  Cluster c(4, 2, faults(0.1, 10), capacity, 2, {});
   ASSERT_EQ(c.groups.size(), 4u);
   every_collective_in_pieces(c, capacity, 20);
 }
 
 TEST(InFlight, EveryCollectiveInPiecesByChains) {
-  FaultModel f;
-  f.drop = f.duplicate = f.reorder = 0.1;
-  f.delay_max = 100us;
-  f.seed = 11;
   testing::ClusterSpec spec;
   spec.p = 4;
-  spec.faults = f;
+  spec.faults = faults(0.1, 11);
   spec.capacity = 128u << 10;
   spec.algorithm = Algorithm::kRing;
   spec.timeout = 20s;
@@ -270,11 +272,8 @@ TEST(InFlight, EveryCollectiveInPiecesByChains) {
 // piece takes: the others' first pieces wait for it, held, and the rest
 // queue behind them; nothing fails, and the result is exact.
 TEST(InFlight, ALateRankInACollectiveOfThreePieces) {
-  FaultModel f;
-  f.drop = f.duplicate = f.reorder = 0.05;
-  f.seed = 12;
   const uint64_t capacity = 256u << 10;
-  Cluster c(4, 2, f, capacity, 2, {});
+  Cluster c(4, 2, faults(0.05, 12, 0us), capacity, 2, {});
   ASSERT_EQ(c.groups.size(), 4u);
   const size_t n = 3 * capacity / 4;
   std::vector<std::vector<std::byte>> in, out;
@@ -303,13 +302,9 @@ TEST(InFlight, ALateRankInACollectiveOfThreePieces) {
 // The same with the ring by chains: a chain the device holds until its
 // host arms the slot waits for another rank as a held block does.
 TEST(InFlight, TwoRingAllReducesWithTheWindowFull) {
-  FaultModel f;
-  f.reorder = 0.2;
-  f.delay_max = 200us;
-  f.seed = 6;
   testing::ClusterSpec spec;
   spec.p = 4;
-  spec.faults = f;
+  spec.faults = reordering(6);
   spec.capacity = 1u << 20;
   spec.algorithm = Algorithm::kRing;
   spec.timeout = 20s;
