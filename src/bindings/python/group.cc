@@ -189,7 +189,8 @@ Collectives executed by the devices (docs/COLLECTIVES.md). Rank r owns
 devices[r]; every rank creates a Group with the same devices and options
 and calls the same collectives in the same order. Construction connects
 to this rank's device, registers the slots there (if admin_key) and waits
-until every device has them. job: this run's number, the same on every
+until every device has them. capacity: the largest collective that runs
+at once; a larger one runs in pieces of it, slots at a time. job: this run's number, the same on every
 rank and new for each run on the same devices (a random one from the
 launcher; GroupOptions::job), so that an earlier run's state there is
 never taken for this one's.
