@@ -172,7 +172,7 @@ struct World {
     FUZZ_CHECK(!(r.flags & kAggHeld) ||
                (r.flags == kAggHeld && data.size() == kAggHeldSetSize && data.data() == head.data() + head.size()));
     FUZZ_CHECK((r.flags & kAggHeld) || data.empty() || Inside(data, mem));
-    FUZZ_CHECK(data.empty() || r.flags == 0);
+    FUZZ_CHECK(data.empty() || r.flags == 0 || r.flags == kAggHeld);
   }
 
   // Handles one datagram and then the chain hops it causes; then, as the
