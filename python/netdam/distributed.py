@@ -20,6 +20,16 @@ again). The ranks exchange device addresses through the torch Store of the
 rendezvous, so every ``init_method`` (env://, tcp://, file://) and
 ``torchrun`` work.
 
+Collectives aggregate on the ranks' own devices (each rank sends its data
+once and receives the result once), or, given devices in the network that
+belong to no rank, there::
+
+    NETDAM_AGGREGATORS=10.0.0.101:7000,...           aggregating devices, the same list on every rank
+
+(started with the same ``--admin-key``; every process group of the job
+takes its regions on them, from the addresses it takes on the ranks' own
+devices, so they need as much memory as a rank's device; one job at a time).
+
 Every netdam process group of a process uses that one device: the default
 group from address 0 (or, when the default group is another backend's, the
 first netdam group of all ranks), every other group (``new_group``) in one
@@ -39,6 +49,8 @@ Settings (every rank must use the same values; checked at creation):
                       tensors are cut into chunks of this size)
     NETDAM_SLOTS      collectives in flight at once (default 2)
     NETDAM_ADMIN_KEY  the devices' admin key (default 0xAD)
+    NETDAM_AGGREGATORS  devices in the network that aggregate (above)
+    NETDAM_ALGORITHM  auto (default), aggregate, ring, direct or shared
     NETDAM_TIMEOUT    seconds a collective waits for a late rank (default:
                       the process group's timeout)
     NETDAM_LIVENESS   seconds after which a rank that has stopped (its
@@ -106,6 +118,19 @@ def _daemon_path():
                        "to use running devices")
 
 
+def _aggregators():
+    """NETDAM_AGGREGATORS as a list of "IPv4:PORT" (empty: none)."""
+    text = os.environ.get("NETDAM_AGGREGATORS", "").strip()
+    listed = [a.strip() for a in text.split(",") if a.strip()]
+    for a in listed:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"netdam: NETDAM_AGGREGATORS: {a!r} is not IPv4:PORT")
+    if len(set(listed)) != len(listed):
+        raise ValueError(f"netdam: NETDAM_AGGREGATORS names a device twice: {text!r}")
+    return listed
+
+
 def _configured_device(rank):
     devices = os.environ.get("NETDAM_DEVICES", "").strip()
     if devices:
@@ -130,6 +155,7 @@ class _Settings:
         self.offload = parse_size(os.environ.get("NETDAM_OFFLOAD_MEMORY", "0"))
         self.max_payload_text = os.environ.get("NETDAM_MAX_PAYLOAD", "63KiB")
         self.algorithm = os.environ.get("NETDAM_ALGORITHM", "auto")
+        self.aggregators = _aggregators()
         # Per sender, so not part of key(): ranks may differ (docs/CONGESTION.md).
         self.congestion = os.environ.get("NETDAM_CONGESTION", "fixed")
         # 0 by default: a training step overlaps the gradients' all_reduce
@@ -152,21 +178,24 @@ class _Settings:
                 raise ValueError(f"netdam: {name} {cap} must be a multiple of 8 and at least 64 x ranks")
 
     def layout(self, max_payload):
-        """(bytes of the default group, where group k >= 1 starts, bytes of one, device memory)."""
-        # Budgeted for ranks that share a host, whose groups map every
-        # device and aggregate every size (regions of (k+2)/k x capacity for
-        # k ranks: a subgroup may have as few as 2).
+        """(bytes of the default group, where group k >= 1 starts, bytes of one, device memory).
+
+        The same on a rank's own device and on every aggregator in the
+        network: a group's regions start at the same address on both."""
+        # Groups aggregate every size (regions of (k+2)/k x capacity for k
+        # ranks: a subgroup may have as few as 2).
+        m = len(self.aggregators)
         world = _torch_backend.device_memory_bytes(self.capacity, self.slots, self.world_size, max_payload, MAILBOX,
-                                                   aggregate_all=True)
+                                                   aggregators=m)
         sub = max(_torch_backend.device_memory_bytes(self.sub_capacity, self.slots, k, max_payload,
-                                                     SUBGROUP_MAILBOX, aggregate_all=True)
+                                                     SUBGROUP_MAILBOX, aggregators=m)
                   for k in range(min(2, self.world_size), self.world_size + 1))
         arena = -(-(world + self.offload) // (1 << 20)) * (1 << 20)
         return world, arena, sub, arena + self.subgroups * sub
 
     def key(self, max_payload):
         return (f"{self.capacity},{self.slots},{self.admin_key:#x},{self.sub_capacity},{self.subgroups},"
-                f"{self.offload},{self.world_size},{max_payload},{self.algorithm}")
+                f"{self.offload},{self.world_size},{max_payload},{self.algorithm},{'+'.join(self.aggregators)}")
 
 
 # This process's device when it started one: kept for the process's later
@@ -219,6 +248,45 @@ def _check_device(address, settings, shm):
                 "host": _host_identity()}
 
 
+def _check_aggregators(settings, devices, boots, max_payload):
+    """Checks every aggregator in the network as a rank's device is
+    checked, and that it is none of the ranks' devices; returns the
+    problems found ([] if none)."""
+    from . import Client, Error, Nak
+    wait = max(min(settings.liveness or 5.0, 5.0), 0.5)
+    problems = []
+    for a in settings.aggregators:
+        if a in devices:
+            problems.append(f"aggregator {a} is rank {devices.index(a)}'s device (NETDAM_AGGREGATORS names devices "
+                            "in the network that belong to no rank)")
+            continue
+        try:
+            c = Client(a, timeout=wait)
+        except Error as e:
+            problems.append(f"aggregator {a} does not answer (timeout after {wait:.1f} s): {e}")
+            continue
+        with c:
+            info = c.device_info
+            if info["boot_id"] in boots:
+                problems.append(f"aggregator {a} is rank {boots.index(info['boot_id'])}'s device "
+                                f"{devices[boots.index(info['boot_id'])]} (the same boot id)")
+                continue
+            try:
+                c.region_list(settings.admin_key)
+            except Nak as e:
+                problems.append(f"aggregator {a} refuses the admin key {settings.admin_key:#x} ({e.status}): start "
+                                "it with the ranks' devices' --admin-key (NETDAM_ADMIN_KEY)")
+                continue
+            _, _, _, need = settings.layout(max_payload)
+            if info["memory_bytes"] < need:
+                problems.append(f"aggregator {a} has {info['memory_bytes'] >> 20} MiB of memory; the process groups "
+                                f"need {-(-need // (1 << 20))} MiB on it, as on a rank's device")
+            if info["max_payload"] < max_payload:
+                problems.append(f"aggregator {a} takes payloads of {info['max_payload']} bytes, the ranks' devices "
+                                f"{max_payload}: start it with at least --max-payload {max_payload}")
+    return problems
+
+
 def _host_identity():
     """Ranks with the same identity share a kernel and a /dev/shm, so each
     can map the others' devices (GroupOptions::aggregator_shm)."""
@@ -237,11 +305,27 @@ def _exchange(store, prefix, rank, size, mine):
     return [json.loads(store.get(f"netdam/{prefix}/{r}").decode()) for r in range(size)]
 
 
-def _fail_if_any(facts, what):
-    bad = [(r, f["error"]) for r, f in enumerate(facts) if "error" in f]
-    if bad:
-        raise RuntimeError("netdam: cannot create the process group: " +
-                           "; ".join(f"rank {r}: {why}" for r, why in bad) + what)
+def _fail_if_any(facts, store, prefix, rank):
+    """Raises with every rank's reason (ranks with the same one together)
+    if any rank published one. Rank 0, whose process usually holds the
+    store (env://, tcp://), first waits a little until every rank has read
+    the reasons, so that none meets a closed store instead of them."""
+    reasons = {}
+    for r, f in enumerate(facts):
+        if "error" in f:
+            reasons.setdefault(f["error"], []).append(r)
+    if not reasons:
+        return
+    store.set(f"netdam/{prefix}/read/{rank}", "1")
+    if rank == 0:
+        import datetime
+        try:
+            store.wait([f"netdam/{prefix}/read/{r}" for r in range(len(facts))], datetime.timedelta(seconds=10))
+        except RuntimeError:
+            pass  # a rank that has gone learns nothing either way
+    parts = [("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs)) + ": " + why
+             for why, rs in reasons.items()]
+    raise RuntimeError("netdam: cannot create the process group: " + "; ".join(parts))
 
 
 def create_process_group(store, rank, size, timeout):
@@ -274,12 +358,13 @@ def create_process_group(store, rank, size, timeout):
     except (RuntimeError, ValueError, OSError) as e:
         mine = {"error": str(e)}
     facts = _exchange(store, "device", rank, size, mine)
-    _fail_if_any(facts, "")
+    _fail_if_any(facts, store, "device", rank)
     for r, f in enumerate(facts):
         if f["config"] != mine["config"]:
             raise RuntimeError(
                 f"netdam: rank {r} has settings {f['config']}, rank {rank} {mine['config']} (capacity, slots, "
-                "admin key, subgroup capacity, subgroups, offload memory, world size, device payload): set the "
+                "admin key, subgroup capacity, subgroups, offload memory, world size, device payload, algorithm, "
+                "aggregators): set the "
                 "NETDAM_* variables alike on every rank")
     for r, f in enumerate(facts):
         for q in range(r):
@@ -303,9 +388,10 @@ def create_process_group(store, rank, size, timeout):
             Client(d, timeout=wait).close()
         except Error:
             unreachable.append(f"rank {r}'s device {d} (no answer within {wait:.1f} s)")
-    reach = _exchange(store, "reach", rank, size, {"error": "cannot reach " + ", ".join(unreachable)}
-                      if unreachable else {})
-    _fail_if_any(reach, "")
+    problems = ["cannot reach " + ", ".join(unreachable)] if unreachable else []
+    problems += _check_aggregators(settings, devices, [f["boot"] for f in facts], mine["max_payload"])
+    reach = _exchange(store, "reach", rank, size, {"error": "; ".join(problems)} if problems else {})
+    _fail_if_any(reach, store, "reach", rank)
 
     # 3. Where the group lives on the devices.
     max_payload = mine["max_payload"]
@@ -340,14 +426,15 @@ def create_process_group(store, rank, size, timeout):
     # every size.
     here = mine.get("host", "")
     aggregator_shm = [f["shm"] if here and f.get("host") == here and f["shm"] else "" for f in facts]
-    if not any(aggregator_shm):
+    if not any(aggregator_shm) or settings.aggregators:
         aggregator_shm = []
     pg = ProcessGroupNetdam(rank, devices, shm=shm, admin_key=settings.admin_key, capacity=capacity,
                             slots=settings.slots, timeout=settings.timeout, device=device, base=base,
                             key_base=key_base, liveness=settings.liveness, mailbox=mailbox,
                             algorithm=settings.algorithm, congestion=settings.congestion,
                             aggregator_shm=aggregator_shm, spin_us=settings.spin_us,
-                            small_dscp=settings.small_dscp, job=facts[0]["job"])
+                            small_dscp=settings.small_dscp, job=facts[0]["job"],
+                            aggregators=settings.aggregators)
     _groups.add(pg)
     if place0:
         _place0 = weakref.ref(pg)

@@ -51,9 +51,10 @@ PYBIND11_MODULE(_torch_backend, m) {
       "Starts netdamd on 127.0.0.1 (port chosen by the kernel, memory in /dev/shm, prefaulted).");
 
   m.def("device_memory_bytes", &netdam::torch_backend::device_memory_bytes, py::arg("capacity"), py::arg("slots"),
-        py::arg("ranks"), py::arg("max_payload"), py::arg("mailbox") = 1 << 20, py::arg("aggregate_all") = false,
-        "Device memory a process group takes (its control region and slots; aggregate_all: with every "
-        "device mapped, aggregation regions for the whole capacity).");
+        py::arg("ranks"), py::arg("max_payload"), py::arg("mailbox") = 1 << 20, py::arg("aggregators") = 0,
+        "Device memory a process group takes on each device, its own and (with aggregators > 0) each "
+        "aggregator in the network: its control region, chain slots and aggregation regions for the "
+        "whole capacity.");
 
   py::class_<ProcessGroupNetdam, c10::intrusive_ptr<ProcessGroupNetdam>>(m, "ProcessGroupNetdam",
                                                                          dist.attr("ProcessGroup"))
@@ -62,16 +63,23 @@ PYBIND11_MODULE(_torch_backend, m) {
                        uint64_t base, uint32_t key_base, double liveness_s, uint64_t mailbox,
                        const std::string& algorithm, const std::string& congestion,
                        const std::vector<std::string>& aggregator_shm, int64_t spin_us, int small_dscp,
-                       uint64_t job) {
+                       uint64_t job, const std::vector<std::string>& aggregators) {
              NetdamOptions o;
              netdam::GroupOptions& g = o.runner.group;
              g.rank = rank;
              g.devices = devices;
              g.shm = shm;
              g.aggregator_shm = aggregator_shm;
-             // Every device mapped (the ranks of one host, as the layout
-             // budgets with aggregate_all): blocks need not fit a datagram.
-             if (!devices.empty() && aggregator_shm.size() == devices.size() &&
+             // Devices in the network aggregate every collective; without
+             // them the ranks' own devices do, at every size (kAuto): a
+             // rank sends S and receives S, where the ring by chains moves
+             // each byte through every device (device_memory_bytes budgets
+             // for the regions).
+             g.aggregators = aggregators;
+             g.aggregate_auto_bytes = capacity;
+             // Every device mapped (the ranks of one host): blocks need not
+             // fit a datagram.
+             if (aggregators.empty() && !devices.empty() && aggregator_shm.size() == devices.size() &&
                  std::none_of(aggregator_shm.begin(), aggregator_shm.end(), [](const std::string& n) { return n.empty(); }))
                g.aggregate_stride = netdam::mapped_aggregate_stride(capacity, static_cast<int>(devices.size()));
              if (spin_us < 0) throw std::invalid_argument("netdam: spin_us must be >= 0");
@@ -83,13 +91,12 @@ PYBIND11_MODULE(_torch_backend, m) {
              g.slots = slots;
              g.base = base;
              g.key_base = key_base;
-             // Not the torus (it needs dimensions) nor aggregation at every
-             // size (the layout budgets for kAuto's choices).
-             if (auto a = netdam::parse_algorithm(algorithm);
-                 a && *a != netdam::Algorithm::kTorus && *a != netdam::Algorithm::kAggregate)
+             // Not the torus (it needs dimensions).
+             if (auto a = netdam::parse_algorithm(algorithm); a && *a != netdam::Algorithm::kTorus)
                g.algorithm = *a;
              else
-               throw std::invalid_argument("netdam: algorithm '" + algorithm + "' (auto, ring, direct, shared)");
+               throw std::invalid_argument("netdam: algorithm '" + algorithm +
+                                           "' (auto, aggregate, ring, direct, shared)");
              g.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
              if (auto c = netdam::parse_congestion(congestion))
                g.client.congestion = *c;
@@ -112,6 +119,7 @@ PYBIND11_MODULE(_torch_backend, m) {
            py::arg("congestion") = "fixed", py::arg("aggregator_shm") = std::vector<std::string>{},
            py::arg("spin_us") = netdam::ClientOptions{}.spin.count(),
            py::arg("small_dscp") = netdam::ClientOptions{}.small_dscp, py::arg("job") = 0,
+           py::arg("aggregators") = std::vector<std::string>{},
            py::call_guard<py::gil_scoped_release>())
       .def("_shutdown", &ProcessGroupNetdam::shutdown, py::call_guard<py::gil_scoped_release>(),
            "Finishes what was queued and stops the group's thread (also done when the group is deleted).")
@@ -123,6 +131,9 @@ PYBIND11_MODULE(_torch_backend, m) {
       .def_property_readonly("aggregator_shm",
                              [](const ProcessGroupNetdam& pg) { return pg.group_options().aggregator_shm; },
                              "every rank's device memory this rank maps (those on its host; \"\" for the others)")
+      .def_property_readonly("aggregators",
+                             [](const ProcessGroupNetdam& pg) { return pg.group_options().aggregators; },
+                             "devices in the network that aggregate (NETDAM_AGGREGATORS); empty: the ranks' own")
       .def_property_readonly("admin_key", [](const ProcessGroupNetdam& pg) { return pg.group_options().admin_key; })
       .def_property_readonly("timeout",
                              [](const ProcessGroupNetdam& pg) { return pg.group_options().timeout.count() / 1000.0; },

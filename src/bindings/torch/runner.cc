@@ -534,22 +534,33 @@ void Runner::run() {
 }
 
 uint64_t device_memory_bytes(uint64_t capacity, int slots, int ranks, size_t max_payload, uint64_t mailbox,
-                             bool aggregate_all) {
+                             int aggregators) {
   ControlLayout control;
   control.ranks = ranks;
   control.mailbox = mailbox;
-  GroupOptions o;  // as the process group creates its Group after the control region (kAuto, with an admin key)
+  // As the process group creates its Group after the control region.
+  GroupOptions o;
   o.devices.assign(static_cast<size_t>(ranks), "");
-  // Every device mapped (the ranks of one host): kAuto aggregates every
-  // size, in regions for the whole capacity.
-  if (aggregate_all) {
-    o.aggregator_shm.assign(static_cast<size_t>(ranks), "mapped");
-    o.aggregate_stride = mapped_aggregate_stride(capacity, ranks);
-  }
   o.capacity = capacity;
   o.slots = slots;
   o.admin_key = 0xAD;
-  const uint64_t bytes = control.bytes() + Group::device_bytes(o, max_payload) + (1u << 20);
+  o.aggregate_auto_bytes = capacity;
+  uint64_t need = 0;
+  if (aggregators > 0) {
+    // The ranks' devices hold the chain slots; the aggregators the
+    // aggregation regions, from the same address.
+    need = Group::device_bytes(o, max_payload);
+    o.aggregators.assign(static_cast<size_t>(aggregators), "");
+    for (const RegionInfo& r : Group::aggregator_regions(o, max_payload)) need = std::max(need, r.base + r.size);
+  } else {
+    // Unmapped, blocks of a datagram; every device mapped (the ranks of
+    // one host), larger blocks.
+    need = Group::device_bytes(o, max_payload);
+    o.aggregator_shm.assign(static_cast<size_t>(ranks), "mapped");
+    o.aggregate_stride = mapped_aggregate_stride(capacity, ranks);
+    need = std::max(need, Group::device_bytes(o, max_payload));
+  }
+  const uint64_t bytes = control.bytes() + need + (1u << 20);
   return (bytes + (1u << 20) - 1) / (1u << 20) * (1u << 20);
 }
 

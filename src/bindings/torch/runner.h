@@ -187,8 +187,12 @@ class Runner {
 
 // Bytes of device memory a group of `ranks` needs for `slots` slots of
 // `capacity` bytes when the devices carry payloads of `max_payload` bytes,
-// with point-to-point mailboxes of `mailbox` bytes (its control region).
+// with point-to-point mailboxes of `mailbox` bytes (its control region),
+// as the process group lays it out: aggregation at every size, on the
+// ranks' own devices (mapped or not) or, with `aggregators` > 0, on that
+// many devices in the network, whose regions start at the same address
+// as on a rank's own device; the larger of the two is what each needs.
 uint64_t device_memory_bytes(uint64_t capacity, int slots, int ranks, size_t max_payload, uint64_t mailbox = 1 << 20,
-                             bool aggregate_all = false);
+                             int aggregators = 0);
 
 }  // namespace netdam::torch_backend
