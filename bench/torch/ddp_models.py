@@ -53,7 +53,6 @@ def worker(args):
     import torch
     import torch.distributed as dist
     import torch.nn as nn
-    import torchvision
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import netdam.distributed  # noqa: F401  registers "netdam"
@@ -63,7 +62,7 @@ def worker(args):
     dist.init_process_group(args.backend, init_method="env://",
                             timeout=datetime.timedelta(seconds=args.timeout))
     torch.manual_seed(args.seed)
-    model = getattr(torchvision.models, args.model)(num_classes=10)
+    model, inputs, classes = build_model(args.model)
     params = sum(p.numel() for p in model.parameters())
     dist.barrier()
     start = time.perf_counter()
@@ -74,8 +73,8 @@ def worker(args):
     times, losses = [], []
     for step in range(args.steps):
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-        x = torch.randn(args.batch, 3, 32, 32, generator=g)
-        y = torch.randint(0, 10, (args.batch,), generator=g)
+        x = torch.randn(args.batch, *inputs, generator=g)
+        y = torch.randint(0, classes, (args.batch,), generator=g)
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(ddp(x), y)
@@ -101,20 +100,49 @@ def worker(args):
         print(RESULT + json.dumps({
             "model": args.model, "backend": args.backend, "params": params, "construct_s": construct,
             "step_median_s": statistics.median(measured), "step_min_s": min(measured), "step_max_s": max(measured),
-            "replicas_identical": len(set(digests)) == 1, "final_loss": losses[-1]}), flush=True)
+            "replicas_identical": len(set(digests)) == 1, "final_loss": losses[-1], "losses": losses,
+            "ranks": size, "batch": args.batch, "gradient_bytes": 4 * params}), flush=True)
     return 0
 
 
-def run_one(args, model, backend):
-    """One run of `model` on `backend`: a dict of results, or {"error": ...}."""
+LINEAR_WIDTH = 2048
+
+
+def build_model(name):
+    """(model, input shape, classes) of a name: a torchvision model (CIFAR-
+    sized images, 10 classes); "linearN": N square nn.Linear(2048, 2048)
+    layers (16 MiB of gradients each, almost no compute: a step bound by
+    the links); "mlp": examples/ddp_train.py's model."""
+    import torch.nn as nn
+    import torchvision
+    if name.startswith("linear") and name[6:].isdigit() and int(name[6:]) > 0:
+        layers = []
+        for _ in range(int(name[6:])):
+            layers += [nn.Linear(LINEAR_WIDTH, LINEAR_WIDTH), nn.ReLU()]
+        return nn.Sequential(*layers[:-1]), (LINEAR_WIDTH,), LINEAR_WIDTH
+    if name == "mlp":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+        import ddp_train
+        return ddp_train.build_model(1, 10), (ddp_train.FEATURES,), 10
+    if not hasattr(torchvision.models, name):
+        raise ValueError(f"unknown model {name!r}: a torchvision model, linearN or mlp")
+    return getattr(torchvision.models, name)(num_classes=10), (3, 32, 32), 10
+
+
+def run_one(args, model, backend, env=None, prefix=None, master="127.0.0.1"):
+    """One run of `model` on `backend`: a dict of results, or {"error": ...}.
+    `env`: more environment for every rank; `prefix(rank)`: what each rank's
+    command runs under (an `ip netns exec NS`, bench/torch/cluster_ddp.py);
+    `master`: MASTER_ADDR, rank 0's address."""
     port = free_port()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.ranks),
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(os.environ, MASTER_ADDR=master, MASTER_PORT=str(port), WORLD_SIZE=str(args.ranks),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}))
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--backend", backend,
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
             "--seed", str(args.seed), "--timeout", str(args.timeout)]
-    procs = [subprocess.Popen(argv, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in range(args.ranks)]
+    procs = [subprocess.Popen((prefix(r) if prefix else []) + argv, env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(args.ranks)]
     outs = []
     for p in procs:
         try:
