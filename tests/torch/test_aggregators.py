@@ -124,8 +124,9 @@ def launch():
                 took = time.monotonic() - start
                 for r, (rc, out) in enumerate(outs):
                     ok = rc == 0 and all(e in out for e in expect)
+                    said = next((l for l in out.splitlines() if l.startswith(f"rank {r} refused: ")), "")
                     print(f"{'ok  ' if ok else 'FAIL'} refused ({what}) rank {r}: {took:.1f} s"
-                          + ("" if ok else f"\n{out}"))
+                          + (f": {said}" if ok else f"\n{out}"))
                     failures += not ok
         finally:
             for p in devices:
