@@ -112,7 +112,7 @@ def launch():
 
             unanswering = f"127.0.0.1:{free_port()}"
             cases = [
-                ("an aggregator that does not answer", unanswering, [f"aggregator {unanswering} does not answer"]),
+                ("an aggregator that does not answer", unanswering, [f"ranks 0, 1: aggregator {unanswering} does not answer within"]),
                 ("another admin key", other_key[1], [f"aggregator {other_key[1]} refuses the admin key",
                                                      "--admin-key"]),
                 ("too small", small[1], [f"aggregator {small[1]} has 8 MiB of memory", "MiB on it"]),
