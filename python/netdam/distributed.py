@@ -223,37 +223,49 @@ def _local_device(settings):
     return _device
 
 
-def _check_device(address, settings, shm):
-    """Checks this rank's device; returns its facts or raises with the reason."""
+def _device_info(address, name, settings, max_payload=None):
+    """PINGs a device the groups will use (`name`: "its device X" or
+    "aggregator X" in the messages), checks that it takes the admin key and
+    has the memory (and, given `max_payload`, payloads that large); returns
+    its PING facts or raises RuntimeError with the reason."""
     from . import Client, Error, Nak
     wait = max(min(settings.liveness or 5.0, 5.0), 0.5)
     try:
         c = Client(address, timeout=wait)
-    except Error as e:
-        raise RuntimeError(f"its device {address} does not answer (timeout after {wait:.1f} s): {e}") from None
+    except Error:
+        # Not the client's text, which differs by rank in its milliseconds:
+        # the ranks' same reason is then said once.
+        raise RuntimeError(f"{name} does not answer within {wait:.1f} s (PING)") from None
     with c:
         info = c.device_info
         try:
             c.region_list(settings.admin_key)
         except Nak as e:
-            raise RuntimeError(f"its device {address} refuses the admin key {settings.admin_key:#x} ({e.status}): "
-                               "set NETDAM_ADMIN_KEY to the device's --admin-key") from None
-        _, _, _, need = settings.layout(info["max_payload"])
+            raise RuntimeError(f"{name} refuses the admin key {settings.admin_key:#x} ({e.status}): set "
+                               "NETDAM_ADMIN_KEY to the devices' --admin-key") from None
+        _, _, _, need = settings.layout(max_payload or info["max_payload"])
         if info["memory_bytes"] < need:
             raise RuntimeError(
-                f"its device {address} has {info['memory_bytes'] >> 20} MiB of memory; the process groups need "
-                f"{-(-need // (1 << 20))} MiB (NETDAM_CAPACITY, NETDAM_SLOTS, NETDAM_OFFLOAD_MEMORY, "
+                f"{name} has {info['memory_bytes'] >> 20} MiB of memory; the process groups need "
+                f"{-(-need // (1 << 20))} MiB on it (NETDAM_CAPACITY, NETDAM_SLOTS, NETDAM_OFFLOAD_MEMORY, "
                 "NETDAM_SUBGROUPS x NETDAM_SUBGROUP_CAPACITY)")
-        return {"address": address, "boot": info["boot_id"], "max_payload": info["max_payload"], "shm": shm,
-                "host": _host_identity()}
+        if max_payload and info["max_payload"] < max_payload:
+            raise RuntimeError(f"{name} takes payloads of {info['max_payload']} bytes, the ranks' devices "
+                               f"{max_payload}: start it with at least --max-payload {max_payload}")
+        return info
+
+
+def _check_device(address, settings, shm):
+    """Checks this rank's device; returns its facts or raises with the reason."""
+    info = _device_info(address, f"its device {address}", settings)
+    return {"address": address, "boot": info["boot_id"], "max_payload": info["max_payload"], "shm": shm,
+            "host": _host_identity()}
 
 
 def _check_aggregators(settings, devices, boots, max_payload):
     """Checks every aggregator in the network as a rank's device is
     checked, and that it is none of the ranks' devices; returns the
     problems found ([] if none)."""
-    from . import Client, Error, Nak
-    wait = max(min(settings.liveness or 5.0, 5.0), 0.5)
     problems = []
     for a in settings.aggregators:
         if a in devices:
@@ -261,31 +273,13 @@ def _check_aggregators(settings, devices, boots, max_payload):
                             "in the network that belong to no rank)")
             continue
         try:
-            c = Client(a, timeout=wait)
-        except Error:
-            # Without the client's text, which differs by rank in its
-            # milliseconds: every rank's same reason is then said once.
-            problems.append(f"aggregator {a} does not answer within {wait:.1f} s (PING)")
+            info = _device_info(a, f"aggregator {a}", settings, max_payload)
+        except RuntimeError as e:
+            problems.append(str(e))
             continue
-        with c:
-            info = c.device_info
-            if info["boot_id"] in boots:
-                problems.append(f"aggregator {a} is rank {boots.index(info['boot_id'])}'s device "
-                                f"{devices[boots.index(info['boot_id'])]} (the same boot id)")
-                continue
-            try:
-                c.region_list(settings.admin_key)
-            except Nak as e:
-                problems.append(f"aggregator {a} refuses the admin key {settings.admin_key:#x} ({e.status}): start "
-                                "it with the ranks' devices' --admin-key (NETDAM_ADMIN_KEY)")
-                continue
-            _, _, _, need = settings.layout(max_payload)
-            if info["memory_bytes"] < need:
-                problems.append(f"aggregator {a} has {info['memory_bytes'] >> 20} MiB of memory; the process groups "
-                                f"need {-(-need // (1 << 20))} MiB on it, as on a rank's device")
-            if info["max_payload"] < max_payload:
-                problems.append(f"aggregator {a} takes payloads of {info['max_payload']} bytes, the ranks' devices "
-                                f"{max_payload}: start it with at least --max-payload {max_payload}")
+        if info["boot_id"] in boots:
+            r = boots.index(info["boot_id"])
+            problems.append(f"aggregator {a} is rank {r}'s device {devices[r]} (the same boot id)")
     return problems
 
 

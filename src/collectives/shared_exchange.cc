@@ -106,7 +106,6 @@ bool all_reached(std::byte* base, Flag f, uint64_t p, uint64_t epoch, uint64_t n
     if (!reached(base, f, p, r, epoch, n)) return false;
   return true;
 }
-// The ranks whose flag f is short of n, for an error ("1, 3").
 // The ranks whose flag f is short of n (bit r: rank r).
 uint64_t behind(std::byte* base, Flag f, uint64_t p, uint64_t epoch, uint64_t n) {
   uint64_t late = 0;
@@ -114,6 +113,7 @@ uint64_t behind(std::byte* base, Flag f, uint64_t p, uint64_t epoch, uint64_t n)
     if (!reached(base, f, p, r, epoch, n)) late |= uint64_t{1} << r;
   return late;
 }
+// "rank 1", "ranks 1, 3": a set of ranks for an error.
 std::string ranks_of(uint64_t set) {
   std::vector<uint64_t> ranks;
   for (uint64_t r = 0; r < 64; ++r)

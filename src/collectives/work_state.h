@@ -123,11 +123,11 @@ inline Error lacks_memory(const Error& e, uint64_t needed) {
                                                           needed, (needed + (1 << 20) - 1) >> 20));
 }
 
-// A collective refused before it started.
 // x /= p for every element of `buf`, in the element's own type
 // (Reduction::kAvg, after the sum; run.cc).
 void divide(std::span<std::byte> buf, DType t, int p);
 
+// A collective refused before it started.
 inline std::shared_ptr<WorkState> failed(Error e) {
   auto w = std::make_shared<WorkState>();
   w->error = std::move(e);

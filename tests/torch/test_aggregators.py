@@ -114,7 +114,7 @@ def launch():
             cases = [
                 ("an aggregator that does not answer", unanswering, [f"ranks 0, 1: aggregator {unanswering} does not answer within"]),
                 ("another admin key", other_key[1], [f"aggregator {other_key[1]} refuses the admin key",
-                                                     "--admin-key"]),
+                                                     "NETDAM_ADMIN_KEY"]),
                 ("too small", small[1], [f"aggregator {small[1]} has 8 MiB of memory", "MiB on it"]),
                 ("a rank's own device", "SELF", ["is rank 0's device"]),
             ]

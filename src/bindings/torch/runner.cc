@@ -37,7 +37,7 @@ struct Runner::Pending {
 // One collective on the Group: a whole request or a piece of one.
 struct Runner::Chunk {
   std::shared_ptr<Pending> owner;
-  std::vector<std::byte> staging;            // AllGather / ReduceScatter / AllToAll pieces
+  std::vector<std::byte> staging;            // AllToAll rounds; the longest piece's agreement
   std::vector<std::byte> staging_out;        // AllToAll
   std::function<Work(Group&, Chunk&)> issue;  // fills staging if needed, starts the collective
   std::function<void(Chunk&)> after;          // copies staging out (on success)
@@ -547,10 +547,10 @@ uint64_t device_memory_bytes(uint64_t capacity, int slots, int ranks, size_t max
   o.aggregate_auto_bytes = capacity;
   uint64_t need = 0;
   if (aggregators > 0) {
-    // The ranks' devices hold the chain slots; the aggregators the
+    // The ranks' devices hold the chain slots only; the aggregators the
     // aggregation regions, from the same address.
-    need = Group::device_bytes(o, max_payload);
     o.aggregators.assign(static_cast<size_t>(aggregators), "");
+    need = Group::device_bytes(o, max_payload);
     for (const RegionInfo& r : Group::aggregator_regions(o, max_payload)) need = std::max(need, r.base + r.size);
   } else {
     // Unmapped, blocks of a datagram; every device mapped (the ranks of
