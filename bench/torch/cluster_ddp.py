@@ -200,7 +200,7 @@ def compare_allreduce(args, env, sizes):
                 rows[size]["bench"].append(float(row["time_us"]) / 1e6)
             print(f"# round {rnd} {size} B: torch {rows[size]['torch'][-1] * 1e6:.0f} us, "
                   f"netdam-bench {rows[size]['bench'][-1] * 1e6:.0f} us", flush=True)
-    print(f"\n| size | torch all_reduce | netdam-bench | torch / bench (per round) |")
+    print("\n| size | torch all_reduce | netdam-bench | torch / bench (per round) |")
     print("|---:|---:|---:|---|")
     for size in sizes:
         t, b = rows[size]["torch"], rows[size]["bench"]
@@ -284,8 +284,8 @@ def main():
                 print(f"# round {rnd} {model} {system}: {brief}", flush=True)
 
     p = args.hosts
-    print(f"\n| model | gradients | system | step, median of rounds (range) | samples/s | gloo / this | "
-          f"bound: host-only / aggregation | replicas | losses vs gloo |")
+    print("\n| model | gradients | system | step, median of rounds (range) | samples/s | gloo / this | "
+          "bound: host-only / aggregation | replicas | loss vs gloo: step 2 / worst |")
     print("|---|---:|---|---:|---:|---:|---:|---|---:|")
     bad = 0
     for model in args.models.split(","):

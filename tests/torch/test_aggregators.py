@@ -32,23 +32,19 @@ Prints one line per check and rank; exits non-zero if any check failed.
 """
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 WORLD = 3
 CAPACITY = 4 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from harness import Checks, free_port  # noqa: E402
 ADMIN_KEY = "0xAD"
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_device(workdir, name, memory="512MiB", admin_key=ADMIN_KEY):
@@ -138,19 +134,6 @@ def launch():
 
 # ------------------------------------------------------------------ workers
 
-class Checks:
-    def __init__(self, rank):
-        self.rank, self.failed = rank, 0
-
-    def check(self, name, fn):
-        try:
-            fn()
-            print(f"ok   rank {self.rank}: {name}", flush=True)
-        except Exception:  # noqa: BLE001  every failure is reported
-            self.failed += 1
-            print(f"FAIL rank {self.rank}: {name}\n{traceback.format_exc()}", flush=True)
-
-
 def work(rank, size, port):
     import torch
     import torch.distributed as dist
@@ -161,7 +144,7 @@ def work(rank, size, port):
     dist.init_process_group("netdam", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     pg = dist.distributed_c10d._get_default_group()
     aggregators = os.environ["NETDAM_AGGREGATORS"].split(",")
-    c = Checks(rank)
+    c = Checks(f"rank {rank}: ")
     p = size
 
     def expect(t, want):
@@ -219,8 +202,7 @@ def work(rank, size, port):
         dist.destroy_process_group(sub)
 
     def ddp():
-        sys.path.insert(0, HERE)
-        from ddp_check import ddp_trains_as_gloo
+        from harness import ddp_trains_as_gloo
         gloo = dist.new_group(backend="gloo")
         ddp_trains_as_gloo(gloo)
         dist.destroy_process_group(gloo)
@@ -232,15 +214,17 @@ def work(rank, size, port):
         own = netdam.Client(pg.devices[rank]).stats()["agg.contributions"]
         assert own == 0, f"this rank's own device took {own} contributions"
 
-    c.check("aggregators listed", lambda: pg.aggregators == aggregators or (_ for _ in ()).throw(
-        AssertionError(f"{pg.aggregators}")))
-    c.check("all_reduce 4 KiB .. 10 MiB, SUM and MAX, float32 and int32", all_reduce)
-    c.check("reduce, broadcast, all_gather, reduce_scatter, all_to_all_single, barrier", others)
-    c.check("a subgroup beside the default group, in flight together", subgroup)
-    c.check("DDP: replicas identical", ddp)
-    c.check("aggregated on the aggregators, not on the ranks' devices", where)
+    def listed():
+        assert pg.aggregators == aggregators, pg.aggregators
+
+    c.run("aggregators listed", listed)
+    c.run("all_reduce 4 KiB .. 10 MiB, SUM and MAX, float32 and int32", all_reduce)
+    c.run("reduce, broadcast, all_gather, reduce_scatter, all_to_all_single, barrier", others)
+    c.run("a subgroup beside the default group, in flight together", subgroup)
+    c.run("DDP: replicas identical", ddp)
+    c.run("aggregated on the aggregators, not on the ranks' devices", where)
     dist.destroy_process_group()
-    return 1 if c.failed else 0
+    return 1 if c.failures else 0
 
 
 def refused(rank, size, port):

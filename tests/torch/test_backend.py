@@ -22,7 +22,6 @@ Prints one line per check and rank; exits non-zero if any check failed.
 """
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,14 +30,12 @@ import traceback
 WORLD = 4
 CAPACITY = 256 << 10
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from harness import free_port  # noqa: E402
 
 
 # ------------------------------------------------------------------ launcher
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch():

@@ -27,9 +27,10 @@ import shlex
 import subprocess
 import sys
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from harness import Checks, ddp_trains_as_gloo  # noqa: E402
 REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
 CLUSTER = os.path.join(REPO, "scripts", "cluster.sh")
 
@@ -102,16 +103,7 @@ def worker():
     dist.init_process_group("netdam", init_method="env://", timeout=datetime.timedelta(seconds=60))
     gloo = dist.new_group(backend="gloo")
     pg = dist.distributed_c10d._get_default_group()
-    failed = 0
-
-    def check(name, fn):
-        nonlocal failed
-        try:
-            fn()
-            print(f"ok   rank {rank}: {name}", flush=True)
-        except Exception:  # noqa: BLE001  every failure is reported
-            failed += 1
-            print(f"FAIL rank {rank}: {name}\n{traceback.format_exc()}", flush=True)
+    c = Checks(f"rank {rank}: ")
 
     def all_reduce():
         for mib in (20, 80):
@@ -122,8 +114,6 @@ def worker():
             assert torch.equal(t, want), f"{mib} MiB: {(t != want).sum().item()} elements differ"
 
     def ddp():
-        sys.path.insert(0, HERE)
-        from ddp_check import ddp_trains_as_gloo
         ddp_trains_as_gloo(gloo)
 
     def where():
@@ -133,12 +123,12 @@ def worker():
         own = netdam.Client(pg.devices[rank]).stats()["agg.contributions"]
         assert own == 0, f"this host's device took {own} contributions"
 
-    check(f"aggregators {pg.aggregators}, devices {pg.devices}", lambda: None)
-    check("all_reduce 20 MiB and 80 MiB across the hosts, exact", all_reduce)
-    check("DDP: losses as gloo's within 1e-6, replicas identical", ddp)
-    check("the aggregator in the network did the work", where)
+    c.run(f"aggregators {pg.aggregators}, devices {pg.devices}", lambda: None)
+    c.run("all_reduce 20 MiB and 80 MiB across the hosts, exact", all_reduce)
+    c.run("DDP: losses as gloo's within 1e-6, replicas identical", ddp)
+    c.run("the aggregator in the network did the work", where)
     dist.destroy_process_group()
-    return 1 if failed else 0
+    return 1 if c.failures else 0
 
 
 if __name__ == "__main__":

@@ -34,14 +34,13 @@ import sys
 import time
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import free_port  # noqa: E402
+
 WORLD = 4
 LIVENESS = 2.0
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_workers(env, args, label):

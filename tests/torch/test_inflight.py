@@ -42,11 +42,12 @@ Prints one line per check and rank; exits non-zero if any check failed.
 """
 
 import os
-import socket
 import subprocess
 import sys
 import time
-import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Checks, free_port  # noqa: E402
 
 WORLD = 4
 CAPACITY = 8 << 20      # NETDAM_CAPACITY: the default group's area
@@ -58,10 +59,6 @@ LAUNCHER_LIMIT = 150      # the launcher kills every rank after this
 
 # ------------------------------------------------------------------ launcher
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch():
@@ -90,20 +87,6 @@ def launch():
 
 
 # ------------------------------------------------------------------ worker
-
-class Checks:
-    def __init__(self):
-        self.failures = 0
-
-    def run(self, name, fn):
-        t = time.monotonic()
-        try:
-            fn()
-            print(f"ok   {name} ({time.monotonic() - t:.1f} s)", flush=True)
-        except Exception:  # noqa: BLE001  report and go on: the other ranks do the same calls
-            self.failures += 1
-            print(f"FAIL {name} (after {time.monotonic() - t:.1f} s)\n{traceback.format_exc()}", flush=True)
-
 
 def worker(rank, port):
     import faulthandler

@@ -19,7 +19,6 @@ Each worker dumps its stacks and exits if anything hangs for 60 s.
 """
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,12 +26,10 @@ import time
 WORLD = 4
 ROUNDS = 50
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from harness import free_port  # noqa: E402
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_workers(env, label):

@@ -1,19 +1,44 @@
-"""The DDP check two torch tests share: a netdam process group trains as
-gloo does, and its replicas stay identical.
-
-Called by every rank, with the default process group a netdam one and a
-gloo group of the same ranks beside it.
-"""
+"""What the torch tests share: a free port for the rendezvous, checks that
+report and go on, and the DDP check (a netdam process group trains as
+gloo does, and its replicas stay identical)."""
 
 import hashlib
 import os
+import socket
 import sys
+import time
+import traceback
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Checks:
+    """Runs named checks, prints one line each (`prefix` first: the rank),
+    counts the failures and goes on: the other ranks make the same calls."""
+
+    def __init__(self, prefix=""):
+        self.prefix, self.failures = prefix, 0
+
+    def run(self, name, fn, *args):
+        t = time.monotonic()
+        try:
+            fn(*args)
+            print(f"ok   {self.prefix}{name} ({time.monotonic() - t:.1f} s)", flush=True)
+        except Exception:  # noqa: BLE001  every failure is reported
+            self.failures += 1
+            print(f"FAIL {self.prefix}{name} (after {time.monotonic() - t:.1f} s)\n{traceback.format_exc()}",
+                  flush=True)
+
+
 def ddp_trains_as_gloo(gloo, tolerance=1e-6):
-    """Raises AssertionError unless examples/ddp_train.py's training gives
+    """Called by every rank, with the default process group a netdam one
+    and `gloo` a gloo group of the same ranks. Raises AssertionError unless examples/ddp_train.py's training gives
     the same losses on the default group as on `gloo` (within `tolerance`)
     and, after 3 steps of a fresh model, every rank's parameters hash the
     same."""
