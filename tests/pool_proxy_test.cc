@@ -758,6 +758,39 @@ TEST_F(PoolProxyTest, CopyOnOneDeviceRunsThere) {
   EXPECT_TRUE(rgot == ref);
 }
 
+// A proxy that made a restarted device's region again and crashed before
+// its catalog said so leaves the region there, and REGION_ADD of a key that
+// exists is refused (BAD_KEY): the next proxy must still re-sync (seen
+// once in ReSyncSurvivesProxyRestart under a loaded ASan run).
+TEST_F(PoolProxyTest, ReSyncAfterACrashedProxyRemadeTheRegion) {
+  TempDir dir;
+  Start(2, {"--state", dir.file("pool.db")}, "16MiB");
+  AllocOptions rep;
+  rep.policy = PoolPolicy::kReplicated;
+  rep.stripe = 1024;
+  PoolAllocation r = Alloc("rep", 2u << 20, rep);
+  std::mt19937_64 rng(23);
+  std::vector<std::byte> ref;
+  ASSERT_FALSE(PutRandom(r, rng, ref));
+  auto m = pool::request_map(pool_->proxy_client(), r.base, r.key);
+  ASSERT_TRUE(m) << m.error().to_string();
+  const std::string dev1 = devs_[1]->endpoint();
+  const auto on_dev1 = std::find_if(m->m.slots.begin(), m->m.slots.end(), [&](const pool::MapSlot& s) {
+    return transport::Endpoint{s.ip, s.port}.to_string() == dev1;
+  });
+  ASSERT_NE(on_dev1, m->m.slots.end());
+  ASSERT_TRUE(mmu_.crash_and_restart([&] {
+    ASSERT_TRUE(devs_[1]->restart()) << devs_[1]->error();
+    auto c = Client::connect(dev1);
+    ASSERT_TRUE(c) << c.error().to_string();
+    EXPECT_FALSE((*c)->region_add(0xAD, RegionInfo{on_dev1->base, 4096, on_dev1->rkey, 3}));
+  })) << mmu_.error();
+  ASSERT_TRUE(WaitState("rep", "ok", 10s)) << mmu_.log();
+  const auto copies = ReadLiveCopies(r, 0, r.size);
+  ASSERT_EQ(copies.size(), 2u);
+  for (size_t c = 0; c < copies.size(); ++c) EXPECT_TRUE(copies[c] == ref) << "copy " << c;
+}
+
 // The re-sync's progress is the catalog's (the slot stays lost in the state
 // file until every byte is back): a proxy that crashes around a device's
 // restart, before, during or after the re-sync, comes back and finishes

@@ -76,7 +76,11 @@ bool Proxy::start_resync(Allocation& a, uint32_t slot) {
   }
   if (conn.boot != e.boot) {
     // A new incarnation: the region is gone with the memory. The extent's
-    // bytes are still reserved for this allocation in the catalog.
+    // bytes are still reserved for this allocation in the catalog. A proxy
+    // that crashed after making it again, before the catalog said so,
+    // left it there: made afresh, as the key is this allocation's alone
+    // (REGION_ADD of a key that exists is refused, BAD_KEY, for good).
+    (void)conn.client->region_del(opts_.device_admin_key, e.key);
     Error err = conn.client->region_add(opts_.device_admin_key, RegionInfo{e.base, e.length, e.key, 3});
     if (err) {
       spdlog::warn("re-sync of '{}' slot {}: REGION_ADD on device {} failed: {}", a.row.name, slot, e.device_id,
