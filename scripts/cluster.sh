@@ -10,6 +10,11 @@
 #   scripts/cluster.sh [--prefix P] status      nodes, addresses, qdiscs, daemons
 #   scripts/cluster.sh [--prefix P] env         the CLUSTER_* variables (sourceable)
 #   scripts/cluster.sh [--prefix P] exec NODE -- CMD...   run CMD in NODE (h0, d1, ...)
+#   scripts/cluster.sh [--prefix P] [--loss-burst N] loss P
+#                                               set the random loss of a cluster
+#                                               that is up (same meaning as
+#                                               --loss; 0 removes the rules),
+#                                               without rebuilding it
 #   scripts/cluster.sh [OPTIONS] run -- CMD...  up, run CMD in the root namespace
 #                                               with CLUSTER_* set, tear down
 #
@@ -39,6 +44,23 @@
 #                       then an htb of RATE with two classes (the marked one
 #                       first, either may use the whole rate), each with a
 #                       queue of --queue bytes, instead of one tbf
+#   --loss P            random packet loss: every node namespace (hosts and
+#                       devices) drops a share P (0 <= P < 1; 0.01 = 1%) of the
+#                       packets it receives on eth0, every protocol (TCP, UDP,
+#                       ICMP; not IGMP, not ARP, never loopback), with an
+#                       nftables rule (`numgen random`) in a table
+#                       `inet netdam_loss` at its prerouting hook. Nothing in
+#                       the root namespace. Any --loss, 0 too, also sets
+#                       gso_max_segs 1 on every node's eth0, so that a packet
+#                       is one wire frame for TCP and UDP alike (a GSO
+#                       super-packet would be lost whole). Needs `nft`
+#                       (Debian package nftables)
+#   --loss-burst N      losses in bursts of N packets (default 1: each packet
+#                       on its own): a packet a node receives starts a burst
+#                       with probability q = P / (N - (N-1) P); a burst drops
+#                       that packet and the next N-1 that node receives on
+#                       eth0 (its link), whatever their flow. The long-run
+#                       share dropped stays P, in runs of exactly N
 #   --prefix NAME       names of everything it creates: namespaces NAME-h0,
 #                       NAME-d0, bridge NAME-br (default ndc; [a-z0-9], 1..8
 #                       chars, starting with a letter)
@@ -54,7 +76,8 @@
 #
 # `run` exports: CLUSTER_PREFIX CLUSTER_SUBNET CLUSTER_IFACE (eth0, inside every
 # node) CLUSTER_MTU CLUSTER_RATE CLUSTER_RATE_BPS (0 = unlimited) CLUSTER_PRIORITY
-# (--priority's DSCP, empty without) CLUSTER_HOSTS
+# (--priority's DSCP, empty without) CLUSTER_LOSS (--loss's P; empty without)
+# CLUSTER_LOSS_BURST CLUSTER_HOSTS
 # CLUSTER_DEVICES CLUSTER_HOST_NS CLUSTER_HOST_IPS CLUSTER_DEVICE_NS
 # CLUSTER_DEVICE_IPS (space-separated) CLUSTER_DEVICE_ADDRS
 # CLUSTER_COLOCATED_ADDRS (IP:PORT, comma-separated, when daemons run)
@@ -66,8 +89,9 @@
 #
 # Exit status: 0 ok (`run`: the command's status), 64 usage, 65 a cluster with
 # this prefix is already up, 66 no cluster with this prefix, 70 setup failed,
-# 77 not root / no CAP_NET_ADMIN, 78 a tool is missing (ip, tc), 79 the kernel
-# lacks network namespaces, veth, the bridge or tbf.
+# 77 not root / no CAP_NET_ADMIN, 78 a tool is missing (ip, tc; nft with
+# --loss), 79 the kernel lacks network namespaces, veth, the bridge, tbf (or
+# nf_tables, with --loss).
 set -uo pipefail
 
 readonly EX_USAGE=64 EX_EXISTS=65 EX_NOTUP=66 EX_SETUP=70 EX_NOPERM=77 EX_NOTOOL=78 EX_NOKERNEL=79
@@ -78,6 +102,7 @@ readonly STATE_ROOT="${CLUSTER_STATE_ROOT:-/run/netdam-cluster}"
 
 hosts=4 devices=0 rate=500mbit mtu=9000 burst="" queue=5ms priority="" prefix=ndc subnet=""
 netdamd=0 colocated=0 port=7000 memory=2GiB max_payload="" netdamd_args="" build="$REPO/build"
+loss="" loss_burst=""
 sub="" node="" cmd=()
 
 die() {  # die STATUS MESSAGE
@@ -101,6 +126,8 @@ while (($#)); do
     --burst) burst=${2:-}; shift 2 ;;
     --queue) queue=${2:-}; shift 2 ;;
     --priority) priority=${2:-}; shift 2 ;;
+    --loss) loss=${2:-}; shift 2 ;;
+    --loss-burst) loss_burst=${2:-}; shift 2 ;;
     --prefix) prefix=${2:-}; shift 2 ;;
     --subnet) subnet=${2:-}; shift 2 ;;
     --netdamd) netdamd=1; shift ;;
@@ -115,6 +142,7 @@ while (($#)); do
     *)
       if [[ -z "$sub" ]]; then sub=$1
       elif [[ "$sub" == exec && -z "$node" ]]; then node=$1
+      elif [[ "$sub" == loss && -z "$loss" ]]; then loss=$1
       else die $EX_USAGE "unexpected '$1' (commands go after --)"
       fi
       shift ;;
@@ -128,6 +156,33 @@ done
 [[ "$mtu" =~ ^[0-9]+$ ]] && ((mtu >= 576 && mtu <= 65535)) || die $EX_USAGE "--mtu: 576..65535"
 [[ "$port" =~ ^[0-9]+$ ]] && ((port >= 1 && port <= 65535)) || die $EX_USAGE "--port: 1..65535"
 [[ -z "$priority" ]] || { [[ "$priority" =~ ^[0-9]+$ ]] && ((priority <= 63)); } || die $EX_USAGE "--priority: a DSCP, 0..63"
+
+# --loss P / --loss-burst N. The rule draws `numgen random mod LOSS_SCALE`:
+# q is applied in millionths.
+readonly LOSS_SCALE=1000000
+loss_k=0
+if [[ -n "$loss_burst" && -z "$loss" ]]; then
+  [[ "$sub" == loss ]] && die $EX_USAGE "loss P: the probability P is missing (e.g. loss 0.01)"
+  die $EX_USAGE "--loss-burst needs --loss P"
+fi
+if [[ "$sub" == loss && -z "$loss" ]]; then die $EX_USAGE "loss P: the probability P is missing (e.g. loss 0.01)"; fi
+if [[ -n "$loss" ]]; then
+  [[ "$loss" =~ ^([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] &&
+    awk -v p="$loss" 'BEGIN { exit !(p + 0 >= 0 && p + 0 < 1) }' ||
+    die $EX_USAGE "--loss: a probability in [0, 1), e.g. 0.01 for 1% (got '$loss')"
+  loss_burst=${loss_burst:-1}
+  [[ "$loss_burst" =~ ^[0-9]+$ ]] && ((10#$loss_burst >= 1 && 10#$loss_burst <= 1000)) ||
+    die $EX_USAGE "--loss-burst: a whole number of packets, 1..1000 (got '$loss_burst')"
+  loss_burst=$((10#$loss_burst))
+  # A burst of N starts with probability q on a packet outside a burst: per
+  # cycle q N packets are lost out of q N + (1 - q), a share P for
+  # q = P / (N - (N - 1) P).
+  loss_k=$(awk -v p="$loss" -v n="$loss_burst" -v s=$LOSS_SCALE 'BEGIN { printf "%d", p / (n - (n - 1) * p) * s + 0.5 }')
+  if awk -v p="$loss" 'BEGIN { exit !(p + 0 > 0) }' && ((loss_k == 0)); then
+    die $EX_USAGE "--loss $loss is below the resolution of the rule (a burst starts with probability >= 1e-6)"
+  fi
+  loss=$(awk -v p="$loss" 'BEGIN { printf "%.6g", p }')
+fi
 
 # Bytes from "64K", "1M", "65536" (binary suffixes).
 to_bytes() {
@@ -210,6 +265,12 @@ need_tools() {
     die $EX_NOKERNEL "'ip netns list' fails: this kernel or container has no network namespaces"
 }
 
+NFT=""
+need_nft() {  # --loss: the rules are nftables rules
+  NFT=$(command -v nft) ||
+    die $EX_NOTOOL "'nft' (nftables) not found, and --loss needs it: apt-get install nftables (scripts/setup.sh installs it)"
+}
+
 # Classifies a failed creation step: permission, missing kernel support, other.
 fail_step() {  # fail_step WHAT OUTPUT
   local what=$1 out=$2
@@ -217,8 +278,8 @@ fail_step() {  # fail_step WHAT OUTPUT
     die $EX_NOPERM "$what: $out (needs CAP_NET_ADMIN)"
   elif [[ "$out" == *"Unknown device type"* || "$out" == *"qdisc kind is unknown"* ||
           "$out" == *"not supported"* || "$out" == *"Not supported"* || "$out" == *"No such file"* ||
-          "$out" == *"classifier not found"* ]]; then
-    die $EX_NOKERNEL "$what: $out (the kernel lacks it; bridge, veth, tbf and network namespaces are needed)"
+          "$out" == *"classifier not found"* || "$out" == *"Protocol not supported"* ]]; then
+    die $EX_NOKERNEL "$what: $out (the kernel lacks it; bridge, veth, tbf and network namespaces are needed, and nf_tables with --loss)"
   fi
   die $EX_SETUP "$what: $out"
 }
@@ -330,6 +391,80 @@ add_node() {  # add_node NS IP
   tbf "$ns download" "$ns"          # what the bridge sends to the node
 }
 
+# --loss: the nftables table of one node namespace, replaced in one
+# transaction (the first line makes sure there is one to delete). Packets
+# from eth0 only (never lo), IGMP excepted (the switch's membership table is
+# not a link: a lost report or query would cut a multicast group off for the
+# 260 s of a membership, not one packet). Counters: rx = packets seen on
+# eth0, lost = packets dropped. Burst state: the set `burst` holds "eth0"
+# while a burst lasts; `numgen inc` counts the packets dropped inside bursts
+# (only those reach it), so the N-1th after the one that started it ends it.
+loss_ruleset() {
+  local k=$loss_k n=$loss_burst
+  echo "table inet netdam_loss"
+  echo "delete table inet netdam_loss"
+  echo "table inet netdam_loss {"
+  echo "  counter rx {"
+  echo "  }"
+  echo "  counter lost {"
+  echo "  }"
+  if ((n > 1)); then
+    echo "  set burst {"
+    echo "    type ifname; flags dynamic;"
+    echo "  }"
+  fi
+  echo "  chain ingress {"
+  echo "    type filter hook prerouting priority raw; policy accept;"
+  echo "    iifname != \"eth0\" accept"
+  echo "    meta l4proto igmp accept"
+  echo "    counter name \"rx\""
+  if ((n > 1)); then
+    echo "    iifname @burst jump in_burst"
+    echo "    numgen random mod $LOSS_SCALE < $k add @burst { iifname } counter name \"lost\" drop"
+  else
+    echo "    numgen random mod $LOSS_SCALE < $k counter name \"lost\" drop"
+  fi
+  echo "  }"
+  if ((n > 1)); then
+    echo "  chain in_burst {"
+    echo "    numgen inc mod $((n - 1)) $((n - 2)) delete @burst { iifname }"
+    echo "    counter name \"lost\" drop"
+    echo "  }"
+  fi
+  echo "}"
+}
+
+set_loss() {  # set_loss NS: the --loss rules of NS (none for P = 0)
+  local ns=$1
+  # One wire frame per packet: segment GSO super-packets (TCP's, and UDP
+  # GSO trains) at eth0's transmit, so that the receiver's rule sees and
+  # drops frames, not up to 7 of them at once.
+  step "$ns: gso_max_segs 1" "$IP" -n "$ns" link set dev eth0 gso_max_segs 1
+  if ((loss_k > 0)); then
+    step "$ns: nft loss rules" "$IP" netns exec "$ns" "$NFT" -f - < <(loss_ruleset)
+  else
+    "$IP" netns exec "$ns" "$NFT" list table inet netdam_loss >/dev/null 2>&1 || return 0
+    step "$ns: nft delete table" "$IP" netns exec "$ns" "$NFT" delete table inet netdam_loss
+  fi
+}
+
+loss_counters() {  # loss_counters NS -> "RX LOST" (packets), "- -" without rules
+  local out
+  out=$("$IP" netns exec "$1" "${NFT:-nft}" list table inet netdam_loss 2>/dev/null) || { echo "- -"; return; }
+  awk '/counter rx/ {c = "rx"} /counter lost/ {c = "lost"}
+       /packets/ && c { v[c] = $2; c = "" }
+       END { print (v["rx"] == "" ? 0 : v["rx"]), (v["lost"] == "" ? 0 : v["lost"]) }' <<<"$out"
+}
+
+loss_words() {  # how the log and status say the loss
+  [[ -n "$loss" ]] || { echo "no loss"; return; }
+  if ((loss_burst > 1)); then
+    echo "loss $loss in bursts of $loss_burst (a burst starts with q = $(awk -v p="$loss" -v n="$loss_burst" -v s=$LOSS_SCALE 'BEGIN { printf "%g", int(p / (n - (n - 1) * p) * s + 0.5) / s }'))"
+  else
+    echo "loss $loss"
+  fi
+}
+
 start_netdamd() {  # start_netdamd NAME NS IP
   local name=$1 ns=$2 addr=$3 bin="$build/src/daemon/netdamd"
   rm -f "$state/$name.port"
@@ -371,6 +506,8 @@ write_env() {
     kv CLUSTER_RATE "$rate"
     kv CLUSTER_RATE_BPS "$rate_bps"
     kv CLUSTER_PRIORITY "$priority"
+    kv CLUSTER_LOSS "$loss"
+    kv CLUSTER_LOSS_BURST "${loss_burst:-1}"
     kv CLUSTER_BURST "$burst_bytes"
     kv CLUSTER_QUEUE "$queue_bytes"
     kv CLUSTER_HOSTS "$hosts"
@@ -403,6 +540,7 @@ on_exit() {
 cluster_up() {
   need_root
   need_tools
+  [[ -z "$loss" ]] || need_nft
   if ((netdamd || colocated)); then
     [[ -x "$build/src/daemon/netdamd" ]] ||
       die $EX_SETUP "no $build/src/daemon/netdamd: build it (ninja -C build netdamd) or pass --build DIR"
@@ -439,6 +577,10 @@ cluster_up() {
     # joined it and the querier knows.
     step "$(dev_ns $i): no multicast flooding" "$IP" link set dev "$(dev_ns $i)" type bridge_slave mcast_flood off
   done
+  if [[ -n "$loss" ]]; then
+    for ((i = 0; i < hosts; i++)); do set_loss "$(host_ns $i)"; done
+    for ((i = 0; i < devices; i++)); do set_loss "$(dev_ns $i)"; done
+  fi
   if ((netdamd)); then
     for ((i = 0; i < devices; i++)); do start_netdamd "d$i" "$(dev_ns $i)" "$(dev_ip $i)"; done
   fi
@@ -450,7 +592,7 @@ cluster_up() {
   write_env
   building=0
   log "up: '$prefix', $hosts hosts + $devices devices on $bridge, $subnet, rate ${rate} each way" \
-      "(burst $burst_bytes B, queue $queue_bytes B), MTU $mtu"
+      "(burst $burst_bytes B, queue $queue_bytes B), MTU $mtu, $(loss_words)"
 }
 
 load_state() {
@@ -490,10 +632,11 @@ case "$sub" in
     need_root
     need_tools
     load_state
+    loss=${CLUSTER_LOSS:-} loss_burst=${CLUSTER_LOSS_BURST:-1}
     echo "cluster '$CLUSTER_PREFIX': $CLUSTER_HOSTS hosts, $CLUSTER_DEVICES devices, bridge $CLUSTER_BRIDGE," \
-         "$CLUSTER_SUBNET, rate $CLUSTER_RATE each way, MTU $CLUSTER_MTU"
-    printf '%-12s %-14s %-6s %14s %8s %14s %8s  %s\n' node ip netdamd "up sent B" "up drop" \
-      "down sent B" "dn drop" ""
+         "$CLUSTER_SUBNET, rate $CLUSTER_RATE each way, MTU $CLUSTER_MTU, $(loss_words)"
+    printf '%-12s %-14s %-6s %14s %8s %14s %8s %10s %8s\n' node ip netdamd "up sent B" "up drop" \
+      "down sent B" "dn drop" "nft rx" "nft lost"
     for ns in $CLUSTER_HOST_NS $CLUSTER_DEVICE_NS; do
       addr=$("$IP" -n "$ns" -4 -o addr show dev eth0 2>/dev/null | awk '{print $4}' | cut -d/ -f1)
       upl=$("$TC" -n "$ns" -s qdisc show dev eth0 2>/dev/null | awk '/Sent/ {print $2, $7; exit}' | tr -d ,)
@@ -504,9 +647,24 @@ case "$sub" in
         pid=$(<"$CLUSTER_STATE_DIR/$short.pid")
         if kill -0 "$pid" 2>/dev/null; then d="$pid"; else d="dead"; fi
       fi
-      printf '%-12s %-14s %-6s %14s %8s %14s %8s\n' "$ns" "${addr:-?}" "$d" \
-        ${upl:-"- -"} ${dnl:-"- -"}
+      # shellcheck disable=SC2046  # (two words each: bytes and drops, rx and lost)
+      printf '%-12s %-14s %-6s %14s %8s %14s %8s %10s %8s\n' "$ns" "${addr:-?}" "$d" \
+        ${upl:-"- -"} ${dnl:-"- -"} $(loss_counters "$ns")
     done
+    ;;
+  loss)
+    ((${#cmd[@]} == 0)) || die $EX_USAGE "loss P takes no command"
+    need_root
+    need_tools
+    need_nft
+    load_state
+    for ns in $CLUSTER_HOST_NS $CLUSTER_DEVICE_NS; do set_loss "$ns"; done
+    # The state follows (the rest of env as it was).
+    sed -i -e "s/^CLUSTER_LOSS=.*/CLUSTER_LOSS='$loss'/" -e "s/^CLUSTER_LOSS_BURST=.*/CLUSTER_LOSS_BURST='$loss_burst'/" \
+      "$CLUSTER_STATE_DIR/env"
+    grep -q '^CLUSTER_LOSS=' "$CLUSTER_STATE_DIR/env" || kv CLUSTER_LOSS "$loss" >>"$CLUSTER_STATE_DIR/env"
+    grep -q '^CLUSTER_LOSS_BURST=' "$CLUSTER_STATE_DIR/env" || kv CLUSTER_LOSS_BURST "$loss_burst" >>"$CLUSTER_STATE_DIR/env"
+    log "loss: '$CLUSTER_PREFIX', $(loss_words) on every node's eth0 (counters reset)"
     ;;
   exec)
     [[ -n "$node" ]] || die $EX_USAGE "exec NODE -- CMD..."
@@ -553,6 +711,6 @@ case "$sub" in
     exit "$st"
     ;;
   *)
-    die $EX_USAGE "unknown command '$sub' (up, down, status, env, exec, run; --help)"
+    die $EX_USAGE "unknown command '$sub' (up, down, status, env, exec, run, loss; --help)"
     ;;
 esac

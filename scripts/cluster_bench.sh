@@ -39,6 +39,26 @@
 #   --prefix NAME      cluster name prefix (default ndb)
 #   --out DIR          logs, CSVs, summary.csv (default a new /tmp dir)
 #   --timeout SEC      per system (default 1800)
+#   --loss P           also measure every system with random packet loss: each
+#                      round runs the systems clean, then sets
+#                      `cluster.sh loss P` on the same cluster (every node
+#                      drops a share P of the packets it receives, every
+#                      protocol: nftables, docs/CLUSTER.md) and runs them
+#                      again, then clears it; the report ends with clean
+#                      time, lossy time and their ratio per system and size,
+#                      with netdam's p99 (netdam-bench -v, every iteration of
+#                      every rank; gloo_bench and mpi_bench print a mean per
+#                      size only, so theirs is n/a) and the share each system
+#                      lost as the nft counters saw it. The cluster comes up
+#                      with `--loss 0` (one wire frame per packet, no drops),
+#                      so both phases run segmented alike. --iters defaults
+#                      to 100 with it, for a p99 at small sizes, and
+#                      netdam-bench runs once per size with --min-iters =
+#                      the peers' count there (clamp(budget/size, 2, iters)),
+#                      which then also holds after a slow lossy first
+#                      iteration (-b/-e/--budget whole sizes, -f a whole
+#                      number)
+#   --loss-burst N     losses in bursts of N packets (cluster.sh --loss-burst)
 #
 # Environment: NETDAM_BENCH (netdam-bench path), NETDAM_ARGS (extra
 # netdam-bench arguments), NETDAMD_ARGS (extra netdamd arguments), GLOO_ALGOS (gloo_bench --algos; default all),
@@ -57,7 +77,7 @@ build="$repo/${BUILD_DIR:-build}"
 [[ "${BUILD_DIR:-}" == /* ]] && build="$BUILD_DIR"
 
 P=4 M="" rate=auto mtu=9000 min=4K max=64M factor=4 iters=10 warmup=5 budget=64M rounds=1
-systems=gloo,mpi,netdam colocated=0 prefix=ndb out="" sys_timeout=1800
+systems=gloo,mpi,netdam colocated=0 prefix=ndb out="" sys_timeout=1800 loss="" loss_burst=1 iters_set=0
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 while (($#)); do
@@ -70,7 +90,7 @@ while (($#)); do
     -b) min=$2; shift 2 ;;
     -e) max=$2; shift 2 ;;
     -f) factor=$2; shift 2 ;;
-    --iters|-n) iters=$2; shift 2 ;;
+    --iters|-n) iters=$2; iters_set=1; shift 2 ;;
     --warmup|-w) warmup=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
@@ -79,6 +99,8 @@ while (($#)); do
     --prefix) prefix=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --timeout) sys_timeout=$2; shift 2 ;;
+    --loss) loss=$2; shift 2 ;;
+    --loss-burst) loss_burst=$2; shift 2 ;;
     *) echo "cluster_bench: unknown option '$1' (--help)" >&2; exit 2 ;;
   esac
 done
@@ -92,6 +114,29 @@ M=${M:-$P}
 [[ "$warmup" =~ ^[0-9]+$ ]] || { echo "cluster_bench: --warmup: a number of iterations, 0 or more" >&2; exit 2; }
 [[ "$M" =~ ^[0-9]+$ ]] && ((M <= 64)) || { echo "cluster_bench: --devices 0..64" >&2; exit 2; }
 [[ "$rounds" =~ ^[0-9]+$ ]] && ((rounds >= 1 && rounds <= 100)) || { echo "cluster_bench: --rounds 1..100" >&2; exit 2; }
+if [[ -n "$loss" ]]; then
+  # cluster.sh judges P and N: its arguments are checked before any command
+  # (`env` here: it changes nothing), a bad one is exit 64.
+  msg=$("$cluster" --prefix "$prefix" --loss "$loss" --loss-burst "$loss_burst" env 2>&1 >/dev/null)
+  if (($? == 64)); then echo "cluster_bench: ${msg#cluster.sh: }" >&2; exit 2; fi
+  ((iters_set)) || iters=100
+  # netdam-bench then runs one size at a time (netdam_sweep): the sizes in bytes.
+  size_bytes() {
+    local v=${1^^}
+    [[ "$v" =~ ^([0-9]+)([KMG])?$ ]] || return 1
+    case "${BASH_REMATCH[2]}" in
+      K) echo $((BASH_REMATCH[1] << 10)) ;; M) echo $((BASH_REMATCH[1] << 20)) ;;
+      G) echo $((BASH_REMATCH[1] << 30)) ;; *) echo "${BASH_REMATCH[1]}" ;;
+    esac
+  }
+  lo=$(size_bytes "$min") && hi=$(size_bytes "$max") && budget_bytes=$(size_bytes "$budget") &&
+    [[ "$factor" =~ ^[0-9]+$ && "$iters" =~ ^[0-9]+$ ]] && ((factor >= 2 && lo >= 1 && iters >= 1)) || {
+    echo "cluster_bench: with --loss, -b/-e/--budget are whole sizes (4K, 64M), -f and --iters whole numbers" >&2
+    exit 2
+  }
+  sweep_sizes=()
+  for ((sz = lo; sz <= hi; sz *= factor)); do sweep_sizes+=("$sz"); done
+fi
 want() { [[ ",$systems," == *",$1,"* ]]; }
 for s in ${systems//,/ }; do
   [[ "$s" =~ ^(gloo|mpi|netdam|netdam-chains)$ ]] || { echo "cluster_bench: unknown system '$s'" >&2; exit 2; }
@@ -102,7 +147,7 @@ out=$(cd "$out" && pwd)  # written into the rsh agent, which runs elsewhere
 : >"$out/runs.txt"
 
 echo "== cluster_bench: p=$P hosts, M=$M devices, rate $rate each way, MTU $mtu, allreduce f32 sum $min..$max x$factor"
-echo "== $(date '+%F %T'), $0 --hosts $P --devices $M --rate $rate --mtu $mtu -b $min -e $max -f $factor --systems $systems --rounds $rounds$( ((colocated)) && echo ' --colocated')"
+echo "== $(date '+%F %T'), $0 --hosts $P --devices $M --rate $rate --mtu $mtu -b $min -e $max -f $factor --iters $iters --systems $systems --rounds $rounds$( ((colocated)) && echo ' --colocated')$([[ -n "$loss" ]] && echo " --loss $loss --loss-burst $loss_burst")"
 echo "== $(nproc) cores, loadavg $(cut -d' ' -f1-3 /proc/loadavg) at the start; logs and CSVs in $out"
 
 # ------------------------------------------------------------ what can run ---
@@ -167,6 +212,8 @@ up_args=(--hosts "$P" --devices "$M" --rate "$rate" --mtu "$mtu" --build "$build
 [[ -n "${NETDAMD_ARGS:-}" ]] && up_args+=(--netdamd-args "$NETDAMD_ARGS")
 [[ -n "${CLUSTER_ARGS:-}" ]] && up_args+=(${CLUSTER_ARGS})
 ((run_aggregate && colocated)) && up_args+=(--colocated)
+# With --loss: the same per-frame links in the clean phase as in the lossy one.
+[[ -n "$loss" ]] && up_args+=(--loss 0)
 teardown() { "${cl[@]}" down >/dev/null 2>&1; cg_cleanup; }
 trap teardown EXIT
 trap 'echo "cluster_bench: interrupted" >&2; exit 130' INT
@@ -256,6 +303,22 @@ run_ranks() {  # run_ranks NAME
   rc=$worst
 }
 
+# --loss: packets every node's nftables rule saw and dropped, summed over
+# the nodes ("rx lost"; 0 0 where no rule is set). `cluster.sh loss` resets
+# them, and each phase is measured between two of these.
+loss_snap() {
+  local ns rx=0 lost=0 a b
+  if [[ -n "$loss" ]]; then
+    for ns in "${host_ns[@]}" "${dev_ns[@]}"; do
+      read -r a b < <(ip netns exec "$ns" nft list table inet netdam_loss 2>/dev/null |
+        awk '/counter rx/ {c = "rx"} /counter lost/ {c = "lost"} /packets/ && c { v[c] = $2; c = "" }
+             END { print v["rx"] + 0, v["lost"] + 0 }')
+      rx=$((rx + ${a:-0})) lost=$((lost + ${b:-0}))
+    done
+  fi
+  echo "$rx $lost"
+}
+
 # (Call it in this shell, not in $(...): a subshell's `times` is its own.)
 child_cpu() {  # child_cpu VAR: user+sys seconds of this shell's waited-for children
   times >"$out/.times"
@@ -277,9 +340,9 @@ device_cpu() {  # CPU seconds of the cluster's netdamd processes so far
 # measure NAME FUNC: runs FUNC (which sets rc), records wall, CPU and link
 # bytes in runs.txt.
 measure() {
-  local name=$1 fn=$2 c0 c1 l0 l1 t0 t1 k0 k1 d0 d1 load own
+  local name=$1 fn=$2 c0 c1 l0 l1 t0 t1 k0 k1 d0 d1 load own n0 n1
   load=$(cut -d' ' -f1 /proc/loadavg)
-  c0=$(cpu_snap); l0=$(link_bytes); d0=$(device_cpu); t0=$(date +%s.%N)
+  n0=$(loss_snap); c0=$(cpu_snap); l0=$(link_bytes); d0=$(device_cpu); t0=$(date +%s.%N)
   if [[ -n "$cg_base" ]] && mkdir -p "$cg_base/$name" 2>/dev/null; then
     (
       echo "$BASHPID" >"$cg_base/$name/cgroup.procs"
@@ -296,8 +359,8 @@ measure() {
     child_cpu k1
     own=$(awk -v a="$k0" -v b="$k1" 'BEGIN { printf "%.2f", b - a }')
   fi
-  c1=$(cpu_snap); l1=$(link_bytes); d1=$(device_cpu)
-  echo "$name|$rc|$t0|$t1|$c0|$c1|$l0|$l1|$load|$own|$(awk -v a="$d0" -v b="$d1" 'BEGIN { printf "%.2f", b - a }')" \
+  c1=$(cpu_snap); l1=$(link_bytes); d1=$(device_cpu); n1=$(loss_snap)
+  echo "$name|$rc|$t0|$t1|$c0|$c1|$l0|$l1|$load|$own|$(awk -v a="$d0" -v b="$d1" 'BEGIN { printf "%.2f", b - a }')|$n0 $n1" \
     >>"$out/runs.txt"
   awk -v n="$name" -v a="$t0" -v b="$t1" -v r="$rc" 'BEGIN { printf "   %s: %.0f s, exit %s\n", n, b - a, r }'
 }
@@ -305,6 +368,9 @@ measure() {
 # Sizes and iterations, the same for every system's benchmark.
 iterations=(-b "$min" -e "$max" -f "$factor" -n "$iters" -w "$warmup" --min-iters 2)
 common=("${iterations[@]}" --budget "$budget" --timing each --ops allreduce)
+# --loss: netdam-bench prints every iteration's time (for the p99).
+nd_verbose=()
+[[ -n "$loss" ]] && nd_verbose=(-v)
 
 gloo_run() {
   local store
@@ -355,17 +421,55 @@ mpi_run() {
   rc=$?
 }
 
+# netdam_sweep STEM: netdam-bench's ranks (rank_cmd, which reads nd_sweep,
+# nd_csv and nd_job) over the sizes: one run of the whole sweep, logs
+# STEM.R.log, rows in STEM.csv. With --loss, one run per size, with
+# --min-iters = the peers' count there (clamp(budget / size, 2, iters)):
+# netdam-bench otherwise cuts a size's iterations to fit --time-per-size by
+# its first iteration's time, and one lossy probe of 0.4 s left 2 of 100 for
+# the p99. The runs' logs are then joined into STEM.R.log and their rows into
+# STEM.csv, as one run leaves them.
+new_job() { od -An -N6 -tu8 /dev/urandom | tr -d ' '; }  # GroupOptions::job: new for each run
+netdam_sweep() {
+  local stem=$1 sz k r worst=0
+  if [[ -z "$loss" ]]; then
+    nd_sweep=("${iterations[@]}") nd_csv="$out/$stem.csv" nd_job=$(new_job)
+    run_ranks "$stem"
+    return
+  fi
+  : >"$out/$stem.csv"
+  for sz in "${sweep_sizes[@]}"; do
+    k=$((budget_bytes / sz))
+    ((k > iters)) && k=$iters
+    ((k < 2)) && k=2
+    nd_sweep=(-b "$sz" -e "$sz" -n "$iters" -w "$warmup" --min-iters "$k")
+    nd_csv="$out/$stem.s$sz.csv" nd_job=$(new_job)
+    run_ranks "$stem.s$sz"
+    ((rc > worst)) && worst=$rc
+    if [[ -s "$nd_csv" ]]; then
+      if [[ -s "$out/$stem.csv" ]]; then tail -n +2 "$nd_csv" >>"$out/$stem.csv"; else cat "$nd_csv" >"$out/$stem.csv"; fi
+    fi
+    rm -f "$nd_csv"
+    ((rc == 0 || rc == 3)) || break
+  done
+  for ((r = 0; r < P; r++)); do
+    for sz in "${sweep_sizes[@]}"; do
+      [[ -f "$out/$stem.s$sz.$r.log" ]] || continue
+      cat "$out/$stem.s$sz.$r.log"
+      rm -f "$out/$stem.s$sz.$r.log"
+    done >"$out/$stem.$r.log"
+  done
+  rc=$worst
+}
 netdam_aggregate() {  # netdam_aggregate NAME ADDRS
-  local name=$1 addrs=$2 csv_path="$out/$1$tag.csv"
-  # One number for this run's ranks, new for each run (GroupOptions::job).
-  job=$(od -An -N6 -tu8 /dev/urandom | tr -d ' ')
+  local addrs=$2
   rank_cmd() {
     # shellcheck disable=SC2206
-    c=("$bench" allreduce --ranks "$P" --rank "$1" --aggregators "$addrs" --algo aggregate --job "$job"
-       "${iterations[@]}" --admin-key 0xAD ${NETDAM_ARGS:-})
-    (($1 == 0)) && c+=(--csv "$csv_path")  # (run_ranks has a $name of its own)
+    c=("$bench" allreduce --ranks "$P" --rank "$1" --aggregators "$addrs" --algo aggregate --job "$nd_job"
+       "${nd_sweep[@]}" "${nd_verbose[@]}" --admin-key 0xAD ${NETDAM_ARGS:-})
+    (($1 == 0)) && c+=(--csv "$nd_csv")
   }
-  run_ranks "$name$tag"
+  netdam_sweep "$1$tag"
 }
 netdam_run() { netdam_aggregate netdam "$CLUSTER_DEVICE_ADDRS"; }
 netdam_colocated_run() { netdam_aggregate netdam-colocated "$CLUSTER_COLOCATED_ADDRS"; }
@@ -373,10 +477,10 @@ netdam_chains_run() {
   rank_cmd() {
     # shellcheck disable=SC2206
     c=("$bench" allreduce --devices "$CLUSTER_DEVICE_ADDRS" --rank "$1"
-       "${iterations[@]}" --admin-key 0xAD ${NETDAM_ARGS:-})
-    (($1 == 0)) && c+=(--csv "$out/netdam-chains$tag.csv")
+       "${nd_sweep[@]}" "${nd_verbose[@]}" --admin-key 0xAD ${NETDAM_ARGS:-})
+    (($1 == 0)) && c+=(--csv "$nd_csv")
   }
-  run_ranks "netdam-chains$tag"
+  netdam_sweep "netdam-chains$tag"
 }
 
 check_rc() {  # check_rc NAME LOG: 0 ok, 3 peers' wrong elements (reported)
@@ -397,14 +501,33 @@ check_rc() {  # check_rc NAME LOG: 0 ok, 3 peers' wrong elements (reported)
 system_round() {
   local name=$1 fn=$2 log=$3 netdam=$4
   shift 4
-  if ((round == 1)); then echo "$@"; fi
+  if ((round == 1)) && [[ -z "$phase" ]]; then echo "$@"; fi
   measure "$name$tag" "$fn"
   check_rc "$name" "$out/$name$tag.$log"
   if ((netdam && rc == 3)); then status=1; fi
 }
+# Sets the cluster's loss (P, or 0: no rules); a failure ends the run.
+set_loss() {
+  "${cl[@]}" --loss-burst "$loss_burst" loss "$1" 2>&1 | sed 's/^/   /'
+  ((PIPESTATUS[0] == 0)) || { echo "cluster_bench: setting the loss to $1 failed" >&2; exit 1; }
+}
+phases=("")
+[[ -n "$loss" ]] && phases=("" .lossy)
 for ((round = 1; round <= rounds; round++)); do
-  tag=""
-  if ((rounds > 1)); then tag=".r$round"; echo "== round $round of $rounds"; fi
+ for phase in "${phases[@]}"; do
+  tag=$phase
+  if ((rounds > 1)); then tag="$phase.r$round"; fi
+  if [[ -n "$loss" ]]; then
+    if [[ -z "$phase" ]]; then
+      set_loss 0
+      echo "== round $round of $rounds, clean (no loss rule; every link per frame, gso_max_segs 1)"
+    else
+      set_loss "$loss"
+      echo "== round $round of $rounds, lossy: every node drops $loss of what it receives$( ((loss_burst > 1)) && echo ", in bursts of $loss_burst")"
+    fi
+  elif ((rounds > 1)); then
+    echo "== round $round of $rounds"
+  fi
   want gloo && system_round gloo gloo_run 0.log 0 \
     "== gloo: one rank per host namespace, TCP bound to the host's address, FileStore rendezvous," \
     "every allreduce algorithm, async pairs (and sync up to 64K)"
@@ -416,15 +539,19 @@ for ((round = 1; round <= rounds; round++)); do
     "== netdam (co-located): --algo aggregate, aggregators = netdamd in each host namespace"
   ((run_chains)) && system_round netdam-chains netdam_chains_run 0.log 1 \
     "== netdam-chains: netdam-bench --devices (auto: direct/ring by chains), device r in ${dev_ns[0]%0}r"
+ done
 done
+[[ -n "$loss" ]] && set_loss 0
 
 # ----------------------------------------------------------------- report ---
 
-/usr/bin/python3 - "$out" "$P" "$M" "$CLUSTER_RATE_BPS" "$CLUSTER_RATE" "$(nproc)" "$CLUSTER_BURST" <<'PY' || status=1
+/usr/bin/python3 - "$out" "$P" "$M" "$CLUSTER_RATE_BPS" "$CLUSTER_RATE" "$(nproc)" "$CLUSTER_BURST" \
+  "$loss" "$loss_burst" "$iters" <<'PY' || status=1
 import csv, glob, os, re, sys
 
 out, P, M, bps, rate, cores = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
 burst = int(sys.argv[7])
+loss, loss_burst, iters = sys.argv[8], int(sys.argv[9]), int(sys.argv[10])
 B = bps / 8 / 1e9 if bps else None          # GB/s (decimal) per link, each way
 f = 2 * (P - 1) / P                          # busbw = algbw x f
 
@@ -610,10 +737,12 @@ if "gloo" in per_algo:
         print(f"  {human(size):>8} " + " ".join(cells))
 
 # CPU and links of each system's whole run (all sizes).
-runs = []
+runs, nft_runs = [], {}
 with open(os.path.join(out, "runs.txt")) as fh:
     for line in fh:
-        name, rc, t0, t1, c0, c1, l0, l1, load, own, dev = line.rstrip("\n").split("|")
+        name, rc, t0, t1, c0, c1, l0, l1, load, own, dev, nft = line.rstrip("\n").split("|")
+        n0rx, n0lost, n1rx, n1lost = map(int, nft.split())
+        nft_runs[name] = (n1rx - n0rx, n1lost - n0lost)
         own, dev = float(own), float(dev)
         c0 = list(map(int, c0.split()))[:8]
         c1 = list(map(int, c1.split()))[:8]
@@ -649,6 +778,120 @@ print("# busy counts polling too (Open MPI's ranks spin between messages). 'busi
 print("# busiest direction over the whole run (setup, small sizes, barriers included); drops: packets the")
 print("# tbf queues dropped, host up/host down/device up/device down (TCP resends them, netdam its own).")
 
+# --loss: each system clean and lossy, side by side.
+def phase_rows(suffix):
+    """Like rows, for the CSVs of NAME + suffix: per system and size the median round."""
+    got = {}
+    for s in order:
+        files = round_files(s + suffix)
+        if not files:
+            continue
+        wrong_total.setdefault(s + suffix, 0)
+        per_round = [read_round(path, s + suffix) for path in files]
+        best = {}
+        for size in set().union(*(r.keys() for r in per_round)):
+            rs = sorted((r[size] for r in per_round if size in r), key=lambda x: x["t"])
+            best[size] = dict(rs[(len(rs) - 1) // 2], ts=[x["t"] for x in rs])
+        got[s] = best
+    return got
+
+def rank_logs(stem):
+    """Rank 0's log of each round of a netdam system: STEM.0.log or STEM.rK.0.log."""
+    one = os.path.join(out, stem + ".0.log")
+    if os.path.exists(one):
+        return [one[:-len(".0.log")]]
+    found = []
+    for path in glob.glob(os.path.join(out, glob.escape(stem) + ".r*.0.log")):
+        m = re.fullmatch(re.escape(stem) + r"\.r(\d+)\.0\.log", os.path.basename(path))
+        if m:
+            found.append((int(m.group(1)), path[:-len(".0.log")]))
+    return [p for _, p in sorted(found)]
+
+# netdam-bench -v: "# rank R size S iteration I: T us ..." on every rank. An
+# iteration's time is its slowest rank's; the timed ones are a size's last
+# `iters` (or fewer: "iterations reduced to fit the time per size: S B: N
+# iterations"); before them come the warm-ups (negative I) and the probes.
+line_re = re.compile(r"# rank (\d+) size (\d+) iteration (-?\d+): ([0-9.]+) us")
+def iteration_times(stem):
+    """size -> the timed iterations' times (us), every round of STEM pooled."""
+    times = {}
+    for base in rank_logs(stem):
+        it_us, n_timed = {}, {}
+        for r in range(P):
+            try:
+                with open(f"{base}.{r}.log", errors="replace") as fh:
+                    for ln in fh:
+                        m = line_re.match(ln)
+                        if m:
+                            key = (int(m.group(2)), int(m.group(3)))
+                            it_us[key] = max(it_us.get(key, 0.0), float(m.group(4)))
+                        elif r == 0 and ln.startswith("# iterations reduced"):
+                            for sz, n in re.findall(r"(\d+) B: (\d+) iterations", ln):
+                                n_timed[int(sz)] = int(n)
+            except OSError:
+                pass
+        for size in {k[0] for k in it_us}:
+            its = sorted(i for (sz, i) in it_us if sz == size and i >= 0)
+            n = n_timed.get(size, iters)
+            times.setdefault(size, []).extend(it_us[(size, i)] for i in its[-n:])
+    return times
+
+def p99(v):
+    v = sorted(v)
+    return v[max(0, -(-99 * len(v) // 100) - 1)] if v else None
+
+if loss:
+    clean, lossy = rows, phase_rows(".lossy")   # rows: the clean phase's, read above
+    print()
+    print(f"# Loss: every node (hosts and devices) drops a share {loss} of the packets it receives on its link,")
+    print("#   every protocol (nftables numgen random at prerouting, docs/CLUSTER.md)" +
+          (f", in bursts of {loss_burst} packets" if loss_burst > 1 else "") + "; clean = the same cluster")
+    print("#   with no rule, both phases one wire frame per packet (gso_max_segs 1). time = mean us per collective,")
+    print("#   as above, the best correct algorithm of each phase; ratio = lossy / clean. p99 = 99th percentile")
+    print("#   (nearest rank) of the timed iterations, each the slowest rank's, from netdam-bench -v; n = how many.")
+    print("#   gloo_bench and mpi_bench print only a mean per size: their p99 is n/a, not measured.")
+    print(f"  {'size':>8} {'system':<14} {'clean us':>11} {'lossy us':>11} {'ratio':>7} {'p99 clean':>10} {'p99 lossy':>10}"
+          f" {'ratio':>7} {'n':>9}  algo clean / lossy")
+    loss_rows = []
+    p99s = {s: (iteration_times(s), iteration_times(s + ".lossy"))
+            for s in order if s not in peers and (s in clean or s in lossy)}
+    for size in sorted(set().union(*(d.keys() for d in list(clean.values()) + list(lossy.values())))):
+        for s in order:
+            c, l = clean.get(s, {}).get(size), lossy.get(s, {}).get(size)
+            if c is None and l is None:
+                continue
+            ct = f"{c['t']:11.1f}" if c else f"{'-':>11}"
+            lt = f"{l['t']:11.1f}" if l else f"{'-':>11}"
+            ratio = l["t"] / c["t"] if c and l and c["t"] > 0 else None
+            rs = f"{ratio:6.2f}x" if ratio else f"{'-':>7}"
+            if s in p99s:
+                pc, pl = p99s[s][0].get(size, []), p99s[s][1].get(size, [])
+                qc, ql = p99(pc), p99(pl)
+                qcs = f"{qc:10.1f}" if qc is not None else f"{'-':>10}"
+                qls = f"{ql:10.1f}" if ql is not None else f"{'-':>10}"
+                qr = f"{ql / qc:6.2f}x" if qc and ql else f"{'-':>7}"
+                ns = f"{len(pc)}/{len(pl)}"
+            else:
+                qc = ql = None
+                qcs, qls, qr, ns = f"{'n/a':>10}", f"{'n/a':>10}", f"{'n/a':>7}", "n/a"
+            wrong = (c["wrong"] if c else 0) + (l["wrong"] if l else 0)
+            algos = f"{c['algo'] if c else '-'} / {l['algo'] if l else '-'}" + (f"  ({wrong} wrong)" if wrong else "")
+            print(f"  {human(size):>8} {names[s]:<14} {ct} {lt} {rs} {qcs} {qls} {qr} {ns:>9}  {algos}")
+            loss_rows.append((s, size, c, l, ratio, qc, ql))
+    print("# What the nft rules saw and dropped over each lossy run (all nodes, all packets on eth0, setup included):")
+    for name, (rx, lost) in nft_runs.items():
+        if ".lossy" in name:
+            print(f"  {name:<24} {rx:>10} packets received, {lost:>8} dropped = "
+                  + (f"{100 * lost / rx:.2f}%" if rx else "-"))
+    with open(os.path.join(out, "loss.csv"), "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["impl", "size", "loss", "loss_burst", "clean_algo", "clean_time_us", "lossy_algo", "lossy_time_us",
+                    "ratio", "clean_p99_us", "lossy_p99_us"])
+        for s, size, c, l, ratio, qc, ql in loss_rows:
+            w.writerow([s, size, loss, loss_burst, c["algo"] if c else "", f"{c['t']:.3f}" if c else "",
+                        l["algo"] if l else "", f"{l['t']:.3f}" if l else "", f"{ratio:.4f}" if ratio else "",
+                        f"{qc:.3f}" if qc is not None else "", f"{ql:.3f}" if ql is not None else ""])
+
 with open(os.path.join(out, "summary.csv"), "w", newline="") as fh:
     w = csv.writer(fh)
     w.writerow(["impl", "algo", "op", "size", "time_us", "busbw", "bound_busbw", "wrong", "hosts", "devices", "rate_bps",
@@ -659,8 +902,10 @@ with open(os.path.join(out, "summary.csv"), "w", newline="") as fh:
                     M if s in ("netdam", "netdam-chains") else (P if s == "netdam-colocated" else 0), bps,
                     len(ts), f"{min(ts):.3f}", f"{max(ts):.3f}"])
 print()
-print("# #wrong over every row: " + ", ".join(f"{names[k]} {v}" for k, v in wrong_total.items()))
-sys.exit(1 if any(wrong_total.get(k) for k in ("netdam", "netdam-colocated", "netdam-chains")) else 0)
+print("# #wrong over every row: " + ", ".join(f"{names[k.split('.')[0]]}{' lossy' if '.lossy' in k else ''} {v}"
+                                           for k, v in wrong_total.items()))
+sys.exit(1 if any(v for k, v in wrong_total.items()
+                  if k.split(".")[0] in ("netdam", "netdam-colocated", "netdam-chains")) else 0)
 PY
 echo "== loadavg at the end $(cut -d' ' -f1-3 /proc/loadavg); logs, CSVs and summary.csv in $out"
 exit $status

@@ -14,6 +14,7 @@ packages=(
   redis-server                        # the baseline of `netdam-bench pool` (tests do not need it)
   iproute2 procps python3              # python3: the demo's plain UDP pool client
   iputils-ping                         # tests/cluster: ping across the emulated cluster
+  nftables                             # scripts/cluster.sh --loss: random loss with nft rules in the namespaces
   python3-dev pybind11-dev python3-numpy  # the netdam Python module (for /usr/bin/python3)
   python3-torch libtorch-dev           # the torch.distributed backend and optimizer offload
   python3-torchvision                  # real models (resnet18/50) for the DDP tests and bench/torch/ddp_models.py

@@ -4,9 +4,11 @@
 # qdiscs, that jumbo frames cross it, that the rate limit holds for one
 # stream (upload and download tbf) and for two streams into one node (the
 # download tbf alone), that `run` tears down after its command and on
-# SIGTERM, that a failing setup leaves nothing, and the refusals (not root,
-# missing tc, a kernel without tbf). Needs root and `ip netns`; exits 77
-# (skipped) without them. About 10 s.
+# SIGTERM, that a failing setup leaves nothing, the refusals (not root,
+# missing tc, a kernel without tbf), and --loss: nftables rules in the
+# nodes only, the share of datagrams dropped, bursts, `loss` changing it in
+# place. Needs root and `ip netns`; exits 77 (skipped) without them. About
+# 12 s.
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -28,7 +30,7 @@ failures=0
 fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 ok() { echo "ok: $*"; }
 cleanup() {
-  for p in "$pre" "${pre}r" "${pre}s" "${pre}f"; do "$cluster" --prefix "$p" down >/dev/null 2>&1; done
+  for p in "$pre" "${pre}r" "${pre}s" "${pre}f" "${pre}p" "${pre}l"; do "$cluster" --prefix "$p" down >/dev/null 2>&1; done
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -220,6 +222,118 @@ nothing_left "${pre}p" || fail "down ${pre}p"
 out=$("$cluster" --prefix "${pre}p" --priority 64 up 2>&1)
 st=$?
 ((st == 64)) && [[ "$out" == *"--priority"* ]] && ok "--priority 64: usage error" || fail "--priority 64: exit $st, '$out'"
+
+# --loss: a table inet netdam_loss in every node, none in the root
+# namespace; 0.2 of 3000 datagrams h0 -> h1 dropped (the nft counters and
+# the receiver agree; +-0.05 is 6 standard deviations); bursts of exactly 3
+# with --loss-burst 3; `loss 0` removes the rules; refusals.
+loss_tables_in_root() { nft list tables 2>/dev/null | grep -c netdam_loss; }
+cat >"$work/udp_count.py" <<'EOF'
+import socket, sys, time
+mode, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if mode == "recv":  # recv HOST PORT READY OUT: writes the sequence numbers it got
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    s.bind((host, port))
+    s.settimeout(0.5)
+    open(sys.argv[4], "w").write("ready")
+    seen = []
+    try:
+        while True:
+            seen.append(int(s.recv(2048)[:8]))
+    except socket.timeout:
+        pass
+    open(sys.argv[5], "w").write(" ".join(map(str, sorted(set(seen)))))
+else:  # send HOST PORT N
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for i in range(int(sys.argv[4])):
+        s.sendto(b"%08d" % i + b"x" * 500, (host, port))
+        if i % 100 == 99:
+            time.sleep(0.001)
+EOF
+# loss_run N: N datagrams h0 -> h1; sets got (the sequence numbers h1 received), rx, lost (h1's counters).
+loss_run() {
+  rm -f "$work/lready" "$work/lgot"
+  ip netns exec "${pre}l-h1" "$py" "$work/udp_count.py" recv "$lh1" 6001 "$work/lready" "$work/lgot" &
+  local rxp=$!
+  for _ in $(seq 100); do [[ -s "$work/lready" ]] && break; sleep 0.02; done
+  ip netns exec "${pre}l-h0" "$py" "$work/udp_count.py" send "$lh1" 6001 "$1"
+  wait "$rxp"
+  got=$(<"$work/lgot")
+  read -r rx lost < <(ip netns exec "${pre}l-h1" nft list table inet netdam_loss |
+    awk '/counter rx/ {c = "rx"} /counter lost/ {c = "lost"} /packets/ && c { v[c] = $2; c = "" } END { print v["rx"] + 0, v["lost"] + 0 }')
+}
+if ! command -v nft >/dev/null; then
+  echo "   (no nft: the --loss checks are skipped; scripts/setup.sh installs nftables)"
+else
+  root_before=$(nft list ruleset | md5sum)
+  if CLUSTER_QUIET=1 "$cluster" --prefix "${pre}l" --hosts 2 --devices 1 --rate none --loss 0.2 up >/dev/null; then
+    # shellcheck disable=SC1090
+    lh1=$(source <("$cluster" --prefix "${pre}l" env); read -r _ x <<<"$CLUSTER_HOST_IPS"; echo "$x")
+    lenv=$("$cluster" --prefix "${pre}l" env)
+    [[ "$lenv" == *"CLUSTER_LOSS='0.2'"* && "$lenv" == *"CLUSTER_LOSS_BURST='1'"* ]] || fail "env without CLUSTER_LOSS: $lenv"
+    for ns in "${pre}l-h0" "${pre}l-h1" "${pre}l-d0"; do
+      # (Whole outputs, not pipes into grep -q: with pipefail a writer cut off by SIGPIPE fails the check.)
+      t=$(ip netns exec "$ns" nft list table inet netdam_loss 2>&1)
+      [[ "$t" == *'numgen random mod 1000000 < 200000 counter name "lost" drop'* ]] || fail "$ns: no loss rule: $t"
+      t=$(ip -d -n "$ns" link show eth0)
+      [[ "$t" == *"gso_max_segs 1 "* ]] || fail "$ns: eth0 gso_max_segs is not 1"
+    done
+    [[ "$(loss_tables_in_root)" == 0 && "$(nft list ruleset | md5sum)" == "$root_before" ]] &&
+      ok "--loss 0.2: a netdam_loss table in h0, h1 and d0, the root namespace's ruleset untouched" ||
+      fail "the root namespace's ruleset changed"
+    loss_run 3000
+    n_got=$(wc -w <<<"$got")
+    echo "   3000 datagrams h0 -> h1 at --loss 0.2: h1 received $n_got; its rule saw $rx and dropped $lost"
+    ((lost * 100 >= rx * 15 && lost * 100 <= rx * 25 && rx >= 3000 && n_got + lost == 3000)) &&
+      ok "--loss 0.2 dropped $lost of $rx, and the receiver missed exactly those" ||
+      fail "--loss 0.2: $lost of $rx dropped, $n_got received"
+    # Bursts: every run of missing sequence numbers (but one cut by the end) a multiple of 3.
+    "$cluster" --prefix "${pre}l" --loss-burst 3 loss 0.2 2>/dev/null || fail "loss 0.2 --loss-burst 3"
+    loss_run 3000
+    runs=$("$py" -c '
+import sys
+got = set(map(int, sys.argv[1].split())); runs = []; r = 0
+for i in range(3000):
+    if i not in got: r += 1
+    elif r: runs.append(r); r = 0
+print(" ".join(map(str, runs)))' "$got")
+    bad=$(tr ' ' '
+' <<<"$runs" | awk 'NF && $1 % 3 {n++} END {print n + 0}')
+    echo "   --loss-burst 3: dropped $lost of $rx; runs of lost datagrams: $(tr ' ' '
+' <<<"$runs" | sort -n | uniq -c | awk '{printf "%sx%s ", $1, $2}')"
+    ((bad == 0 && lost * 100 >= rx * 15 && lost * 100 <= rx * 25)) &&
+      ok "--loss-burst 3: the datagrams were lost in runs of 3 (or 6, ...), $lost of $rx in all" ||
+      fail "--loss-burst 3: $bad runs not a multiple of 3, $lost of $rx dropped"
+    "$cluster" --prefix "${pre}l" loss 0 2>/dev/null || fail "loss 0"
+    ip netns exec "${pre}l-h1" nft list table inet netdam_loss >/dev/null 2>&1 && fail "loss 0 left the table"
+    [[ "$("$cluster" --prefix "${pre}l" env)" == *"CLUSTER_LOSS='0'"* ]] && ok "loss 0 removes the rules" ||
+      fail "loss 0: env not updated"
+    "$cluster" --prefix "${pre}l" down 2>/dev/null
+    nothing_left "${pre}l" && [[ "$(loss_tables_in_root)" == 0 && "$(nft list ruleset | md5sum)" == "$root_before" ]] &&
+      ok "down: the namespaces and their tables are gone" || fail "down ${pre}l left something"
+  else
+    fail "up --loss 0.2"
+  fi
+  for bad in "--loss 1" "--loss -0.5" "--loss 0.1 --loss-burst 2.5" "--loss-burst 2"; do
+    # shellcheck disable=SC2086
+    out=$("$cluster" --prefix "${pre}l" $bad up 2>&1)
+    st=$?
+    ((st == 64)) && [[ "$out" == *"--loss"* ]] || fail "$bad: exit $st, '$out'"
+  done
+  nothing_left "${pre}l" && ok "--loss 1, -0.5, --loss-burst 2.5 or without --loss: usage errors" || fail "refused --loss left something"
+  mkdir -p "$work/nbin"
+  ln -sf "$(command -v ip)" "$work/nbin/ip"
+  ln -sf "$(command -v tc)" "$work/nbin/tc"
+  if [[ -x /usr/bin/nft || -x /bin/nft ]]; then
+    echo "   (nft is in /usr/bin: the missing-nft refusal is not checked)"
+  else
+    out=$(PATH="$work/nbin:/usr/bin:/bin" "$cluster" --prefix "${pre}l" --hosts 1 --loss 0.1 up 2>&1)
+    st=$?
+    ((st == 78)) && [[ "$out" == *"nftables"* ]] && ok "--loss without nft: exit 78" || fail "without nft: exit $st, '$out'"
+    nothing_left "${pre}l" || fail "the missing-nft refusal left something"
+  fi
+fi
 
 # The prefix is a lock: a second cluster of the same name is refused.
 CLUSTER_QUIET=1 "$cluster" --prefix "${pre}f" --hosts 1 up >/dev/null || fail "up ${pre}f"
