@@ -11,6 +11,8 @@ using namespace std::chrono_literals;
 using TP = LossRecovery::TimePoint;
 
 constexpr LossRecovery::Limits kLimits{20ms, 1000ms, 50ms, 2};
+// A least timeout of 2 ms: a reordering window of at least 1 ms (half of it).
+constexpr LossRecovery::Limits kFine{2ms, 1000ms, 50ms, 2};
 const TP t0 = TP{} + 1s;
 
 TEST(LossRecovery, WithoutSamplesTheInitialTimeoutApplies) {
@@ -32,11 +34,11 @@ TEST(LossRecovery, TimeoutFollowsSamplesWithinItsBounds) {
 }
 
 TEST(LossRecovery, AnEarlierRequestIsLostOnceALaterOneIsAnsweredAndItIsOverdue) {
-  LossRecovery lr(kLimits);
+  LossRecovery lr(kFine);
   const TP a = t0, b = t0 + 10us;  // a sent first, then b
   lr.on_answer(b, b, 1, b + 300us);  // b answered after 300 us
   // a is lost one round trip (300 us) plus the reordering window (at least
-  // 1 ms) after it was sent.
+  // half the least timeout, 1 ms) after it was sent.
   EXPECT_EQ(lr.lost_at(a), a + 300us + 1ms);
   // A request sent after b has no evidence against it.
   EXPECT_EQ(lr.lost_at(b + 1us), TP::max());
@@ -61,7 +63,7 @@ TEST(LossRecovery, AHeldContributionIsOvertakenByALaterOnesResult) {
 }
 
 TEST(LossRecovery, ReorderingWindowGrowsWithTheRoundTrip) {
-  LossRecovery lr(kLimits);
+  LossRecovery lr(kFine);
   for (int i = 0; i < 20; ++i) lr.on_answer(t0, t0, 1, t0 + 40ms);
   const TP later = t0 + 1ms;
   lr.on_answer(later, later, 1, later + 40ms);
@@ -90,7 +92,7 @@ TEST(LossRecovery, ProbesAreOnePerTimeoutAndBackOff) {
 }
 
 TEST(LossRecovery, AnAnsweredResendBoundsEveryOtherRequestByItsDelay) {
-  LossRecovery lr(kLimits);
+  LossRecovery lr(kFine);
   lr.on_answer(t0, t0, 1, t0 + 1ms);
   const auto srtt = lr.srtt();
   const auto rto = lr.rto();
@@ -116,7 +118,7 @@ TEST(LossRecovery, AnAnsweredResendBoundsEveryOtherRequestByItsDelay) {
 // DIRECT) use the tail rule alone: a later request's answer is no evidence
 // against an earlier one, an answered resend still bounds everything.
 TEST(LossRecovery, TheTailRuleAloneIgnoresLaterAnswers) {
-  LossRecovery lr(kLimits);
+  LossRecovery lr(kFine);
   const TP a = t0, b = t0 + 10us;
   lr.on_answer(b, b, 1, b + 300us);
   EXPECT_EQ(lr.lost_at(a), a + 300us + 1ms);  // the order-based rule
@@ -129,19 +131,41 @@ TEST(LossRecovery, TheTailRuleAloneIgnoresLaterAnswers) {
 }
 
 // An answer sooner after a resend than any round trip took answers the
-// first send: the resend was spurious, so the route reorders more than the
-// window allowed. The window doubles, up to one smoothed round trip.
+// first send: the resend was spurious. The estimator takes that request's
+// whole delay as its round trip (Eifel's response, RFC 4015), later
+// samples bring it down again, and the reordering window widens, up to one
+// smoothed round trip.
+TEST(LossRecovery, ASpuriousResendTeachesTheRoundTripItTook) {
+  LossRecovery lr(kFine);
+  for (int i = 0; i < 20; ++i) lr.on_answer(t0, t0, 1, t0 + 1ms);  // srtt = min rtt = 1 ms
+  ASSERT_EQ(lr.rto(), 2ms);  // the configured floor
+  // Resent at +3 ms, answered at +3.5 ms: quicker than any round trip, so
+  // the first send's answer, 3.5 ms after it.
+  lr.on_answer(t0, t0 + 3ms, 2, t0 + 3500us);
+  EXPECT_EQ(lr.spurious_resends(), 1u);
+  EXPECT_EQ(lr.srtt(), 3500us);
+  EXPECT_GE(lr.rto(), 3500us + 4 * 1750us);
+  // A quicker one does not lower it; clean samples do, step by step.
+  lr.on_answer(t0, t0 + 1500us, 2, t0 + 2ms);
+  EXPECT_EQ(lr.srtt(), 3500us);
+  const auto raised = lr.rto();
+  for (int i = 0; i < 40; ++i) lr.on_answer(t0, t0, 1, t0 + 1ms);
+  EXPECT_LT(lr.rto(), raised);
+  EXPECT_LT(lr.srtt(), 1100us);
+}
+
 TEST(LossRecovery, SpuriousResendsWidenTheReorderingWindowUpToARoundTrip) {
-  LossRecovery lr(kLimits);
+  LossRecovery lr(kFine);
   for (int i = 0; i < 20; ++i) lr.on_answer(t0, t0, 1, t0 + 8ms);  // srtt = min rtt = 8 ms
   EXPECT_EQ(lr.reordering_window(), 2ms);
-  // Resent at +9 ms, answered 1 ms later: quicker than any round trip.
-  lr.on_answer(t0, t0 + 9ms, 2, t0 + 10ms);
+  // Resent at +7 ms, answered 1 ms later (8 ms after the first send: the
+  // round trip it always took).
+  lr.on_answer(t0, t0 + 7ms, 2, t0 + 8ms);
   EXPECT_EQ(lr.spurious_resends(), 1u);
   EXPECT_EQ(lr.reordering_window(), 4ms);
-  lr.on_answer(t0, t0 + 9ms, 2, t0 + 10ms);
+  lr.on_answer(t0, t0 + 7ms, 2, t0 + 8ms);
   EXPECT_EQ(lr.reordering_window(), 8ms);
-  lr.on_answer(t0, t0 + 9ms, 2, t0 + 10ms);
+  lr.on_answer(t0, t0 + 7ms, 2, t0 + 8ms);
   EXPECT_EQ(lr.reordering_window(), 8ms);  // capped at the smoothed round trip
   // The loss deadline moves with it.
   const TP later = t0 + 1ms;
@@ -150,22 +174,78 @@ TEST(LossRecovery, SpuriousResendsWidenTheReorderingWindowUpToARoundTrip) {
 }
 
 TEST(LossRecovery, AResendAnsweredAfterARoundTripIsNotSpurious) {
-  LossRecovery lr(kLimits);
+  LossRecovery lr(kFine);
   for (int i = 0; i < 20; ++i) lr.on_answer(t0, t0, 1, t0 + 8ms);
   lr.on_answer(t0, t0 + 20ms, 2, t0 + 29ms);  // 9 ms after the resend: may be its answer
   EXPECT_EQ(lr.spurious_resends(), 0u);
   EXPECT_EQ(lr.reordering_window(), 2ms);
+  EXPECT_EQ(lr.floor(), 2ms);
 }
 
 TEST(LossRecovery, TheWindowShrinksAgainAfterManyCleanAnswers) {
-  LossRecovery lr(kLimits);
+  LossRecovery lr(kFine);
   for (int i = 0; i < 20; ++i) lr.on_answer(t0, t0, 1, t0 + 8ms);
-  lr.on_answer(t0, t0 + 9ms, 2, t0 + 10ms);
+  lr.on_answer(t0, t0 + 7ms, 2, t0 + 8ms);
   ASSERT_EQ(lr.reordering_window(), 4ms);
   for (int i = 0; i < 1023; ++i) lr.on_answer(t0, t0, 1, t0 + 8ms);
   EXPECT_EQ(lr.reordering_window(), 4ms);
   lr.on_answer(t0, t0, 1, t0 + 8ms);
   EXPECT_EQ(lr.reordering_window(), 2ms);
+}
+
+// The host's stalls, shared by every estimator: a client that woke 3 ms
+// late is on a machine where devices wait as long, so no timeout is
+// shorter than twice that while it is remembered.
+TEST(LossRecovery, TheHostsStallsRaiseEveryEstimatorsFloor) {
+  StallWatch stalls;
+  LossRecovery a(kFine), b(kFine);
+  a.share_floor(&stalls.floor());
+  b.share_floor(&stalls.floor());
+  a.on_answer(t0, t0, 1, t0 + 100us);
+  EXPECT_EQ(a.rto(), 2ms);
+  stalls.on_wake(t0 + 1ms, t0 + 1ms + 50us);  // on time, nearly
+  EXPECT_EQ(a.rto(), 2ms);
+  stalls.on_wake(t0 + 2ms, t0 + 5ms);  // 3 ms late
+  EXPECT_EQ(a.rto(), 6ms);
+  EXPECT_EQ(b.floor(), 6ms);
+  EXPECT_EQ(b.rto(), 50ms);  // no sample yet: the initial timeout, above the floor
+}
+
+// An estimator without samples takes its prior's timeout (AGGREGATE
+// contributions sent QUIET give none), not the initial 50 ms.
+TEST(LossRecovery, WithoutSamplesThePriorsTimeoutApplies) {
+  LossRecovery plain(kFine), agg(kFine);
+  agg.share_prior(&plain);
+  EXPECT_EQ(agg.rto(), 50ms);  // neither has a sample
+  for (int i = 0; i < 20; ++i) plain.on_answer(t0, t0, 1, t0 + 1ms);
+  EXPECT_EQ(agg.rto(), plain.rto());
+  EXPECT_EQ(agg.rto(), 2ms);
+  agg.on_probe(t0 + 5ms);  // its own backoff applies on top
+  EXPECT_EQ(agg.rto(), 4ms);
+  agg.on_answer(t0, t0, 1, t0 + 10ms);  // its own sample from now on
+  EXPECT_EQ(agg.srtt(), 10ms);
+  EXPECT_EQ(agg.rto(), 30ms);
+}
+
+TEST(StallWatch, RemembersTheLongestStallForOneToTwoPeriods) {
+  StallWatch s;
+  const TP start = t0;
+  s.on_wake(start, start + 4ms);  // opens a period at start + 4 ms
+  EXPECT_EQ(s.longest(), 4ms);
+  s.on_wake(start + 100ms, start + 101ms);
+  EXPECT_EQ(s.longest(), 4ms);  // the larger one still
+  // The next period: the last one's longest is still remembered.
+  s.on_wake(start + 300ms, start + 300ms);
+  EXPECT_EQ(s.longest(), 4ms);
+  // Two periods later it is forgotten.
+  s.on_wake(start + 600ms, start + 600ms + 200us);
+  EXPECT_EQ(s.longest(), 200us);
+  // Woken early (an answer came before the deadline): no stall.
+  s.on_wake(start + 900ms, start + 899ms);
+  EXPECT_EQ(s.floor(), 2 * s.longest());
+  // A long silence forgets everything at once.
+  s.on_wake(start + 5s, start + 5s);
+  EXPECT_EQ(s.longest(), 0ms);
 }
 
 }  // namespace

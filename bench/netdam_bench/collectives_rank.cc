@@ -566,8 +566,11 @@ int run_rank(const BenchConfig& c) {
           for (const auto& [name, v] : st.value())
             if (v) line += fmt::format(" {}={}", name, v);
         const auto& k = g.client().counters();
-        line += fmt::format("; client sent={} resent={} (probes {}) not_ready_resends={} answers={} ignored={}",
-                            k.packets_sent, k.retransmits, k.probes, k.not_ready_resends, k.answers, k.ignored);
+        line += fmt::format(
+            "; client sent={} resent={} (probes {} held {} overtaken {} spurious {}) not_ready_resends={} answers={} "
+            "ignored={}",
+            k.packets_sent, k.retransmits, k.probes, k.held_resends, k.overtaken_resends, k.spurious_resends,
+            k.not_ready_resends, k.answers, k.ignored);
         std::fflush(stdout);
         std::fprintf(stderr, "%s\n", line.c_str());
       }

@@ -87,12 +87,14 @@ struct ClientOptions {
   // The round trip above which the path counts as congested (kDepth and
   // kSwift); one value for every sender of a cluster, like Swift's target.
   std::chrono::microseconds congestion_target{1000};
-  // The least retransmission timeout (1 us .. 1 s). Loopback and loaded
-  // hosts need the default: a device process may wait milliseconds for a
-  // CPU, and a lower floor reads that as loss and resends. A fabric whose
-  // devices answer at hardware speed can take a few round trips (at
-  // 100 Gbit/s the default is thousands: docs/SIMULATION.md).
-  std::chrono::microseconds min_rto{20000};
+  // The least retransmission timeout (1 us .. 1 s), when nothing says the
+  // host is busy: a lost datagram costs about this much more than a round
+  // trip. The timeout follows the measured round trip above it and rises
+  // by itself on a loaded host (twice the longest recent stall of this
+  // client's own wake-ups) and after spurious resends (what the slow
+  // request took), so a CPU wait does not read as loss (docs/CONGESTION.md,
+  // "Loss").
+  std::chrono::microseconds min_rto{200};
   size_t max_payload = 0;                         // 0: the device's maximum
   bool detect_restart = true;                     // fail if the boot id changes
   // Look for answers this long before sleeping in the socket: a thread
@@ -360,6 +362,13 @@ class Client {
     // later contribution to the same device had its result (its own may
     // be lost)
     uint64_t overtaken_resends = 0;
+    // AGGREGATE contributions held (or sent QUIET) asked again for their
+    // result after a while without it: polls of a block the device has or
+    // may have, mostly while other ranks are late, not losses
+    uint64_t held_resends = 0;
+    // resends whose first send's answer came after all (an answer sooner
+    // after the resend than any round trip took): each raises the timeout
+    uint64_t spurious_resends = 0;
     // retransmits = probes (nothing answered for a timeout) + losses
     // inferred from later requests' answers
     uint64_t probes = 0;

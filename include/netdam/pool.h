@@ -51,6 +51,8 @@ struct PoolOptions {
   // raise them to keep more than 64 requests (or 2 MiB) in flight.
   size_t window_packets = ClientOptions{}.window_packets;
   size_t window_bytes = ClientOptions{}.window_bytes;
+  // Their least retransmission timeout (ClientOptions::min_rto).
+  std::chrono::microseconds min_rto = ClientOptions{}.min_rto;
 };
 
 enum class PoolPolicy : uint8_t { kInterleaved = 0, kSingle = 1, kReplicated = 2 };

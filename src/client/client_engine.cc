@@ -50,7 +50,10 @@ void Client::finish(Packet& p, Error e) {
 // controller learn of it; `timed`: its round trip is a sample.
 void Client::first_answer(Packet& p, bool timed, uint8_t depth) {
   const TimePoint now = rx_time_;
-  recovery_->route(p).on_answer(p.first_sent, p.last_sent, p.sends, now);
+  client_detail::LossRecovery& lr = recovery_->route(p);
+  const uint64_t spurious = lr.spurious_resends();
+  lr.on_answer(p.first_sent, p.last_sent, p.sends, now);
+  counters_.spurious_resends += lr.spurious_resends() - spurious;
   recovery_->cc.on_answer(now, p.window_cost(), timed ? std::optional(now - p.first_sent) : std::nullopt, depth);
   counters_.answered_bytes += p.window_cost();
 }
@@ -115,6 +118,9 @@ void Client::send_queued(TimePoint now) {
     batch[n++] = transport::OutMsg{p->routed() ? p->to : *device_, {p->head(), p->payload}, p->more};
     ++counters_.packets_sent;
     if (p->expect_answer) {
+      // Its first timer: the next check may have been planned while
+      // nothing was in flight.
+      recovery_->next_check = std::min(recovery_->next_check, now + recovery_->route(*p).rto());
       if (!p->quiet) {
         p->in_window = true;
         inflight_bytes_ += p->window_cost();
@@ -132,7 +138,7 @@ void Client::send_queued(TimePoint now) {
 }
 
 void Client::check_timers(TimePoint now) {
-  TimePoint next = now + std::chrono::nanoseconds(opts_.min_rto) / 2;
+  TimePoint next = now + client_detail::kMaxSleep;
   std::vector<uint64_t> expired;
   std::array<bool, Recovery::kCount> probed{};
   // Whether a held AGGREGATE contribution is the only one in flight to its
@@ -184,9 +190,13 @@ void Client::check_timers(TimePoint now) {
           p->overtaken_since != TimePoint{} && !p->overtaken_asked ? p->overtaken_since + rto : TimePoint::max();
       TimePoint at;
       if (p->held) {
+        // Doubling up to a second: a late rank's block may take as long
+        // as the group's timeout, and the re-asks go on meanwhile.
         const int timeouts = alone(lr) ? 1 : kHeldTimeouts;
-        at = std::min(overtaken_at,
-                      p->held_since + transport::Duration(timeouts * rto) * (1 << std::min(p->held_resends, 6)));
+        at = std::min(overtaken_at, p->held_since + std::min<transport::Duration>(
+                                                        transport::Duration(timeouts * rto) *
+                                                            (uint64_t{1} << std::min(p->held_resends, 20)),
+                                                        kMaxRto));
       } else if (p->quiet) {
         // Its silence says nothing (it may be held): one timeout, then
         // sent again asking to be told.
@@ -202,6 +212,7 @@ void Client::check_timers(TimePoint now) {
             ++counters_.overtaken_resends;
           } else {
             ++p->held_resends;
+            ++counters_.held_resends;
           }
           p->held_since = now;
         }
@@ -232,6 +243,7 @@ void Client::check_timers(TimePoint now) {
     p->due = {};
     if (p->quiet) {  // from now on a held answer is wanted: it tells a late rank from a lost block
       p->quiet = false;
+      ++counters_.held_resends;
       std::byte* at = p->chain_head.data() + core::payload_offset(1);
       core::AggRecord rec = core::decode_agg_record(at);
       rec.flags &= ~core::kAggQuiet;
@@ -555,23 +567,29 @@ void Client::pump(bool block) {
   // pacer lets the next request go.
   auto timeout = std::chrono::nanoseconds(0);
   if (block) {
-    TimePoint wake = inflight_.empty() ? now + std::chrono::nanoseconds(opts_.min_rto) : recovery_->next_check;
+    TimePoint wake = inflight_.empty() ? now + client_detail::kMaxSleep : recovery_->next_check;
     // Held back by the pacer (not by the window, which only answers open):
     // wake when it lets the next request go.
     if (const TimePoint pace = recovery_->cc.send_at(now); !queue_.empty() && pace > now) wake = std::min(wake, pace);
-    timeout = std::clamp<std::chrono::nanoseconds>(wake - now, std::chrono::nanoseconds(0),
-                                                   std::chrono::nanoseconds(opts_.min_rto) / 2);
+    timeout = std::clamp<std::chrono::nanoseconds>(wake - now, std::chrono::nanoseconds(0), client_detail::kMaxSleep);
   }
   const std::span<transport::InMsg> in = rx_->slots();
+  // Read again: sending a window of large datagrams takes a while, and is
+  // not the host's stall.
+  const TimePoint asked = transport_->now() + timeout;
   const size_t n = transport_->recv_batch(in, timeout);
   counters_.integrity_drops = transport_->integrity_drops();
   counters_.window_decreases = recovery_->cc.decreases();
   // One clock reading for the batch: its answers arrived together, and a
   // reading per answer cost more than the bookkeeping around it.
   rx_time_ = transport_->now();
+  // Woken later than asked: the host kept this thread from its CPU.
+  recovery_->stalls.on_wake(asked, rx_time_);
   for (size_t i = 0; i < n; ++i)
     if (!in[i].truncated) receive(in[i].data().data(), in[i].len, in[i].from);
-  check_timers(rx_time_);
+  // A full batch may have left answers in the socket: read them before any
+  // timer takes their silence for loss.
+  if (n < in.size()) check_timers(rx_time_);
   send_queued(rx_time_);
 }
 

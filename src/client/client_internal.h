@@ -46,12 +46,15 @@ namespace client_detail {
 // FILL and COPY carry a 32-bit length; ranges are split into 16 MiB
 // requests so that no single request occupies a device thread for long.
 inline constexpr uint64_t kMaxRangePerRequest = 16ull << 20;
-// The least timeout is ClientOptions::min_rto (20 ms by default: loopback
-// RTTs are tens of microseconds, but on a loaded machine a process can wait
-// milliseconds for a CPU, and a lower bound keeps that from looking like
-// loss and resending a whole window).
+// The least timeout is ClientOptions::min_rto, raised by the host's stalls
+// and by spurious resends (loss_recovery.h). Before any round trip is
+// measured, kInitialRto: nothing is known of the path yet.
 inline constexpr auto kMaxRto = std::chrono::milliseconds(1000);
 inline constexpr auto kInitialRto = std::chrono::milliseconds(50);
+// The longest a blocked client sleeps without a timer due: deadlines are
+// computed exactly (check_timers), this only bounds how late a timeout of
+// the whole operation (ClientOptions::timeout) is noticed.
+inline constexpr auto kMaxSleep = std::chrono::milliseconds(10);
 // Receive buffers, each big enough for a GRO train, and slots for the
 // datagrams: a train of small answers fills many slots from one buffer,
 // and slots too few for what the buffers took cost a copy of each
@@ -61,6 +64,7 @@ inline constexpr size_t kRxSlots = 128;
 // A chain refused as NOT_READY waits this long before it is sent again: the
 // host of that device has not armed its buffer yet.
 inline constexpr auto kNotReadyDelay = std::chrono::microseconds(100);
+
 // A held AGGREGATE contribution is asked again after this many timeouts
 // (doubling each time), so that ranks waiting for a late one do not flood
 // the aggregator with their blocks; a lost result is found sooner where a
@@ -170,7 +174,14 @@ struct Client::Recovery {
   // The window and pacing of everything this client sends: plain requests,
   // chains it starts and aggregate contributions alike (one sender).
   client_detail::CongestionControl cc;
-  explicit Recovery(const ClientOptions& o) : routes(make(o.min_rto)), cc(congestion(o, kDefaultMaxPayload)) {}
+  // This host's stalls, seen from the client's own wake-ups (pump): every
+  // estimator's timeout floor.
+  client_detail::StallWatch stalls;
+  explicit Recovery(const ClientOptions& o) : routes(make(o.min_rto)), cc(congestion(o, kDefaultMaxPayload)) {
+    for (auto& r : routes) r.share_floor(&stalls.floor());  // copies for aggregators keep it
+    routes[kAggregate].share_prior(&routes[0]);             // so do they this
+  }
+  Recovery(const Recovery&) = delete;  // the estimators point into it
   static client_detail::CongestionControl::Config congestion(const ClientOptions& o, size_t packet) {
     client_detail::CongestionControl::Config c;
     c.algorithm = o.congestion;

@@ -17,6 +17,13 @@ void LossRecovery::on_answer(TimePoint first, TimePoint last, int sends, TimePoi
       ++spurious_;
       reo_mult_ = std::min(2 * reo_mult_, kMaxReorderingMult);
       clean_answers_ = 0;
+      // So this answers the first send, after this long: a timeout shorter
+      // than that resends what was only slow. As Eifel's response (RFC
+      // 4015), the estimator takes it as the least round trip it may
+      // assume; later samples bring it down again.
+      const Ns took = now - first;
+      srtt_ = std::max(srtt_, took);
+      rttvar_ = std::max(rttvar_, took / 2);
     }
     // Which send does this answer? Without a timestamp in the answer there
     // is no telling, and guessing "the last" when it was the first (the
@@ -55,9 +62,9 @@ void LossRecovery::on_answer(TimePoint first, TimePoint last, int sends, TimePoi
 LossRecovery::Ns LossRecovery::reordering_window() const {
   // Routes of one class keep their order on a LAN, except through
   // multi-threaded devices, parked chains and the pool proxy; a quarter of
-  // a round trip, at least a millisecond, tolerates that without waiting
-  // for a timeout, and spurious resends widen it (on_answer).
-  const Ns base = std::max<Ns>(srtt_ / 4, 1ms);
+  // a round trip, at least half the least timeout, tolerates that without
+  // waiting for a timeout, and spurious resends widen it (on_answer).
+  const Ns base = std::max<Ns>(srtt_ / 4, floor() / 2);
   return std::min<Ns>(base * reo_mult_, std::max<Ns>(srtt_, base));
 }
 
@@ -71,11 +78,18 @@ LossRecovery::TimePoint LossRecovery::tail_lost_at(TimePoint last_sent) const {
   return tail_delay_.count() ? last_sent + tail_delay_ + reordering_window() : TimePoint::max();
 }
 
-LossRecovery::Ns LossRecovery::rto() const {
-  const Ns base = srtt_.count() ? std::clamp<Ns>(srtt_ + 4 * rttvar_, limits_.min_rto, limits_.max_rto)
-                                : limits_.initial_rto;
-  return std::min<Ns>(base * (1 << backoff_), limits_.max_rto);
+LossRecovery::Ns LossRecovery::floor() const {
+  return std::max(limits_.min_rto, shared_floor_ ? *shared_floor_ : Ns{0});
 }
+
+LossRecovery::Ns LossRecovery::base_rto() const {
+  const Ns least = std::min(floor(), limits_.max_rto);
+  if (srtt_.count()) return std::clamp<Ns>(srtt_ + 4 * rttvar_, least, limits_.max_rto);
+  if (prior_ && prior_->srtt_.count()) return std::max(prior_->base_rto(), least);
+  return std::max(limits_.initial_rto, least);
+}
+
+LossRecovery::Ns LossRecovery::rto() const { return std::min<Ns>(base_rto() * (1 << backoff_), limits_.max_rto); }
 
 LossRecovery::TimePoint LossRecovery::probe_at(TimePoint last_sent) const {
   const Ns r = rto();
@@ -87,6 +101,19 @@ bool LossRecovery::probe_due(TimePoint last_sent, TimePoint now) const { return 
 void LossRecovery::on_probe(TimePoint now) {
   last_probe_ = now;
   backoff_ = std::min(backoff_ + 1, limits_.max_backoff);
+}
+
+void StallWatch::on_wake(TimePoint until, TimePoint woke) {
+  if (woke - period_start_ >= 2 * kPeriod) {
+    prev_ = cur_ = Ns{0};
+    period_start_ = woke;
+  } else if (woke - period_start_ >= kPeriod) {
+    prev_ = cur_;
+    cur_ = Ns{0};
+    period_start_ += kPeriod;
+  }
+  if (woke > until) cur_ = std::max<Ns>(cur_, woke - until);
+  floor_ = 2 * longest();
 }
 
 }  // namespace netdam::client_detail

@@ -27,6 +27,20 @@
 //    the reordering window then doubles, up to one smoothed round trip,
 //    and halves again after 1024 answers without such evidence.
 //
+//
+// The least timeout is microseconds, not the milliseconds a loaded machine
+// can keep a process from its CPU: a floor that high makes every lost
+// datagram cost a hundred small collectives. What keeps a CPU wait from
+// reading as loss is evidence instead of a fixed margin:
+//  - the host's own stalls (StallWatch): a thread that asked to wake at t
+//    and ran at t + d saw its machine busy for d; devices on that machine
+//    wait as long, so no timeout is shorter than twice the longest recent
+//    stall;
+//  - spurious resends: an answer that comes sooner after a resend than any
+//    round trip ever took answers the first send, so the round trip the
+//    estimator assumes rises to what that request really took (Eifel's
+//    response, RFC 4015), and later samples bring it down again.
+//
 // Pure logic on time points: tested without sockets or clocks.
 #pragma once
 
@@ -46,6 +60,16 @@ class LossRecovery {
     int max_backoff;  // the timeout doubles at most this many times
   };
   explicit LossRecovery(Limits l) : limits_(l) {}
+  // A floor shared by every estimator of a host (StallWatch::floor), read
+  // at each use; null: none. It must outlive this estimator.
+  void share_floor(const Ns* floor) { shared_floor_ = floor; }
+  // Until this estimator has a sample, its timeout is the prior's (if that
+  // has one) rather than the initial timeout: the route to a device's
+  // neighbour is a better guess than a constant. AGGREGATE contributions
+  // sent QUIET give no samples (their answer waits for every rank), so
+  // without this a job of small collectives would wait the initial 50 ms
+  // for every loss. It must outlive this estimator.
+  void share_prior(const LossRecovery* prior) { prior_ = prior; }
 
   // An answer arrived at `now` for a request first sent at `first` and last
   // sent at `last` (`sends` times in all).
@@ -77,12 +101,17 @@ class LossRecovery {
   void on_probe(TimePoint now);
 
   Ns rto() const;  // with the current backoff
+  // The least timeout now: the configured one, or the host's stalls.
+  Ns floor() const;
   Ns srtt() const { return srtt_; }
   Ns reordering_window() const;
   uint64_t spurious_resends() const { return spurious_; }
 
  private:
   Limits limits_;
+  const Ns* shared_floor_ = nullptr;
+  const LossRecovery* prior_ = nullptr;
+  Ns base_rto() const;  // without the backoff
   Ns srtt_{0}, rttvar_{0};
   Ns min_rtt_ = Ns::max();
   int reo_mult_ = 1;                 // the reordering window's multiplier
@@ -94,6 +123,28 @@ class LossRecovery {
   Ns tail_delay_{0};       // first send to answer of the last resent request answered
   TimePoint last_probe_{};
   int backoff_ = 0;
+};
+
+// How long this host keeps a thread from its CPU: the lateness of its own
+// wake-ups (asked to run at t, ran at t + d), the largest of the last two
+// periods of kPeriod, so that a busy spell is remembered for a while and
+// forgotten once it is over.
+class StallWatch {
+ public:
+  using TimePoint = LossRecovery::TimePoint;
+  using Ns = LossRecovery::Ns;
+  static constexpr Ns kPeriod = std::chrono::milliseconds(250);
+
+  // A wait asked to end by `until` ended at `woke`.
+  void on_wake(TimePoint until, TimePoint woke);
+  // No timeout shorter than this: twice the longest recent stall.
+  const Ns& floor() const { return floor_; }
+  Ns longest() const { return std::max(cur_, prev_); }
+
+ private:
+  TimePoint period_start_{};
+  Ns cur_{0}, prev_{0};
+  Ns floor_{0};
 };
 
 }  // namespace netdam::client_detail

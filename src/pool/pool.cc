@@ -51,6 +51,7 @@ Result<std::unique_ptr<Pool>> Pool::connect(std::string_view proxy, PoolOptions 
   co.direct_answers = opts.direct_answers;
   co.window_packets = opts.window_packets;
   co.window_bytes = opts.window_bytes;
+  co.min_rto = opts.min_rto;
   auto c = Client::connect(proxy, co);
   if (!c) return c.error();
   if (!(*c)->device_info().pool_proxy)
@@ -186,6 +187,7 @@ Result<Client*> Pool::device(uint32_t ip, uint16_t port, uint32_t boot) {
   co.congestion = opts_.congestion;
   co.window_packets = opts_.window_packets;
   co.window_bytes = opts_.window_bytes;
+  co.min_rto = opts_.min_rto;
   auto c = Client::connect(ep.to_string(), co);
   if (!c) return c.error();
   Client* raw = c->get();

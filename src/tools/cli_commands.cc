@@ -72,6 +72,7 @@ std::unique_ptr<Client> Session::connect(std::string_view op) {
   ClientOptions opts;
   opts.rkey = key(op);
   opts.timeout = std::chrono::milliseconds(g_.timeout_ms);
+  opts.min_rto = std::chrono::microseconds(g_.min_rto_us);
   auto c = Client::connect(dev, opts);
   if (!c) {
     const Error& e = c.error();

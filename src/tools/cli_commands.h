@@ -20,6 +20,7 @@ struct Globals {
   std::string admin_key;  // empty: none given
   std::string boot_id;    // empty: any incarnation of the device
   int timeout_ms = 2000;
+  int min_rto_us = static_cast<int>(ClientOptions{}.min_rto.count());
 };
 
 // Connects on first use, so that argument errors are found before any

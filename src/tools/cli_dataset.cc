@@ -20,6 +20,7 @@ struct DatasetArgs {
 std::unique_ptr<Pool> open_pool(Session& s, std::string_view op, const DatasetArgs& a) {
   PoolOptions o;
   o.timeout = std::chrono::milliseconds(s.globals().timeout_ms);
+  o.min_rto = std::chrono::microseconds(s.globals().min_rto_us);
   if (!s.globals().admin_key.empty()) o.admin_key = key_arg(op, "--admin-key", s.globals().admin_key, 64);
   const std::string& proxy = a.proxy.empty() ? s.globals().device : a.proxy;
   auto p = Pool::connect(proxy, o);

@@ -21,6 +21,7 @@ struct PoolArgs {
 std::unique_ptr<Pool> open_pool(Session& s, std::string_view op) {
   PoolOptions o;
   o.timeout = std::chrono::milliseconds(s.globals().timeout_ms);
+  o.min_rto = std::chrono::microseconds(s.globals().min_rto_us);
   if (!s.globals().admin_key.empty()) o.admin_key = key_arg(op, "--admin-key", s.globals().admin_key, 64);
   auto p = Pool::connect(s.globals().device, o);
   if (!p) fail(op, p.error(), "proxy " + s.globals().device);

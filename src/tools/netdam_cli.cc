@@ -59,6 +59,11 @@ int main(int argc, char** argv) {
       ->type_name("MS")
       ->check(CLI::Range(1, 3600 * 1000))
       ->capture_default_str();
+  app.add_option("--min-rto-us", g.min_rto_us,
+                 "the least retransmission timeout, microseconds (raised by itself on a loaded host)")
+      ->type_name("US")
+      ->check(CLI::Range(1, 1000 * 1000))
+      ->capture_default_str();
   app.add_option("--admin-key", g.admin_key, "the device's admin key, for region add/del/ls")
       ->type_name("K")
       ->envname("NETDAM_ADMIN_KEY");

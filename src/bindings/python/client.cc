@@ -269,15 +269,16 @@ Every blocking call releases the GIL. A Client may be shared by threads
              return std::make_unique<PyClient>(device, o);
            }),
            arg("device"), arg("rkey") = 1, arg("timeout") = 2.0, arg("max_payload") = 0, arg("detect_restart") = true,
-           arg("congestion") = "fixed", arg("small_dscp") = -1, py::kw_only(), arg("min_rto") = 0.02,
+           arg("congestion") = "fixed", arg("small_dscp") = -1, py::kw_only(), arg("min_rto") = 200e-6,
            arg("window_packets") = 64, arg("window_bytes") = 2u << 20, arg("patience") = 1, arg("spin") = 100e-6,
            "__init__(device: str, rkey: int = 1, timeout: float = 2.0, max_payload: int = 0,\n"
            "         detect_restart: bool = True, congestion: str = 'fixed', small_dscp: int = -1, *,\n"
-           "         min_rto: float = 0.02, window_packets: int = 64, window_bytes: int = 2097152,\n"
+           "         min_rto: float = 0.0002, window_packets: int = 64, window_bytes: int = 2097152,\n"
            "         patience: int = 1, spin: float = 0.0001) -> None\n\n"
            "Connects to \"HOST:PORT\" and PINGs the device. congestion: the window's controller, 'fixed',\n"
            "'depth' or 'swift' (docs/CONGESTION.md). small_dscp: DSCP of its datagrams of at most 512\n"
-           "bytes (-1: unmarked). min_rto: the least retransmission timeout, seconds (1 us .. 1 s).\n"
+           "bytes (-1: unmarked). min_rto: the least retransmission timeout, seconds (1 us .. 1 s), raised by\n"
+           "itself on a loaded host and after spurious resends.\n"
            "window_packets, window_bytes: the most in flight at once. patience: a packet whose device was\n"
            "heard from within the last `timeout` may wait up to patience x timeout (1 .. 1000). spin:\n"
            "seconds to look for answers before sleeping (0: never spin).")
