@@ -154,6 +154,20 @@ TEST(LossRecovery, ASpuriousResendTeachesTheRoundTripItTook) {
   EXPECT_LT(lr.srtt(), 1100us);
 }
 
+// An AGGREGATE result may have waited for other ranks: one that comes soon
+// after a resend answers the first send, but its delay is theirs, not the
+// path's, so it teaches nothing.
+TEST(LossRecovery, AResultThatWaitedIsNoEvidenceOfASpuriousResend) {
+  LossRecovery lr(kFine);
+  for (int i = 0; i < 20; ++i) lr.on_answer(t0, t0, 1, t0 + 1ms);
+  const auto srtt = lr.srtt();
+  const auto window = lr.reordering_window();
+  lr.on_answer(t0, t0 + 3ms, 2, t0 + 3500us, /*prompt=*/false);
+  EXPECT_EQ(lr.spurious_resends(), 0u);
+  EXPECT_EQ(lr.srtt(), srtt);
+  EXPECT_EQ(lr.reordering_window(), window);
+}
+
 TEST(LossRecovery, SpuriousResendsWidenTheReorderingWindowUpToARoundTrip) {
   LossRecovery lr(kFine);
   for (int i = 0; i < 20; ++i) lr.on_answer(t0, t0, 1, t0 + 8ms);  // srtt = min rtt = 8 ms

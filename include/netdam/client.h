@@ -423,7 +423,7 @@ class Client {
   void receive_group_result(std::span<const std::byte> datagram, const transport::Endpoint& from);
   void forget_group_wait(const Packet& p);
   void leave_window(Packet& p);
-  void first_answer(Packet& p, bool timed, uint8_t depth);
+  void first_answer(Packet& p, bool timed, uint8_t depth, bool prompt = true);
   Error deliver(Packet& p, std::span<const std::byte> payload);
   // Whether a request to a pool proxy asks for its answer from the devices.
   bool wants_direct(const Packet& p) const;

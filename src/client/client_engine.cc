@@ -47,12 +47,13 @@ void Client::finish(Packet& p, Error e) {
 }
 
 // The first answer to a packet: loss recovery and the congestion
-// controller learn of it; `timed`: its round trip is a sample.
-void Client::first_answer(Packet& p, bool timed, uint8_t depth) {
+// controller learn of it; `timed`: its round trip is a sample; `prompt`:
+// LossRecovery::on_answer.
+void Client::first_answer(Packet& p, bool timed, uint8_t depth, bool prompt) {
   const TimePoint now = rx_time_;
   client_detail::LossRecovery& lr = recovery_->route(p);
   const uint64_t spurious = lr.spurious_resends();
-  lr.on_answer(p.first_sent, p.last_sent, p.sends, now);
+  lr.on_answer(p.first_sent, p.last_sent, p.sends, now, prompt);
   counters_.spurious_resends += lr.spurious_resends() - spurious;
   recovery_->cc.on_answer(now, p.window_cost(), timed ? std::optional(now - p.first_sent) : std::nullopt, depth);
   counters_.answered_bytes += p.window_cost();
@@ -335,7 +336,13 @@ void Client::receive(std::byte* buf, size_t len, const transport::Endpoint& from
   // later answer (the result after waiting for the others) is not timed.
   // A quiet contribution's first answer is its result, which waited for
   // the other contributors: no round-trip sample.
-  if (h.status != Status::kNotReady && !p.held) first_answer(p, p.sends == 1 && !p.quiet, h.depth);
+  if (h.status != Status::kNotReady && !p.held) {
+    // An AGGREGATE answer is prompt only when held; a result may have
+    // waited for the other ranks.
+    const bool prompt = !p.aggregate || (h.status == Status::kOk && len >= kHeaderSize + core::kAggAnswerRecordSize &&
+                                         (core::decode_agg_answer(buf + kHeaderSize).flags & core::kAggHeld));
+    first_answer(p, p.sends == 1 && !p.quiet, h.depth, prompt);
+  }
   if (p.is_chain() && h.status == Status::kNotReady) {
     // Back off from 100 us to 3.2 ms; the deadline still runs from first_sent.
     p.due = rx_time_ + kNotReadyDelay * (1 << std::min(p.not_ready++, 5));
@@ -489,7 +496,7 @@ void Client::receive_group_result(std::span<const std::byte> d, const transport:
   ++counters_.group_results;
   // Its held answer was lost: this is the first word of the block, but
   // after the others' wait, so not a round trip.
-  if (!p.held) first_answer(p, false, h.depth);
+  if (!p.held) first_answer(p, false, h.depth, /*prompt=*/false);
   deliver_aggregate(p, payload);
 }
 

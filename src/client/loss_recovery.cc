@@ -11,9 +11,9 @@ constexpr int kMaxReorderingMult = 16;
 constexpr uint32_t kCleanAnswersToShrink = 1024;
 }  // namespace
 
-void LossRecovery::on_answer(TimePoint first, TimePoint last, int sends, TimePoint now) {
+void LossRecovery::on_answer(TimePoint first, TimePoint last, int sends, TimePoint now, bool prompt) {
   if (sends > 1) {
-    if (min_rtt_ != Ns::max() && now - last < min_rtt_) {
+    if (prompt && min_rtt_ != Ns::max() && now - last < min_rtt_) {
       ++spurious_;
       reo_mult_ = std::min(2 * reo_mult_, kMaxReorderingMult);
       clean_answers_ = 0;

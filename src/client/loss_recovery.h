@@ -72,8 +72,11 @@ class LossRecovery {
   void share_prior(const LossRecovery* prior) { prior_ = prior; }
 
   // An answer arrived at `now` for a request first sent at `first` and last
-  // sent at `last` (`sends` times in all).
-  void on_answer(TimePoint first, TimePoint last, int sends, TimePoint now);
+  // sent at `last` (`sends` times in all). `prompt`: the device answered
+  // as soon as the request came; false for an AGGREGATE result, which may
+  // have waited for other ranks, so that its coming soon after a resend
+  // says nothing of a spurious resend.
+  void on_answer(TimePoint first, TimePoint last, int sends, TimePoint now, bool prompt = true);
 
   // The request last sent at `last_sent` is lost by the evidence of a later
   // request's answer, if still unanswered at the returned time; max() if

@@ -32,17 +32,6 @@ namespace {
 // (transport.h, InMsg).
 constexpr size_t kRxBatch = 32;
 constexpr size_t kRxSlots = 128;
-// An atomic's chain, or a piece's, is sent again after this when its hop
-// has not come back: the floor the clients use for a device process that
-// may wait for a core (PROTOCOL.md 9.3). Then doubling (next_hop_rto)...
-constexpr transport::Duration kHopFirstRto = 20ms;
-// ... up to this, or the device timeout if shorter. A hop to a device that
-// answers is waited for up to kPatience device timeouts (hop_overdue), but
-// its client gives up after its own timeout (2 s by default): resends
-// backing off to the 500 ms device timeout were only 8 in those 2 s, all
-// lost for one piece in 1500 at 40% loss. Every 100 ms costs a piece's
-// bytes 10 times a second, only while its device answers and the hop is late.
-constexpr transport::Duration kHopMaxRto = 100ms;
 // Pieces of one REDUCE_MEM or OPT_STEP on one device that run as chains:
 // each takes a segment index, and the chain's unrun segments cost 24 bytes
 // each on top of the piece (at most 232 bytes here: below what a datagram
@@ -1131,7 +1120,7 @@ Status Proxy::start_piece(Job& j, const Allocation& a, uint64_t off, uint32_t le
       sub.seg = static_cast<uint8_t>(
           std::count_if(j.subs.begin(), j.subs.end(), [&](const Job::Sub& o) { return o.device_id == e.device_id; }));
       sub.hop_first = listen_->now();
-      sub.hop_rto = kHopFirstRto;
+      sub.hop_rto = conns_[e.device_id]->hops.rto();
       hops_[{j.from.key(), j.req.txn}] = &j;
     } else {
       sub.op = device_op(j, *cl, addr, span, e.key);
@@ -1190,6 +1179,8 @@ void Proxy::send_piece_hop(Job& j, size_t index, transport::TimePoint now) {
   send_hop_chain(j, sub.device_id, sub.device_key, sub.device_addr, sub.seg, fh, pool::global_address(j.alloc_id, sub.off),
                  std::span(j.buf).subspan(sub.buf_off, sub.len));
   sub.hop_next = now + sub.hop_rto;
+  sub.hop_last = now;
+  ++sub.hop_sends;
 }
 
 transport::Duration Proxy::next_hop_rto(transport::Duration rto) const {
@@ -1284,7 +1275,8 @@ void Proxy::start_atomic(Job& j) {
     j.primary_addr = a->slots[pl.slot].base + pl.extent_offset;
     j.hop_answered = false;
     j.hop_first = listen_->now();
-    j.hop_rto = kHopFirstRto;
+    j.hop_sends = 0;
+    j.hop_rto = conns_[a->slots[pl.slot].device_id]->hops.rto();
     hops_[{j.from.key(), j.req.txn}] = &j;
     send_hop(j, *a, j.hop_first);
     return;
@@ -1317,6 +1309,8 @@ void Proxy::send_hop(Job& j, const Allocation& a, transport::TimePoint now) {
   fh.length = 8;
   send_hop_chain(j, e.device_id, e.key, j.primary_addr, 0, fh, j.req.addr, j.buf);
   j.hop_next = now + j.hop_rto;
+  j.hop_last = now;
+  ++j.hop_sends;
 }
 
 // The chains of atomics and pieces (PROTOCOL.md 17.7): the device's
@@ -1363,7 +1357,9 @@ void Proxy::hop(const Endpoint& from, const core::Packet& pkt) {
       if (sub.hop && !sub.hop_done && sub.seg + 1 == h.seg_index &&
           from == catalog_.devices()[sub.device_id].endpoint) {
         sub.hop_done = true;
-        heard_from(sub.device_id, listen_->now());
+        const auto now = listen_->now();
+        conns_[sub.device_id]->hops.on_answer(sub.hop_first, sub.hop_last, sub.hop_sends, now);
+        heard_from(sub.device_id, now);
         return;
       }
     return;
@@ -1375,7 +1371,9 @@ void Proxy::hop(const Endpoint& from, const core::Packet& pkt) {
     return;
   j.old_value = load_le<uint64_t>(pkt.payload.data());
   j.hop_answered = true;
-  heard_from(a->slots[j.primary].device_id, listen_->now());
+  const auto now = listen_->now();
+  conns_[a->slots[j.primary].device_id]->hops.on_answer(j.hop_first, j.hop_last, j.hop_sends, now);
+  heard_from(a->slots[j.primary].device_id, now);
 }
 
 // A device answers the chain's source (the proxy) only when it refuses the

@@ -9,9 +9,27 @@
 #include <set>
 #include <vector>
 
+#include "client/loss_recovery.h"
 #include "mmu/proxy.h"
 
 namespace netdam::mmu {
+
+// An atomic's chain, or a piece's, is sent again when its hop has not come
+// back within its device's timeout (Conn::hops): the hops' round trips as
+// a client's requests', at least kHopMinRto (while work is in flight the
+// proxy's turn waits at most 1 ms for datagrams, so nothing finer is
+// kept), kHopFirstRto before any is measured. Then doubling
+// (Proxy::next_hop_rto) up to kHopMaxRto, or the device timeout if
+// shorter. A hop to a device that answers is waited for up to kPatience
+// device timeouts (hop_overdue), but its client gives up after its own
+// timeout (2 s by default): resends backing off to the 500 ms device
+// timeout were only 8 in those 2 s, all lost for one piece in 1500 at 40%
+// loss. Every 100 ms costs a piece's bytes 10 times a second, only while
+// its device answers and the hop is late.
+inline constexpr std::chrono::milliseconds kHopMinRto{1};
+inline constexpr std::chrono::milliseconds kHopFirstRto{20};
+inline constexpr std::chrono::milliseconds kHopMaxRto{100};
+inline constexpr client_detail::LossRecovery::Limits kHopLimits{kHopMinRto, kHopMaxRto, kHopFirstRto, 0};
 
 // One device: the client the data path uses (bound to one incarnation of
 // the device, so a restart fails its operations instead of mixing data),
@@ -21,6 +39,10 @@ struct Proxy::Conn {
   int fd = -1;
   uint32_t boot = 0;
   uint32_t hop_ip = 0;  // the proxy's address as this device reaches it (0: not known yet)
+  // The round trips of the proxy's chains through this device (its hops):
+  // their first timeout, and what a spurious resend teaches (as a
+  // client's, src/client/loss_recovery.h).
+  client_detail::LossRecovery hops{kHopLimits};
   transport::TimePoint last_answer{};
   uint64_t answers_seen = 0;  // client->counters().answers at the last health tick
   // Clients of earlier incarnations, polled until their operations failed.
@@ -61,8 +83,9 @@ struct Proxy::Job {
     uint8_t seg = 0;
     uint32_t device_id = 0, device_key = 0;
     uint64_t device_addr = 0;
-    transport::TimePoint hop_first{}, hop_next{};
+    transport::TimePoint hop_first{}, hop_next{}, hop_last{};
     transport::Duration hop_rto{};
+    int hop_sends = 0;
     // A device refuses a chain's segment to the reply-to (the client), not
     // to the proxy: when the hop is late, the same opcode with no data
     // (a no-op) asks the device what it would refuse (NO_OPTIMIZER, a
@@ -86,8 +109,9 @@ struct Proxy::Job {
   uint32_t primary = 0;
   uint64_t primary_addr = 0;  // the word's device address on that copy
   bool hop_answered = false;
-  transport::TimePoint hop_first{}, hop_next{};
+  transport::TimePoint hop_first{}, hop_next{}, hop_last{};
   transport::Duration hop_rto{};
+  int hop_sends = 0;
   // A device refuses a chain's segment to its reply-to, the client, not to
   // the proxy: when a hop is late, a READ of the word asks the device
   // whether the region is still there.
