@@ -48,12 +48,15 @@ void Client::finish(Packet& p, Error e) {
 
 // The first answer to a packet: loss recovery and the congestion
 // controller learn of it; `timed`: its round trip is a sample; `prompt`:
-// LossRecovery::on_answer.
+// the answer left as soon as the request came (LossRecovery::on_answer).
+// A pool proxy's answers are not (it repairs its own hops to the devices
+// before it answers), nor are DIRECT ones (pieces from several devices):
+// their delay after a resend is no proof the resend was spurious.
 void Client::first_answer(Packet& p, bool timed, uint8_t depth, bool prompt) {
   const TimePoint now = rx_time_;
   client_detail::LossRecovery& lr = recovery_->route(p);
   const uint64_t spurious = lr.spurious_resends();
-  lr.on_answer(p.first_sent, p.last_sent, p.sends, now, prompt);
+  lr.on_answer(p.first_sent, p.last_sent, p.sends, now, prompt && !p.direct && !info_.pool_proxy);
   counters_.spurious_resends += lr.spurious_resends() - spurious;
   recovery_->cc.on_answer(now, p.window_cost(), timed ? std::optional(now - p.first_sent) : std::nullopt, depth);
   counters_.answered_bytes += p.window_cost();
