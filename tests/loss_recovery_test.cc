@@ -130,30 +130,6 @@ TEST(LossRecovery, TheTailRuleAloneIgnoresLaterAnswers) {
   EXPECT_LE(lr.lost_at(t0 + 12ms), lr.tail_lost_at(t0 + 12ms));  // the full rule is the earlier of both
 }
 
-// An answer sooner after a resend than any round trip took answers the
-// first send: the resend was spurious. The estimator takes that request's
-// whole delay as its round trip (Eifel's response, RFC 4015), later
-// samples bring it down again, and the reordering window widens, up to one
-// smoothed round trip.
-TEST(LossRecovery, ASpuriousResendTeachesTheRoundTripItTook) {
-  LossRecovery lr(kFine);
-  for (int i = 0; i < 20; ++i) lr.on_answer(t0, t0, 1, t0 + 1ms);  // srtt = min rtt = 1 ms
-  ASSERT_EQ(lr.rto(), 2ms);  // the configured floor
-  // Resent at +3 ms, answered at +3.5 ms: quicker than any round trip, so
-  // the first send's answer, 3.5 ms after it.
-  lr.on_answer(t0, t0 + 3ms, 2, t0 + 3500us);
-  EXPECT_EQ(lr.spurious_resends(), 1u);
-  EXPECT_EQ(lr.srtt(), 3500us);
-  EXPECT_GE(lr.rto(), 3500us + 4 * 1750us);
-  // A quicker one does not lower it; clean samples do, step by step.
-  lr.on_answer(t0, t0 + 1500us, 2, t0 + 2ms);
-  EXPECT_EQ(lr.srtt(), 3500us);
-  const auto raised = lr.rto();
-  for (int i = 0; i < 40; ++i) lr.on_answer(t0, t0, 1, t0 + 1ms);
-  EXPECT_LT(lr.rto(), raised);
-  EXPECT_LT(lr.srtt(), 1100us);
-}
-
 // An AGGREGATE result may have waited for other ranks: one that comes soon
 // after a resend answers the first send, but its delay is theirs, not the
 // path's, so it teaches nothing.

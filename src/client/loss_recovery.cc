@@ -17,13 +17,6 @@ void LossRecovery::on_answer(TimePoint first, TimePoint last, int sends, TimePoi
       ++spurious_;
       reo_mult_ = std::min(2 * reo_mult_, kMaxReorderingMult);
       clean_answers_ = 0;
-      // So this answers the first send, after this long: a timeout shorter
-      // than that resends what was only slow. As Eifel's response (RFC
-      // 4015), the estimator takes it as the least round trip it may
-      // assume; later samples bring it down again.
-      const Ns took = now - first;
-      srtt_ = std::max(srtt_, took);
-      rttvar_ = std::max(rttvar_, took / 2);
     }
     // Which send does this answer? Without a timestamp in the answer there
     // is no telling, and guessing "the last" when it was the first (the

@@ -36,10 +36,12 @@
 //    and ran at t + d saw its machine busy for d; devices on that machine
 //    wait as long, so no timeout is shorter than twice the longest recent
 //    stall;
-//  - spurious resends: an answer that comes sooner after a resend than any
-//    round trip ever took answers the first send, so the round trip the
-//    estimator assumes rises to what that request really took (Eifel's
-//    response, RFC 4015), and later samples bring it down again.
+//  - spurious resends widen the reordering window (below). Taking the
+//    slow request's whole delay for the round trip as well (Eifel's
+//    response, RFC 4015) was tried: behind a pool proxy that repairs its
+//    own losses, or a device stalled under a sanitizer, one such delay
+//    pinned the timeout near a second and requests timed out with two
+//    sends.
 //
 // Pure logic on time points: tested without sockets or clocks.
 #pragma once
