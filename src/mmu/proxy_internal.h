@@ -1,8 +1,15 @@
 // The proxy's per-device connection and per-request job, shared by the
-// files that implement Proxy (proxy.cc, resync.cc). Not installed.
+// files that implement Proxy. Not installed.
+//   proxy.cc           setup, the loop, requests to the proxy itself
+//   proxy_data.cc      the data path: requests cut into device pieces
+//   proxy_hops.cc      chains through the devices (atomics, pieces)
+//   proxy_progress.cc  jobs settled, failures recovered, answers
+//   proxy_health.cc    device PINGs and states
+//   resync.cc          copies made whole again
 #pragma once
 
 #include <array>
+#include <random>
 #include <list>
 #include <memory>
 #include <optional>
@@ -13,6 +20,43 @@
 #include "mmu/proxy.h"
 
 namespace netdam::mmu {
+
+// Shared by the files that implement Proxy.
+// Receive buffers (each a whole GRO train) and slots for the datagrams: a
+// client's train of small requests fills many slots from one buffer
+// (transport.h, InMsg).
+inline constexpr size_t kRxBatch = 32;
+inline constexpr size_t kRxSlots = 128;
+// Pieces of one REDUCE_MEM or OPT_STEP on one device that run as chains:
+// each takes a segment index, and the chain's unrun segments cost 24 bytes
+// each on top of the piece (at most 232 bytes here: below what a datagram
+// of the device's max_payload leaves free under its MTU).
+inline constexpr size_t kMaxHopPieces = 8;
+// A hop or device operation to a device that answers its PINGs is waited
+// for this many device timeouts (hop_overdue, ClientOptions::patience).
+inline constexpr int kPatience = 8;
+// A device region's key (32-bit on the wire). 0 is never a key and 1 is
+// netdamd's default region key.
+inline uint32_t random_device_key() {
+  std::random_device rd;
+  uint32_t k = 0;
+  while (k <= 1) k = rd();
+  return k;
+}
+// An allocation key: 64 bits, both halves non-zero, so that a request
+// must carry all of them (rkey and boot, PROTOCOL.md 17).
+inline uint64_t random_allocation_key() {
+  std::random_device rd;
+  uint64_t k = 0;
+  while ((k >> 32) == 0 || static_cast<uint32_t>(k) == 0) k = uint64_t{rd()} << 32 | rd();
+  return k;
+}
+// The 64-bit key a request to the proxy shows: rkey is its low half, the
+// boot field (which the proxy does not check) its high half.
+inline uint64_t shown_key(const core::Header& h) { return uint64_t{h.boot} << 32 | h.rkey; }
+inline bool is_atomic(Opcode op) {
+  return op == Opcode::kFetchAdd || op == Opcode::kCompareSwap || op == Opcode::kSwap;
+}
 
 // An atomic's chain, or a piece's, is sent again when its hop has not come
 // back within its device's timeout (Conn::hops): the hops' round trips as
