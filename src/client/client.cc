@@ -2,14 +2,6 @@
 
 namespace netdam {
 
-using core::load_be;
-using core::load_le;
-using core::store_be;
-using core::store_le;
-using transport::TimePoint;
-using namespace client_detail;
-using namespace std::chrono_literals;
-
 bool Op::done() const { return s_ && s_->started && s_->outstanding == 0; }
 const Error& Op::error() const {
   static const Error kNone;

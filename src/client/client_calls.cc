@@ -2,14 +2,6 @@
 
 namespace netdam {
 
-using core::load_be;
-using core::load_le;
-using core::store_be;
-using core::store_le;
-using transport::TimePoint;
-using namespace client_detail;
-using namespace std::chrono_literals;
-
 // ---------------------------------------------------------------- sync calls
 
 Error Client::wait(Op& op) {

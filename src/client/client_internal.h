@@ -215,4 +215,14 @@ struct Client::Recovery {
   }
 };
 
+// The names the three files that implement Client use unqualified; this
+// header is theirs alone.
+using core::load_be;
+using core::load_le;
+using core::store_be;
+using core::store_le;
+using transport::TimePoint;
+using namespace client_detail;
+using namespace std::chrono_literals;
+
 }  // namespace netdam
