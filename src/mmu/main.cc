@@ -78,6 +78,7 @@ int main(int argc, char** argv) {
               max_payload, metrics;
   std::vector<std::string> devices;
   int ping_ms = 100, timeout_ms = 500;
+  int device_min_rto_us = static_cast<int>(mmu::ProxyOptions{}.device_min_rto.count());
   bool insecure = false;
   app.add_option("--listen", listen, "HOST:PORT clients use (default 127.0.0.1:7100; port 0 = any)");
   app.add_option("--device", devices, "a pool device HOST:PORT (repeatable; added to those in --state)");
@@ -95,6 +96,10 @@ int main(int argc, char** argv) {
                  "milliseconds after which an unanswered device operation fails (default 500; up to 8 times "
                  "this while the device answers other traffic)")
       ->check(CLI::Range(20, 600000));
+  app.add_option("--device-min-rto-us", device_min_rto_us,
+                 "the least retransmission timeout toward the devices, microseconds (default 200; raised by "
+                 "itself on a loaded host)")
+      ->check(CLI::Range(1, 1000000));
   app.add_option("--max-payload", max_payload,
                  "largest payload clients may send (default: as netdamd, the largest power of two whose datagram "
                  "fits the listen interface's MTU: 1024 for 1500, 8192 for 9000, 32768 on loopback)");
@@ -155,6 +160,7 @@ int main(int argc, char** argv) {
   o.ping_interval = std::chrono::milliseconds(ping_ms);
   o.spin = std::chrono::microseconds(spin_us);
   o.device_timeout = std::chrono::milliseconds(timeout_ms);
+  o.device_min_rto = std::chrono::microseconds(device_min_rto_us);
   if (auto c = parse_congestion(congestion))
     o.congestion = *c;
   else

@@ -45,6 +45,9 @@ struct ProxyOptions {
   std::string state_file;               // empty: nothing persists
   std::chrono::milliseconds ping_interval{100};
   std::chrono::milliseconds device_timeout{500};  // a device op unanswered this long fails
+  // The least retransmission timeout of the proxy's clients toward its
+  // devices (ClientOptions::min_rto).
+  std::chrono::microseconds device_min_rto = ClientOptions{}.min_rto;
   size_t max_payload = kDefaultMaxPayload;
   size_t replay_window = 1024;
   size_t replay_requesters = 4096;

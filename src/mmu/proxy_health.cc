@@ -139,6 +139,7 @@ void Proxy::device_seen(uint32_t id, uint32_t boot, uint64_t capacity) {
   const int fd = (*t)->fd();
   ClientOptions co;
   co.timeout = opts_.device_timeout;
+  co.min_rto = opts_.device_min_rto;
   co.patience = kPatience;  // while the device answers (heard_from, device_seen)
   co.congestion = opts_.congestion;
   auto cl = Client::connect(std::move(*t), dev.endpoint, co);

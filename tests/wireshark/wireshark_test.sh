@@ -65,7 +65,7 @@ wait_file "$work/dev2.port" || { cat "$work/netdamd2.log"; echo "FAIL: netdamd 2
 dev=$(cat "$work/dev.port")
 dev2=$(cat "$work/dev2.port")
 "$mmu" --listen 127.0.0.1:0 --port-file "$work/mmu.port" --device "$dev" --device-admin-key 0xAD \
-  --insecure >"$work/mmu.log" 2>&1 &
+  --device-min-rto-us 50000 --insecure >"$work/mmu.log" 2>&1 &
 pids+=("$!")
 wait_file "$work/mmu.port" || { cat "$work/mmu.log"; echo "FAIL: netdam-mmu did not start"; exit 1; }
 proxy=$(cat "$work/mmu.port")
