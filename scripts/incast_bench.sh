@@ -14,7 +14,7 @@
 #                    the wire (9000 B at 500 Mbit/s: 144 us)
 #   --seconds S      each run (default 1)
 #   --rounds R       runs per controller, interleaved (default 3)
-#   --ccs LIST       controllers, comma-separated (default fixed,depth,swift)
+#   --ccs LIST       controllers, comma-separated (default auto,fixed,depth,swift)
 #   --target-us US   the controllers' round-trip target (default: the client's)
 #   --loss P         the device drops each datagram it sends with
 #                    probability P (netdamd --inject-drop): random loss,
@@ -66,7 +66,7 @@ build="$repo/${BUILD_DIR:-build}"
 [[ "${BUILD_DIR:-}" == /* ]] && build="$BUILD_DIR"
 incast="$build/bench/netdam-incast"
 
-writers=8 rate=500mbit mtu=9000 seconds=1 rounds=3 ccs=fixed,depth,swift target_us="" loss=0 priority="" netdamd_args="" prefix=nic out="" check=0 max_loss=0.001 warmup=1 writer_spin=""
+writers=8 rate=500mbit mtu=9000 seconds=1 rounds=3 ccs=auto,fixed,depth,swift target_us="" loss=0 priority="" netdamd_args="" prefix=nic out="" check=0 max_loss=0.001 warmup=1 writer_spin=""
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 while (($#)); do
   case "$1" in

@@ -16,7 +16,7 @@
 
 #include "daemon/config.h"
 #include "daemon_fixture.h"
-#include "transport/interface_mtu.h"
+#include "transport/interfaces.h"
 
 namespace {
 

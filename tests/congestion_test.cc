@@ -286,7 +286,7 @@ TEST(Congestion, PacesAtTheWindowRate) {
 }
 
 TEST(Congestion, NamesRoundTrip) {
-  for (Congestion c : {Congestion::kFixed, Congestion::kDepth, Congestion::kSwift})
+  for (Congestion c : {Congestion::kAuto, Congestion::kFixed, Congestion::kDepth, Congestion::kSwift})
     EXPECT_EQ(parse_congestion(to_string(c)), c);
   EXPECT_FALSE(parse_congestion("reno").has_value());
 }

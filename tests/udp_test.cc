@@ -1,10 +1,11 @@
 // UdpTransport over real loopback sockets, and endpoint parsing.
 #include "transport/udp.h"
-#include "transport/interface_mtu.h"
+#include "transport/interfaces.h"
 
 #include <gtest/gtest.h>
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -195,6 +196,25 @@ TEST(InterfaceMtu, AddressOfNoInterfaceIsRefusedWithItsName) {
   auto mtu = interface_mtu(0xC0000201);  // 192.0.2.1, TEST-NET-1
   EXPECT_FALSE(mtu);
   EXPECT_NE(mtu.error().message().find("192.0.2.1"), std::string::npos) << mtu.error().message();
+}
+
+TEST(HostAddress, LoopbackAndThisHostsInterfacesButNoOtherAddress) {
+  EXPECT_TRUE(is_host_address(0x7F000001));
+  EXPECT_TRUE(is_host_address(0x7F0A0B0C));     // all of 127/8 is loopback
+  EXPECT_FALSE(is_host_address(0xC0000201));    // 192.0.2.1, TEST-NET-1
+  ifaddrs* list = nullptr;
+  ASSERT_EQ(getifaddrs(&list), 0);
+  for (const ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    const uint32_t ip = ntohl(reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr);
+    EXPECT_TRUE(is_host_address(ip)) << a->ifa_name;
+  }
+  freeifaddrs(list);
+  // The UDP transport answers Congestion::kAuto's question with it.
+  auto t = open_loopback();
+  ASSERT_NE(t, nullptr);
+  EXPECT_TRUE(t->same_host({0x7F000001, 7000}));
+  EXPECT_FALSE(t->same_host({0xC0000201, 7000}));
 }
 
 TEST(UdpTransport, BindsEphemeralPort) {

@@ -64,7 +64,7 @@ struct Args {
   std::string device;
   int64_t start_at = 0;
   double seconds = 1;
-  std::string cc = "fixed";
+  std::string cc = "auto";
   int64_t target_us = ClientOptions{}.congestion_target.count();
   uint32_t slot = 0;
   int small_dscp = -1;  // ClientOptions::small_dscp
@@ -98,7 +98,7 @@ FILE* open_out(const std::string& path) {
 int run_write(const Args& a) {
   ClientOptions o = flow_options(a);
   auto cc = netdam::parse_congestion(a.cc);
-  if (!cc) throw std::runtime_error("--cc: fixed, depth or swift");
+  if (!cc) throw std::runtime_error("--cc: auto, fixed, depth or swift");
   o.congestion = *cc;
   o.congestion_target = std::chrono::microseconds(a.target_us);
   o.timeout = 5s;
@@ -229,7 +229,7 @@ int main(int argc, char** argv) {
     s->add_option("--spin-us", a.spin_us, "look for answers this long before sleeping (ClientOptions::spin; 0 never)")
         ->check(CLI::NonNegativeNumber);
     if (std::string(name) == "write") {
-      s->add_option("--cc", a.cc, "congestion control: fixed, depth or swift");
+      s->add_option("--cc", a.cc, "congestion control: auto (fixed on this host, swift across a link), fixed, depth or swift");
       s->add_option("--slot", a.slot, "this flow's 2 MiB slot in the region");
       s->add_option("--target-us", a.target_us, "the controller's round-trip target, us")->check(CLI::PositiveNumber);
     }

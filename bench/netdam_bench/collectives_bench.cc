@@ -175,9 +175,10 @@ int collectives_main(int argc, char** argv) {
   app.add_option("--timeout", timeout_ms, "group and client timeout in ms (default 5000)");
   app.add_option("--window", c.window, "packets (chains) in flight per rank's client (default: the client's, 64)");
   std::string congestion{to_string(c.congestion)};
-  app.add_option("--congestion", congestion, "the clients' congestion control: fixed, depth or swift "
-                                             "(docs/CONGESTION.md; default fixed)")
-      ->check([](const std::string& v) { return parse_congestion(v) ? "" : "fixed, depth or swift"; });
+  app.add_option("--congestion", congestion, "the clients' congestion control: auto (fixed toward a device on "
+                                             "this host, swift across a link), fixed, depth or swift "
+                                             "(docs/CONGESTION.md; default auto)")
+      ->check([](const std::string& v) { return parse_congestion(v) ? "" : "auto, fixed, depth or swift"; });
   int64_t target_us = c.congestion_target.count();
   app.add_option("--congestion-target-us", target_us, "the controllers' round-trip target (default 1000)")
       ->check(CLI::PositiveNumber);

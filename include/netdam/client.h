@@ -63,10 +63,14 @@ struct Header;
 namespace netdam {
 
 // What sets the window (docs/CONGESTION.md): a fixed one, the seed's
-// depth-proportional controller, or Swift's delay target.
-enum class Congestion : uint8_t { kFixed, kDepth, kSwift };
+// depth-proportional controller, or Swift's delay target. kAuto, the
+// default, chooses per device when the client connects: kFixed for a
+// device on this host (loopback or an address of this host's interfaces,
+// where the cores, not queues, set the round trips), kSwift for one across
+// a link (where p senders into one port overflow a fixed window).
+enum class Congestion : uint8_t { kFixed, kDepth, kSwift, kAuto };
 std::string_view to_string(Congestion c);
-std::optional<Congestion> parse_congestion(std::string_view name);  // "fixed", "depth", "swift"
+std::optional<Congestion> parse_congestion(std::string_view name);  // "auto", "fixed", "depth", "swift"
 
 struct ClientOptions {
   uint64_t rkey = 1;                              // default key (64-bit only for a pool proxy)
@@ -83,7 +87,7 @@ struct ClientOptions {
   // moves below window_bytes, as the queues on the path report.
   size_t window_packets = 64;
   size_t window_bytes = 2u << 20;
-  Congestion congestion = Congestion::kFixed;
+  Congestion congestion = Congestion::kAuto;
   // The round trip above which the path counts as congested (kDepth and
   // kSwift); one value for every sender of a cluster, like Swift's target.
   std::chrono::microseconds congestion_target{1000};

@@ -39,7 +39,7 @@ namespace netdam {
 struct PoolOptions {
   uint64_t admin_key = 0;                  // the proxy's --admin-key, if it has one
   std::chrono::milliseconds timeout{2000};  // per request (control ops), per packet (data)
-  Congestion congestion = Congestion::kFixed;  // the window's controller of every client (docs/CONGESTION.md)
+  Congestion congestion = Congestion::kAuto;  // the window's controller of every client (docs/CONGESTION.md)
   // Through the proxy: ask the devices to answer themselves where they can
   // (READ, acknowledged WRITE, atomics, REDUCE_*, OPT_STEP; PROTOCOL.md
   // 17.5), the proxy only translating and forwarding. false: the proxy

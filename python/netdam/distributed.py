@@ -157,7 +157,7 @@ class _Settings:
         self.algorithm = os.environ.get("NETDAM_ALGORITHM", "auto")
         self.aggregators = _aggregators()
         # Per sender, so not part of key(): ranks may differ (docs/CONGESTION.md).
-        self.congestion = os.environ.get("NETDAM_CONGESTION", "fixed")
+        self.congestion = os.environ.get("NETDAM_CONGESTION", "auto")
         # 0 by default: a training step overlaps the gradients' all_reduce
         # with backward, and a spinning rank takes a core from backward
         # (DDP steps in bench/torch/ddp_bench.py overlapped: 61.7-74.9 ms in

@@ -132,6 +132,8 @@ Result<std::unique_ptr<Client>> Client::connect(std::unique_ptr<transport::Trans
     return Error::invalid("congestion_target must be positive");
   if (opts.patience < 1 || opts.patience > 1000)
     return Error::invalid(fmt::format("patience of {}: 1 to 1000 timeouts", opts.patience));
+  if (opts.congestion == Congestion::kAuto)  // options() shows the choice
+    opts.congestion = t->same_host(device) ? Congestion::kFixed : Congestion::kSwift;
   std::unique_ptr<Client> c(new Client(std::move(t), device, opts));
   if (Error e = c->handshake()) return e;
   return c;

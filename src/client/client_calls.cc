@@ -236,12 +236,13 @@ std::string_view to_string(Congestion c) {
     case Congestion::kFixed: return "fixed";
     case Congestion::kDepth: return "depth";
     case Congestion::kSwift: return "swift";
+    case Congestion::kAuto: return "auto";
   }
   return "unknown";
 }
 
 std::optional<Congestion> parse_congestion(std::string_view name) {
-  for (Congestion c : {Congestion::kFixed, Congestion::kDepth, Congestion::kSwift})
+  for (Congestion c : {Congestion::kAuto, Congestion::kFixed, Congestion::kDepth, Congestion::kSwift})
     if (name == to_string(c)) return c;
   return std::nullopt;
 }

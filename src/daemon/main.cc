@@ -22,7 +22,7 @@
 #include "metrics/server.h"
 #include "daemon/inject_options.h"
 #include "transport/faulty.h"
-#include "transport/interface_mtu.h"
+#include "transport/interfaces.h"
 #include "transport/udp.h"
 
 using namespace netdam;

@@ -15,7 +15,7 @@
 #include "common/units.h"
 #include "daemon/config.h"
 #include "daemon/inject_options.h"
-#include "transport/interface_mtu.h"
+#include "transport/interfaces.h"
 #include "metrics/server.h"
 #include "mmu/proxy.h"
 
@@ -103,10 +103,10 @@ int main(int argc, char** argv) {
   app.add_option("--max-payload", max_payload,
                  "largest payload clients may send (default: as netdamd, the largest power of two whose datagram "
                  "fits the listen interface's MTU: 1024 for 1500, 8192 for 9000, 32768 on loopback)");
-  std::string congestion = "fixed";
+  std::string congestion = "auto";
   app.add_option("--congestion", congestion,
-                 "the window's controller toward the devices: fixed, depth or swift (docs/CONGESTION.md; "
-                 "default fixed)");
+                 "the window's controller toward each device: auto (fixed on this host, swift across a link), "
+                 "fixed, depth or swift (docs/CONGESTION.md; default auto)");
   unsigned spin_us = 100;
   app.add_option("--spin-us", spin_us,
                  "microseconds the loop looks for datagrams before it sleeps, yielding the core between looks, "
@@ -164,7 +164,7 @@ int main(int argc, char** argv) {
   if (auto c = parse_congestion(congestion))
     o.congestion = *c;
   else
-    return fail("--congestion: '" + congestion + "' (fixed, depth, swift)");
+    return fail("--congestion: '" + congestion + "' (auto, fixed, depth, swift)");
   if (insecure && admin_key.empty())
     spdlog::warn("--insecure: no admin key, any client may allocate and free (keys are not listed)");
 

@@ -52,7 +52,7 @@ struct ProxyOptions {
   size_t replay_window = 1024;
   size_t replay_requesters = 4096;
   size_t max_fill = 16u << 20;          // FILL and COPY through the proxy pass through its memory
-  Congestion congestion = Congestion::kFixed;  // the window's controller toward each device
+  Congestion congestion = Congestion::kAuto;  // the window's controller toward each device
   // How long the loop looks for datagrams before it sleeps (see
   // Proxy::wait_readable); 0 never spins.
   std::chrono::microseconds spin{100};

@@ -51,6 +51,8 @@ class SimTransport : public transport::Transport {
   ~SimTransport() override;
 
   transport::Endpoint local() const override { return local_; }
+  // A simulated host reaches every other node over its modelled links.
+  bool same_host(const transport::Endpoint& peer) const override { return peer.ip == local_.ip; }
   size_t recv_raw(std::span<transport::InMsg> msgs, transport::Duration timeout) override;
   transport::TimePoint now() const override { return sim_now(); }
 

@@ -47,6 +47,7 @@ class FaultyTransport final : public Transport {
   FaultyTransport& operator=(const FaultyTransport&) = delete;
 
   Endpoint local() const override { return inner_.local(); }
+  bool same_host(const Endpoint& peer) const override { return inner_.same_host(peer); }
   // Returns how many of `msgs` were dealt with (dropped, held or handed to
   // the inner transport); fewer than msgs.size() only if the inner
   // transport accepted fewer.

@@ -179,6 +179,14 @@ class Transport {
   };
   virtual Backlog rx_backlog() const { return {}; }
 
+  // Whether datagrams to `peer` stay on this host, meeting no link or
+  // switch queue, only the cores (Congestion::kAuto chooses by it). The
+  // in-process fabric and the default: yes, it is one process.
+  virtual bool same_host(const Endpoint& peer) const {
+    (void)peer;
+    return true;
+  }
+
   // Also receive what is sent to the IPv4 multicast `group` (224.0.0.0/4),
   // joined on the interface through which this host reaches `peer_ip` (a
   // device that will send to the group). Datagrams from the group come out

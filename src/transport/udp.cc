@@ -14,6 +14,8 @@
 #include <cstring>
 #include <system_error>
 
+#include "transport/interfaces.h"
+
 // glibc 2.36's headers may lack them; the values are the kernel's ABI.
 #ifndef UDP_SEGMENT
 #define UDP_SEGMENT 103
@@ -173,6 +175,8 @@ Error UdpTransport::join_group(Endpoint group, uint32_t peer_ip) {
   group_ = std::move(s).value();
   return {};
 }
+
+bool UdpTransport::same_host(const Endpoint& peer) const { return is_host_address(peer.ip); }
 
 Transport::Backlog UdpTransport::rx_backlog() const {
   uint32_t m[SK_MEMINFO_VARS] = {};

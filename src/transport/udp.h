@@ -86,6 +86,7 @@ class UdpTransport final : public Transport {
   Endpoint local() const override { return local_; }
   // SO_MEMINFO: one system call.
   Backlog rx_backlog() const override;
+  bool same_host(const Endpoint& peer) const override;
   // Blocks briefly (poll POLLOUT) while the socket buffer is full; returns
   // fewer than msgs.size() only if no progress was possible for ~100 ms.
   // A datagram the kernel refuses for any other reason (unreachable peer,

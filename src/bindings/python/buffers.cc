@@ -189,7 +189,7 @@ Algorithm parse_algorithm_arg(const std::string& a) {
 
 Congestion parse_congestion_arg(const std::string& c) {
   if (auto v = parse_congestion(c)) return *v;
-  throw py::value_error("congestion: '" + c + "' (fixed, depth, swift)");
+  throw py::value_error("congestion: '" + c + "' (auto, fixed, depth, swift)");
 }
 
 std::chrono::milliseconds seconds_arg(double seconds, const char* what) {

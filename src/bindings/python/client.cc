@@ -230,7 +230,7 @@ void bind_client(py::module_& m) {
   using py::arg;
   py::class_<PyClient>(m, "Client", R"doc(
 Client(device: str, rkey: int = 1, timeout: float = 2.0, max_payload: int = 0,
-       detect_restart: bool = True, congestion: str = 'fixed', small_dscp: int = -1)
+       detect_restart: bool = True, congestion: str = 'auto', small_dscp: int = -1)
 
 One NetDAM device over UDP. Connecting PINGs the device (raises
 netdam.Timeout if it does not answer within `timeout` seconds).
@@ -269,14 +269,15 @@ Every blocking call releases the GIL. A Client may be shared by threads
              return std::make_unique<PyClient>(device, o);
            }),
            arg("device"), arg("rkey") = 1, arg("timeout") = 2.0, arg("max_payload") = 0, arg("detect_restart") = true,
-           arg("congestion") = "fixed", arg("small_dscp") = -1, py::kw_only(), arg("min_rto") = 200e-6,
+           arg("congestion") = "auto", arg("small_dscp") = -1, py::kw_only(), arg("min_rto") = 200e-6,
            arg("window_packets") = 64, arg("window_bytes") = 2u << 20, arg("patience") = 1, arg("spin") = 100e-6,
            "__init__(device: str, rkey: int = 1, timeout: float = 2.0, max_payload: int = 0,\n"
-           "         detect_restart: bool = True, congestion: str = 'fixed', small_dscp: int = -1, *,\n"
+           "         detect_restart: bool = True, congestion: str = 'auto', small_dscp: int = -1, *,\n"
            "         min_rto: float = 0.0002, window_packets: int = 64, window_bytes: int = 2097152,\n"
            "         patience: int = 1, spin: float = 0.0001) -> None\n\n"
-           "Connects to \"HOST:PORT\" and PINGs the device. congestion: the window's controller, 'fixed',\n"
-           "'depth' or 'swift' (docs/CONGESTION.md). small_dscp: DSCP of its datagrams of at most 512\n"
+           "Connects to \"HOST:PORT\" and PINGs the device. congestion: the window's controller, 'auto'\n"
+           "(fixed toward a device on this host, swift across a link), 'fixed', 'depth' or 'swift'\n"
+           "(docs/CONGESTION.md). small_dscp: DSCP of its datagrams of at most 512\n"
            "bytes (-1: unmarked). min_rto: the least retransmission timeout, seconds (1 us .. 1 s), raised by\n"
            "itself on a loaded host and after spurious resends.\n"
            "window_packets, window_bytes: the most in flight at once. patience: a packet whose device was\n"

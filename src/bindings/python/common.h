@@ -124,7 +124,7 @@ std::optional<DType> parse_dtype_name(py::handle dtype);
 RedOp parse_redop_arg(const std::string& op);           // sum, min, max
 Reduction parse_reduction_arg(const std::string& op);   // sum, min, max, avg
 Algorithm parse_algorithm_arg(const std::string& a);    // auto, ring, direct, torus
-Congestion parse_congestion_arg(const std::string& c);  // fixed, depth, swift
+Congestion parse_congestion_arg(const std::string& c);  // auto, fixed, depth, swift
 std::chrono::milliseconds seconds_arg(double seconds, const char* what);
 // Seconds (>= 0, at most 10^6) as whole microseconds, for the options whose
 // range the library checks itself.

@@ -182,7 +182,7 @@ void bind_group(py::module_& m) {
 Group(rank: int, devices: list[str], *, admin_key: int = 0, capacity: int = 64 << 20,
       base: int = 0, slots: int = 2, key_base: int = 0x4E440100, timeout: float = 5.0,
       algorithm: str = 'auto', shm: str = '', multicast: str = '', sparse: bool = False,
-      torus_dims: list[int] = [], client_timeout: float = 2.0, congestion: str = 'fixed',
+      torus_dims: list[int] = [], client_timeout: float = 2.0, congestion: str = 'auto',
       small_dscp: int = -1, job: int = 0)
 
 Collectives executed by the devices (docs/COLLECTIVES.md). Rank r owns
@@ -211,7 +211,7 @@ like.
            arg("rank"), arg("devices"), py::kw_only(), arg("admin_key") = 0, arg("capacity") = 64ull << 20,
            arg("base") = 0, arg("slots") = 2, arg("key_base") = 0x4E440100u, arg("timeout") = 5.0,
            arg("algorithm") = "auto", arg("shm") = "", arg("multicast") = "", arg("sparse") = false,
-           arg("torus_dims") = std::vector<int>{}, arg("client_timeout") = 2.0, arg("congestion") = "fixed",
+           arg("torus_dims") = std::vector<int>{}, arg("client_timeout") = 2.0, arg("congestion") = "auto",
            arg("small_dscp") = -1, arg("job") = 0,
            "__init__(rank: int, devices: list[str], *, ...) -> None\n\n"
            "Connects to devices[rank], registers the slots (if admin_key) and waits until every device has\n"

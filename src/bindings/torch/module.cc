@@ -101,7 +101,7 @@ PYBIND11_MODULE(_torch_backend, m) {
              if (auto c = netdam::parse_congestion(congestion))
                g.client.congestion = *c;
              else
-               throw std::invalid_argument("netdam: congestion '" + congestion + "' (fixed, depth, swift)");
+               throw std::invalid_argument("netdam: congestion '" + congestion + "' (auto, fixed, depth, swift)");
              // Ranks may arrive far apart (one checkpoints, the others wait
              // in a collective): a chain is answered NOT_READY and resent
              // meanwhile, which must not count against a shorter per-packet
@@ -116,7 +116,7 @@ PYBIND11_MODULE(_torch_backend, m) {
            py::arg("capacity") = 64ull << 20, py::arg("slots") = 2, py::arg("timeout") = 1800.0,
            py::arg("device") = nullptr, py::arg("base") = 0, py::arg("key_base") = 0x4E440100,
            py::arg("liveness") = 5.0, py::arg("mailbox") = 1 << 20, py::arg("algorithm") = "auto",
-           py::arg("congestion") = "fixed", py::arg("aggregator_shm") = std::vector<std::string>{},
+           py::arg("congestion") = "auto", py::arg("aggregator_shm") = std::vector<std::string>{},
            py::arg("spin_us") = netdam::ClientOptions{}.spin.count(),
            py::arg("small_dscp") = netdam::ClientOptions{}.small_dscp, py::arg("job") = 0,
            py::arg("aggregators") = std::vector<std::string>{},

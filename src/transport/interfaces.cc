@@ -1,4 +1,4 @@
-#include "transport/interface_mtu.h"
+#include "transport/interfaces.h"
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -56,6 +56,18 @@ Result<size_t> interface_mtu(uint32_t ip) {
     return fail(std::string("no interface that is up has address ") + text);
   }
   return *best;
+}
+
+bool is_host_address(uint32_t ip) {
+  if ((ip >> 24) == 127) return true;
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return false;
+  bool found = false;
+  for (const ifaddrs* a = list; a != nullptr && !found; a = a->ifa_next)
+    found = a->ifa_addr != nullptr && a->ifa_addr->sa_family == AF_INET &&
+            ntohl(reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr) == ip;
+  freeifaddrs(list);
+  return found;
 }
 
 }  // namespace netdam::transport
