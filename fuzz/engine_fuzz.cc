@@ -190,9 +190,20 @@ struct World {
       if (boot != 0 && (boot == address_cookie(kCookieSecret, ip) || boot == address_cookie(kCookieSecret, from.ip)))
         showed_cookie = true;
     }
+    // A clock that moves 50 us a datagram, as the daemon's loop sets it:
+    // AGGREGATE's asks fall due, and each is checked and counted as sent.
+    now_ns += 50'000;
+    eng->set_now_ns(now_ns);
     Follow(from, std::vector<std::byte>(reinterpret_cast<const std::byte*>(bytes.data()),
                                         reinterpret_cast<const std::byte*>(bytes.data()) + bytes.size()));
     for (auto& p : dev->unpark()) Follow(p.from, std::move(p.datagram));
+    for (const Fanout& f : eng->ask_overdue(now_ns)) {
+      const Header h = decode_header(f.head.data());
+      FUZZ_CHECK(h.opcode == Opcode::kChain && h.flags == kFlagResponse && h.status == Status::kOk && h.txn == 0);
+      FUZZ_CHECK(h.length == kAggAnswerRecordSize && f.data.empty() && h.boot == kBoot);
+      FUZZ_CHECK(decode_agg_answer(f.head.data() + kHeaderSize).flags == kAggAsk);
+      sent += f.head.size();
+    }
   }
 
   void CheckAmplification() const {
@@ -248,6 +259,7 @@ struct World {
   std::vector<std::byte> out;
   std::set<std::pair<uint64_t, uint64_t>> writable;  // [begin, end) of writable regions
   size_t received = 0, sent = 0;  // bytes the device got from the peer, and sent
+  uint64_t now_ns = 0;             // the engine's clock (set_now_ns)
   bool showed_cookie = false;
 };
 

@@ -288,6 +288,7 @@ TEST(AggregateNetns, LossyLinksExactWithResendsBoundedByTheLosses) {
           errors[i] = "iteration " + std::to_string(it) + ": wrong sum";
       }
       resends[i] = g.value()->client().counters().retransmits - before;
+
     });
   }
   for (auto& t : threads) t.join();

@@ -648,6 +648,126 @@ TEST_F(AggregateTest, RegisteringTheRegionAgainForgetsItsBlocks) {
 
 // Device threads contribute to the same blocks at once: every block is
 // reduced exactly once, to the same bits.
+// Asks (PROTOCOL.md 6.13): the device's clock times the blocks. A block
+// whose generation started at T, with every contributor in but one, asks
+// that one at T + max(100 us, 3 x spread), once, at the address it last
+// contributed from; not before, and not when more are missing.
+TEST_F(AggregateTest, AMissingContributorIsAskedOnceAfterTheSpreadItsPeersTake) {
+  auto at = [&](uint64_t us) { eng_->set_now_ns(us * 1000); };
+  auto asks = [&](uint64_t us) {
+    std::vector<Answer> all;
+    for (const Fanout& f : eng_->ask_overdue(us * 1000)) {
+      Answer x;
+      x.to = f.to;
+      x.h = decode_header(f.head.data());
+      x.rec = decode_agg_answer(f.head.data() + kHeaderSize);
+      EXPECT_TRUE(f.data.empty());
+      all.push_back(x);
+    }
+    return all;
+  };
+  // Generation 1 of block 0: every contributor in within 20 us, so the
+  // spread is 20 us and the wait the floor, 100 us (not 3 x 20).
+  for (int r = 0; r < 3; ++r) {
+    at(1000 + 10 * static_cast<uint64_t>(r));
+    Send({.rank = r, .generation = 1, .flags = kAggQuiet, .data = Floats({1.0f})});
+  }
+  EXPECT_EQ(Stat("agg.completed"), 1u);
+  EXPECT_TRUE(asks(5000).empty());  // nothing waits
+  // Generation 2: rank 2's block is lost.
+  at(10000);
+  Send({.rank = 0, .generation = 2, .flags = kAggQuiet, .data = Floats({1.0f})});
+  at(10010);
+  Send({.rank = 1, .generation = 2, .flags = kAggQuiet, .data = Floats({1.0f})});
+  EXPECT_LE(dev_->aggregator().next_ask_ns(), 10100u * 1000);
+  EXPECT_TRUE(asks(10099).empty()) << "asked before the wait";
+  auto a = asks(10100);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(a[0].to, Host(2));
+  EXPECT_EQ(a[0].h.flags, kFlagResponse);
+  EXPECT_EQ(a[0].h.opcode, Opcode::kChain);
+  EXPECT_EQ(a[0].h.status, Status::kOk);
+  EXPECT_EQ(a[0].h.txn, 0u);
+  EXPECT_EQ(a[0].h.rkey, kKey);
+  EXPECT_EQ(a[0].h.addr, 0u);
+  EXPECT_EQ(a[0].h.length, kAggAnswerRecordSize);
+  EXPECT_EQ(a[0].h.boot, 0xB007u);
+  EXPECT_EQ(a[0].rec.generation, 2u);
+  EXPECT_EQ(a[0].rec.flags, kAggAsk);
+  EXPECT_EQ(Stat("agg.asks"), 1u);
+  EXPECT_TRUE(asks(20000).empty()) << "asked twice";
+  EXPECT_EQ(dev_->aggregator().next_ask_ns(), UINT64_MAX);
+  // Its resend completes the block as ever.
+  at(10200);
+  auto done = Send({.rank = 2, .generation = 2, .data = Floats({1.0f})});
+  EXPECT_EQ(done.size(), 3u);
+  // Generation 3 with two of three missing: a late collective, no ASK.
+  at(30000);
+  Send({.rank = 1, .generation = 3, .flags = kAggQuiet, .data = Floats({1.0f})});
+  EXPECT_TRUE(asks(60000).empty());
+  EXPECT_EQ(Stat("agg.asks"), 1u);
+}
+
+TEST_F(AggregateTest, AsksGoWhereTheContributorLastContributedFromAndNeverToStrangers) {
+  // Block 3's first generation: rank 2 has never contributed to the
+  // region, so there is nowhere to ask it.
+  eng_->set_now_ns(1'000'000);
+  Send({.rank = 0, .generation = 1, .block = 3, .data = Floats({1.0f})});
+  Send({.rank = 1, .generation = 1, .block = 3, .data = Floats({1.0f})});
+  EXPECT_TRUE(eng_->ask_overdue(100'000'000).empty());
+  EXPECT_EQ(Stat("agg.asks"), 0u);
+  // Rank 2 then contributes to block 3 from another port; block 4 misses
+  // it, and asks there.
+  Bytes d = Datagram({.rank = 2, .generation = 1, .block = 3, .data = Floats({1.0f})});
+  SendRaw({Host(2).ip, 6001}, d);
+  eng_->set_now_ns(200'000'000);
+  Send({.rank = 0, .generation = 1, .block = 4, .data = Floats({1.0f})});
+  Send({.rank = 1, .generation = 1, .block = 4, .data = Floats({1.0f})});
+  auto asks = eng_->ask_overdue(300'000'000);
+  ASSERT_EQ(asks.size(), 1u);
+  EXPECT_EQ(asks[0].to, (Address{Host(2).ip, 6001}));
+  EXPECT_EQ(decode_header(asks[0].head.data()).addr, 4u);
+}
+
+TEST(AggregateWire, AskGoldenBytes) {
+  std::vector<std::byte> mem(1 << 20);
+  DeviceConfig c;
+  c.boot_id = 0x0BADCAFE;
+  c.admin_key = kAdmin;
+  Device dev(mem, c);
+  Engine eng(dev);
+  ASSERT_EQ(dev.regions().add({0, 256 << 10, 0x4E440100, kPermAll}), Status::kOk);
+  // Three contributors to block 5; generation 6 completes and generation 7
+  // misses rank 2.
+  Bytes out(Engine::out_buffer_size(dev.config()));
+  auto contribute = [&](int rank, uint32_t gen, uint64_t now_ns) {
+    Header h;
+    h.opcode = Opcode::kChain;
+    h.dtype = DType::kF32;
+    h.redop = RedOp::kSum;
+    h.seg_count = 1;
+    h.txn = 1000 + gen * 10 + static_cast<uint64_t>(rank);
+    h.length = 4;
+    Bytes d(payload_offset(1) + kAggRecordSize + 4);
+    encode_header(h, d.data());
+    SrPreamble sr;
+    sr.generation = gen;
+    encode_preamble(sr, d.data() + kHeaderSize);
+    encode_segment({0x0A0000FE, 7000, Opcode::kAggregate, 0, 0x4E440100, 5, 0}, d.data() + kHeaderSize + kSrPreambleSize);
+    encode_agg_record({static_cast<uint16_t>(rank), 3, kStride, kAggQuiet, 0}, d.data() + payload_offset(1));
+    eng.set_now_ns(now_ns);
+    eng.handle(Host(rank), d, out);
+  };
+  for (int r = 0; r < 3; ++r) contribute(r, 6, 1000);
+  contribute(0, 7, 50'000);
+  contribute(1, 7, 50'000);
+  auto asks = eng.ask_overdue(1'000'000);
+  ASSERT_EQ(asks.size(), 1u);
+  EXPECT_EQ(Bytes(asks[0].head.begin(), asks[0].head.end()),
+            Hex("4e44414d 01 40 01 00 00 00 00 00 4e440100 0000000000000000 0000000000000005 00000008 0badcafe"
+                "00000007 00000010"));
+}
+
 TEST_F(AggregateTest, ConcurrentEnginesCompleteEachBlockOnce) {
   constexpr int kRanks = 4, kBlocks = 64;
   std::vector<std::thread> threads;

@@ -833,6 +833,77 @@ TEST(AggregateGroup, EachKindOfLostDatagramIsRepairedWithinATimeoutAndARoundTrip
   }
 }
 
+// The device repairs a lost contribution itself (an ASK, PROTOCOL.md
+// 6.13). The hosts' timers are set far away (a least timeout of 20 ms),
+// and two AllReduces (one per slot, each its own region) tell the device
+// where each rank sends from and how far apart the ranks' blocks arrive;
+// in the third, rank 0's nth contribution is lost. The device asks rank 0
+// for it after its wait (3 x that spread, at least 100 us), and the
+// collective ends within that wait and two round trips (100 us each) of
+// the clean run: no host timer fired.
+struct AskedRun {
+  std::chrono::nanoseconds took{};
+  int matches = 0, dropped = 0;
+  uint64_t asks = 0, asked_resends = 0, retransmits = 0, device_asks = 0;
+};
+AskedRun RunAsked(size_t elements, int drop_nth) {
+  AskedRun run;
+  FaultModel path;
+  path.delay_min = path.delay_max = 50us;
+  AggCluster c(3, 1, path, 1u << 20, 5s, 2, true, false, [](GroupOptions& o) { o.client.min_rto = 20ms; });
+  const transport::Endpoint rank0{0x0B000000u, 5000};
+  bool armed = false;
+  c.fabric.set_drop_filter([&](transport::Endpoint from, transport::Endpoint to, std::span<const std::byte> d) {
+    if (!armed || d.size() < kHeaderSize || from != rank0 || to != AggCluster::agg_addr(0)) return false;
+    const core::Header h = core::decode_header(d.data());
+    if (h.opcode != Opcode::kChain || h.is_response() || ++run.matches != drop_nth) return false;
+    ++run.dropped;
+    return true;
+  });
+  std::vector<std::vector<std::byte>> in, out;
+  for (int r = 0; r < 3; ++r) {
+    in.push_back(random_elements(DType::kF32, elements, 40 + static_cast<uint64_t>(r)));
+    out.emplace_back(in.back().size());
+  }
+  for (int round = 0; round < 3; ++round) {
+    armed = round == 2;
+    const auto start = c.fabric.now();
+    std::vector<Work> works = start_allreduce(c.groups, in, out, 3);
+    c.run(works);
+    run.took = c.fabric.now() - start;
+    const auto want = reference(in, DType::kF32, RedOp::kSum);
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_TRUE(works[static_cast<size_t>(r)].error().is_ok()) << works[static_cast<size_t>(r)].error().to_string();
+      EXPECT_EQ(out[static_cast<size_t>(r)], want);
+    }
+  }
+  const auto& k = c.groups[0]->client().counters();
+  run.asks = k.asks;
+  run.asked_resends = k.asked_resends;
+  run.retransmits = k.retransmits;
+  run.device_asks = c.stat(0, "agg.asks");
+  return run;
+}
+
+TEST(AggregateGroup, ALostContributionIsAskedForByTheDevice) {
+  const auto us = [](auto d) { return std::chrono::duration_cast<std::chrono::microseconds>(d).count(); };
+  for (size_t elements : {size_t{1024}, size_t{64 * 1024}}) {  // one block; several
+    const AskedRun clean = RunAsked(elements, 0);
+    EXPECT_EQ(clean.retransmits, 0u);
+    EXPECT_EQ(clean.device_asks, 0u) << "a clean run asked";
+    for (int nth : {1, clean.matches}) {
+      const AskedRun lost = RunAsked(elements, nth);
+      SCOPED_TRACE(::testing::Message() << elements << " elements, contribution " << nth << " of " << clean.matches
+                                        << ": " << us(clean.took) << " us clean, " << us(lost.took) << " us lost");
+      EXPECT_EQ(lost.dropped, 1);
+      EXPECT_EQ(lost.device_asks, 1u);
+      EXPECT_EQ(lost.asked_resends, 1u);
+      EXPECT_EQ(lost.retransmits, 1u) << "a host timer fired as well";
+      EXPECT_LT(lost.took - clean.took, 100us + 2 * 100us + 50us);
+    }
+  }
+}
+
 // Placement in runs (plan.h): every block has its own place on its
 // aggregator, inside the region the group sizes, consecutive blocks of a
 // run share an aggregator, and a window of kAggregateSpread blocks reaches

@@ -387,6 +387,11 @@ class Client {
     // that matched no contribution waiting here (other ranks' blocks on
     // this host, copies, late ones)
     uint64_t group_results = 0, group_unmatched = 0;
+    // ASKs of the aggregating devices (a contribution of ours missing while
+    // the others' were in), and the contributions they made us send again
+    // at once (the others: already answered, not sent yet, or sent less
+    // than a round trip ago)
+    uint64_t asks = 0, asked_resends = 0;
     // Answers that came from a pool's devices (DIRECT), and requests sent
     // to the proxy again without DIRECT after a device refused a piece
     uint64_t direct_pieces = 0, direct_fallbacks = 0;
@@ -425,7 +430,8 @@ class Client {
   void deliver_aggregate(Packet& p, std::span<const std::byte> payload);
   // A datagram with txn 0: an AGGREGATE result sent to a group.
   void receive_group_result(std::span<const std::byte> datagram, const transport::Endpoint& from);
-  void forget_group_wait(const Packet& p);
+  void receive_ask(const core::Header& h, uint32_t generation, const transport::Endpoint& from);
+  void forget_block_wait(const Packet& p);
   void leave_window(Packet& p);
   void first_answer(Packet& p, bool timed, uint8_t depth, bool prompt = true);
   Error deliver(Packet& p, std::span<const std::byte> payload);
@@ -463,17 +469,17 @@ class Client {
   bool defer_sends_ = false;
   std::map<uint64_t, std::unique_ptr<Packet>> inflight_;  // by txn: oldest first
   std::map<uint64_t, uint32_t> cookies_;  // other devices' cookies for us, by IPv4:port
-  // Contributions sent that name a result group, by what a group result
+  // AGGREGATE contributions in flight, by what a group result or an ASK
   // carries instead of a txn: device, region key, block, generation.
-  struct GroupWait {
+  struct BlockWait {
     uint64_t device;
     uint32_t rkey, block, generation;
-    friend bool operator==(const GroupWait&, const GroupWait&) = default;
+    friend bool operator==(const BlockWait&, const BlockWait&) = default;
   };
-  struct GroupWaitHash {
-    size_t operator()(const GroupWait& w) const;
+  struct BlockWaitHash {
+    size_t operator()(const BlockWait& w) const;
   };
-  std::unordered_map<GroupWait, uint64_t, GroupWaitHash> group_waits_;  // -> txn
+  std::unordered_map<BlockWait, uint64_t, BlockWaitHash> block_waits_;  // -> txn
   // What the window counts: requests in the network, not those waiting
   // for other ranks (see Packet::in_window).
   size_t inflight_bytes_ = 0;

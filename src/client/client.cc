@@ -483,7 +483,8 @@ Op Client::aggregate_async(const AggregateRequest& r) {
   core::SrPreamble sr;
   sr.generation = r.generation;
   core::encode_preamble(sr, p.chain_head.data() + kHeaderSize);
-  if (group != 0) p.group = GroupWait{uint64_t{r.device.ip} << 16 | r.device.port, r.device.rkey, r.block, r.generation};
+  p.block_wait = BlockWait{uint64_t{r.device.ip} << 16 | r.device.port, r.device.rkey, r.block, r.generation};
+  p.names_group = group != 0;
   core::encode_segment(core::Segment{r.device.ip, r.device.port, Opcode::kAggregate, 0, r.device.rkey, r.block, group},
                        p.chain_head.data() + kHeaderSize + kSrPreambleSize);
   core::AggRecord rec;
@@ -524,7 +525,7 @@ bool Client::hears_group(const Hop& at, uint32_t ip, uint16_t port, std::chrono:
   return false;
 }
 
-size_t Client::GroupWaitHash::operator()(const GroupWait& w) const {
+size_t Client::BlockWaitHash::operator()(const BlockWait& w) const {
   uint64_t x = w.device * 0x9E3779B97F4A7C15ull ^ (uint64_t{w.rkey} << 32 | w.block) ^
                uint64_t{w.generation} * 0xC2B2AE3D27D4EB4Full;
   return static_cast<size_t>(x ^ (x >> 29));

@@ -20,7 +20,7 @@ void Client::fail_op(detail::OpState& op, Error e) {
     if (it->second->op.get() == &op) {
       --op.outstanding;
       leave_window(*it->second);
-      forget_group_wait(*it->second);
+      forget_block_wait(*it->second);
       it = inflight_.erase(it);
     } else {
       ++it;
@@ -32,7 +32,7 @@ void Client::finish(Packet& p, Error e) {
   auto op = p.op;  // p dies below
   const uint64_t txn = p.h.txn;
   leave_window(p);
-  forget_group_wait(p);
+  forget_block_wait(p);
   inflight_.erase(txn);
   --op->outstanding;
   if (e) fail_op(*op, std::move(e));
@@ -61,10 +61,10 @@ void Client::leave_window(Packet& p) {
   --inflight_packets_;
 }
 
-void Client::forget_group_wait(const Packet& p) {
-  if (!p.group) return;
-  auto it = group_waits_.find(*p.group);
-  if (it != group_waits_.end() && it->second == p.h.txn) group_waits_.erase(it);
+void Client::forget_block_wait(const Packet& p) {
+  if (!p.block_wait) return;
+  auto it = block_waits_.find(*p.block_wait);
+  if (it != block_waits_.end() && it->second == p.h.txn) block_waits_.erase(it);
 }
 
 void Client::send_queued() { send_queued(transport_->now()); }
@@ -122,7 +122,7 @@ void Client::send_queued(TimePoint now) {
         inflight_bytes_ += p->window_cost();
         ++inflight_packets_;
       }
-      if (p->group) group_waits_[*p->group] = p->h.txn;
+      if (p->block_wait) block_waits_[*p->block_wait] = p->h.txn;
       inflight_.emplace(p->h.txn, std::move(p));
     } else {
       --p->op->outstanding;
@@ -473,13 +473,15 @@ void Client::receive_group_result(std::span<const std::byte> d, const transport:
   const bool whole = h.status == Status::kOk && h.length == payload.size() &&
                      payload.size() >= core::kAggAnswerRecordSize && h.addr <= UINT32_MAX;
   const core::AggAnswerRecord rec = whole ? core::decode_agg_answer(payload.data()) : core::AggAnswerRecord{};
+  if (rec.flags == core::kAggAsk && payload.size() == core::kAggAnswerRecordSize)
+    return receive_ask(h, rec.generation, from);
   if (!(rec.flags & core::kAggResultGroup)) {
     ++counters_.ignored;
     return;
   }
-  auto w = group_waits_.find({from.key(), h.rkey, static_cast<uint32_t>(h.addr), rec.generation});
-  auto it = w == group_waits_.end() ? inflight_.end() : inflight_.find(w->second);
-  if (it == inflight_.end()) {
+  auto w = block_waits_.find({from.key(), h.rkey, static_cast<uint32_t>(h.addr), rec.generation});
+  auto it = w == block_waits_.end() ? inflight_.end() : inflight_.find(w->second);
+  if (it == inflight_.end() || !it->second->names_group) {
     ++counters_.group_unmatched;
     return;
   }
@@ -493,6 +495,28 @@ void Client::receive_group_result(std::span<const std::byte> d, const transport:
   // after the others' wait, so not a round trip.
   if (!p.held) first_answer(p, false, h.depth, /*prompt=*/false);
   deliver_aggregate(p, payload);
+}
+
+// An aggregating device misses our block while the others' are in (an ASK,
+// PROTOCOL.md 6.13): send it again now, unless the device has it after all
+// (held), or it left less than a round trip ago and may still be on its
+// way (a late rank is not made to send twice). Anyone can forge an ASK;
+// the most it makes us do is send a contribution again, which the device
+// adds once.
+void Client::receive_ask(const core::Header& h, uint32_t generation, const transport::Endpoint& from) {
+  ++counters_.asks;
+  auto w = block_waits_.find({from.key(), h.rkey, static_cast<uint32_t>(h.addr), generation});
+  auto it = w == block_waits_.end() ? inflight_.end() : inflight_.find(w->second);
+  if (it == inflight_.end()) return;  // answered meanwhile, or never ours
+  Packet& p = *it->second;
+  if (p.held || p.last_sent == TimePoint{}) return;
+  const client_detail::LossRecovery& lr = recovery_->route(p);
+  const auto rtt = lr.srtt() > client_detail::LossRecovery::Ns::zero() ? lr.srtt() : recovery_->routes[0].srtt();
+  if (rx_time_ - p.last_sent < rtt) return;
+  send_now(p, rx_time_);
+  ++p.sends;
+  ++counters_.retransmits;
+  ++counters_.asked_resends;
 }
 
 // An AGGREGATE answer: "held" (the device has the block and answers again

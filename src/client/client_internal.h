@@ -107,9 +107,11 @@ struct Client::Packet {
   // each waiting for one the other rank cannot send (docs/COLLECTIVES.md
   // section 14). They are not counted.
   bool in_window = false;
-  // AGGREGATE naming a result group: how a group result names this block
-  // (its key in group_waits_ while in flight).
-  std::optional<GroupWait> group;
+  // AGGREGATE: how a group result or the device's ASK names this block
+  // (its key in block_waits_ while in flight), and whether it named a
+  // result group (only then is a group result its answer).
+  std::optional<BlockWait> block_wait;
+  bool names_group = false;
   client_detail::LossRecovery* recovery = nullptr;  // AGGREGATE: its device's estimator, once looked up
   transport::TimePoint held_since{};
   int held_resends = 0;

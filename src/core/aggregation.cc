@@ -95,6 +95,81 @@ std::shared_ptr<Aggregator::Table> Aggregator::table(const AggContribution& c, S
   return slot;
 }
 
+uint64_t Aggregator::Table::ask_wait() const {
+  const uint64_t spread = spread_ns.load(std::memory_order_relaxed);
+  return spread == 0 ? kAskUnmeasuredNs : std::max(kAskFloorNs, kAskSpreads * spread);
+}
+
+uint64_t Aggregator::Table::recheck_in() const {
+  // Unmeasured, the wait is long, but the first block to complete may
+  // shorten it a lot: look again soon.
+  return spread_ns.load(std::memory_order_relaxed) == 0 ? kAskFloorNs : ask_wait();
+}
+
+void Aggregator::lower_next_ask(uint64_t at) {
+  uint64_t cur = next_ask_ns_.load(std::memory_order_relaxed);
+  while (at < cur && !next_ask_ns_.compare_exchange_weak(cur, at, std::memory_order_relaxed)) {
+  }
+}
+
+void Aggregator::ask_overdue(uint64_t now_ns, std::vector<AggAsk>& out) {
+  if (now_ns < next_ask_ns()) return;
+  std::unique_lock sweeping(ask_mu_, std::try_to_lock);
+  if (!sweeping) return;  // another thread sweeps now
+  std::vector<std::pair<uint32_t, std::shared_ptr<Table>>> tables;
+  {
+    std::shared_lock lock(mu_);
+    tables.assign(tables_.begin(), tables_.end());
+  }
+  // Every table's list is taken whole and what still waits put back, so
+  // no stripe is locked while holding a list (contribute() takes them the
+  // other way round). Blocks listed meanwhile lower the hint themselves.
+  next_ask_ns_.store(UINT64_MAX, std::memory_order_relaxed);
+  std::vector<uint64_t> list, keep;
+  for (auto& [key, t] : tables) {
+    {
+      std::lock_guard w(t->waiting_mu);
+      list.swap(t->waiting);
+    }
+    keep.clear();
+    const uint16_t p = t->geometry.contributors;
+    const int limit = std::max(1, p / 4);
+    const uint64_t wait = t->ask_wait();
+    uint64_t next = UINT64_MAX;
+    for (uint64_t entry : list) {
+      const uint64_t blk = entry / 2;
+      const int s = static_cast<int>(entry % 2);
+      std::lock_guard lock(t->stripes[blk % t->stripes.size()]);
+      Block& b = t->blocks[blk];
+      if (b.done[s] || b.abandoned[s] || b.asked[s] || b.started[s] == 0) {
+        b.listed[s] = false;
+        continue;
+      }
+      if (now_ns < b.started[s] + wait) {
+        keep.push_back(entry);
+        next = std::min(next, std::min(b.started[s] + wait, now_ns + t->recheck_in()));
+        continue;
+      }
+      b.listed[s] = false;
+      b.asked[s] = true;
+      const uint64_t missing = full_set(p) & ~b.have[s];
+      if (std::popcount(missing) > limit) continue;  // a late collective, not a loss: the hosts' timers
+      for (uint16_t k = 0; k < p; ++k) {
+        if (!(missing >> k & 1)) continue;
+        const uint64_t at = t->contributor_at[k].load(std::memory_order_relaxed);
+        if (at == 0) continue;  // never heard from: nowhere to ask
+        out.push_back({static_cast<uint32_t>(at >> 16), static_cast<uint16_t>(at), key, blk, b.generation[s], k});
+      }
+    }
+    list.clear();
+    if (!keep.empty()) {
+      std::lock_guard w(t->waiting_mu);
+      t->waiting.insert(t->waiting.end(), keep.begin(), keep.end());
+    }
+    lower_next_ask(next);
+  }
+}
+
 void Aggregator::drop(uint32_t key) {
   std::unique_lock lock(mu_);
   tables_.erase(key);
@@ -155,6 +230,16 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
     b.dtype[s] = c.dtype;
     b.redop[s] = c.redop;
     b.weights[s] = r.weights;
+    b.started[s] = c.now_ns;
+    b.asked[s] = false;
+    if (c.now_ns != 0 && !b.listed[s]) {  // the owner keeps a clock: this block may be asked for
+      b.listed[s] = true;
+      {
+        std::lock_guard w(t->waiting_mu);
+        t->waiting.push_back(c.block * 2 + static_cast<uint64_t>(s));
+      }
+      lower_next_ask(c.now_ns + t->recheck_in());
+    }
   }
   if (b.length[s] != c.length) {
     out.status = Status::kBadLength;  // contributors disagree about the block
@@ -174,6 +259,7 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
     out.record.flags = b.zero[s] ? kAggResultZero : 0;
     if (!b.zero[s]) out.result = std::span<const std::byte>(base + g.result(c.generation, c.block), b.length[s]);
   };
+  t->contributor_at[r.contributor].store(uint64_t{c.reply.ip} << 16 | c.reply.port, std::memory_order_relaxed);
   if (b.have[s] & me) {
     out.duplicate = true;
     out.have = b.have[s];
@@ -240,6 +326,13 @@ AggOutcome Aggregator::contribute(const AggContribution& c) {
   }
   b.done[s] = true;
   b.zero[s] = result_zero;
+  if (b.started[s] != 0 && c.now_ns >= b.started[s]) {  // the contributors' spread, smoothed by 1/8
+    const uint64_t sample = c.now_ns - b.started[s], old = t->spread_ns.load(std::memory_order_relaxed);
+    const uint64_t now = old == 0 ? std::max<uint64_t>(sample, 1)
+                                  : static_cast<uint64_t>(static_cast<int64_t>(old) +
+                                                          (static_cast<int64_t>(sample) - static_cast<int64_t>(old)) / 8);
+    t->spread_ns.store(std::max<uint64_t>(now, 1), std::memory_order_relaxed);
+  }
   out.completed = true;
   for (uint16_t k = 0; k < r.contributors; ++k) {
     const AggReply& w = t->replies[c.block * r.contributors + k];

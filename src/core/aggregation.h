@@ -10,6 +10,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <functional>
 #include <cstddef>
 #include <cstdint>
@@ -62,6 +63,12 @@ inline constexpr size_t kAggHeldSetSize = 8;
 // it (the segment's addr): the header's txn is 0, its rkey the region's key
 // and its addr the block's index, which is how a receiver finds its block.
 inline constexpr uint32_t kAggResultGroup = 0x8;
+// Not an answer but an ASK: the device misses this contributor's block
+// while the others' are in (PROTOCOL.md 6.13, "Asks"). Addressed as a
+// group answer (txn 0, rkey the region's key, addr the block), no data;
+// the contributor sends the block again at once if it sent it more than a
+// round trip ago.
+inline constexpr uint32_t kAggAsk = 0x10;
 // The segment addr of a contribution that names a result group:
 // ip << 16 | port. 0 names none; anything but a multicast group (224/4)
 // and a non-zero port is refused.
@@ -143,6 +150,20 @@ struct AggContribution {
   // the block's lock, before anyone is answered): the engine's optimizer
   // step, which leaves the updated weights there.
   std::function<void(std::span<std::byte> result)> finish;
+  // The owner's clock when the contribution arrived (ns; 0 if the owner
+  // keeps none): when a block starts and how long its contributors take.
+  uint64_t now_ns = 0;
+};
+
+// An ASK to send (kAggAsk): to the address contributor `contributor` last
+// contributed to the region from.
+struct AggAsk {
+  uint32_t ip = 0;
+  uint16_t port = 0;
+  uint32_t key = 0;  // the region's
+  uint64_t block = 0;
+  uint32_t generation = 0;
+  uint16_t contributor = 0;
 };
 
 struct AggOutcome {
@@ -170,6 +191,23 @@ class Aggregator {
   // The region was removed or registered again: forget its blocks.
   void drop(uint32_t key);
 
+  // Loss repaired by the device (PROTOCOL.md 6.13, "Asks"): a block that
+  // has waited `ask_wait` since its first contribution of a generation,
+  // with at most max(1, p/4) contributors missing, gets one ASK per
+  // missing contributor whose address the region knows; then the hosts'
+  // timers are its only repair. Appends the asks due at `now_ns` to `out`.
+  // Only blocks started with a clock (now_ns != 0) are asked for.
+  void ask_overdue(uint64_t now_ns, std::vector<AggAsk>& out);
+  // When ask_overdue may next have something to do (ns on the owners'
+  // clock; UINT64_MAX: nothing waits). A hint: earlier is harmless.
+  uint64_t next_ask_ns() const { return next_ask_ns_.load(std::memory_order_relaxed); }
+  // How long a block waits before its missing contributors are asked: a
+  // few times how long the region's completed blocks took from their
+  // first contribution to their last (the contributors' spread, smoothed),
+  // at least kAskFloorNs; kAskUnmeasuredNs before any block completed.
+  static constexpr uint64_t kAskFloorNs = 100'000, kAskUnmeasuredNs = 5'000'000;
+  static constexpr uint64_t kAskSpreads = 3;
+
  private:
   struct Block {
     std::array<uint32_t, 2> generation{};  // by generation parity
@@ -184,18 +222,36 @@ class Aggregator {
     std::array<DType, 2> dtype{};
     std::array<RedOp, 2> redop{};
     std::array<uint32_t, 2> weights{};     // OPTIMIZE: the weights region's key (0: a plain reduction)
+    std::array<uint64_t, 2> started{};     // the first contribution's now_ns
+    std::array<bool, 2> asked{};           // its missing contributors were asked
+    std::array<bool, 2> listed{};          // in the table's `waiting` list
   };
   struct Table {
     AggGeometry geometry;
     std::vector<Block> blocks;
     std::vector<AggReply> replies;  // blocks x contributors: who waits
     std::array<std::mutex, 64> stripes;
+    // Where each contributor last contributed from (ip << 16 | port, 0:
+    // never): where an ASK goes.
+    std::array<std::atomic<uint64_t>, kMaxContributors> contributor_at{};
+    std::atomic<uint64_t> spread_ns{0};  // smoothed first-to-last contribution time; 0: none yet
+    // Blocks that may wait for an ASK, as block * 2 + parity: at most one
+    // entry per block and parity (Block::listed), so it stays bounded
+    // whether or not an owner ever calls ask_overdue. Taken after a
+    // stripe, never before.
+    std::mutex waiting_mu;
+    std::vector<uint64_t> waiting;
+    uint64_t ask_wait() const;
+    uint64_t recheck_in() const;  // when a waiting block's deadline is looked at again
   };
   std::shared_ptr<Table> table(const AggContribution& c, Status& status);
+  void lower_next_ask(uint64_t at);
 
   std::span<std::byte> memory_;
   std::shared_mutex mu_;
   std::unordered_map<uint32_t, std::shared_ptr<Table>> tables_;
+  std::atomic<uint64_t> next_ask_ns_{UINT64_MAX};
+  std::mutex ask_mu_;  // one sweep at a time (device threads share the aggregator)
 };
 
 }  // namespace netdam::core

@@ -209,6 +209,13 @@ class Engine {
   // the owner (the engine reads no sockets): every answer reports it in its
   // `depth` byte until the next call. 0 until set.
   void set_backlog(uint8_t depth) { depth_ = depth; }
+  // The owner's clock (ns, any epoch but the same for every engine of the
+  // device; 0: none), read once per batch: AGGREGATE times its blocks'
+  // waits with it, for asks. Without it the device asks for nothing.
+  void set_now_ns(uint64_t ns) { now_ns_ = ns; }
+  // AGGREGATE's asks due at `now_ns` (Aggregator::ask_overdue), as
+  // datagrams to send, replacing fanout(); empty most of the time.
+  std::span<const Fanout> ask_overdue(uint64_t now_ns);
 
   // The other answers of the last handle() (usually none): send them with
   // its Action, then take the next datagram. handle() clears the list.
@@ -251,7 +258,9 @@ class Engine {
   Address from_;  // the source of the datagram being handled
   int last_opcode_ = -1;
   uint8_t depth_ = 0;
+  uint64_t now_ns_ = 0;
   std::vector<Fanout> fanout_;
+  std::vector<AggAsk> asks_;
 };
 
 }  // namespace netdam::core

@@ -81,6 +81,7 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address from, Address
   c.record = rec;
   c.data = p.payload.subspan(kAggRecordSize);
   c.reply = {reply_to.ip, reply_to.port, !(rec.flags & kAggNoResult), h.txn, h.rkey, h.addr, s.addr};
+  c.now_ns = now_ns_;
   if (rec.flags & kAggOptimize) {
     // Runs once, when the block completes: the reduced gradient steps the
     // weights, which become the block's result. The config is the one the
@@ -173,6 +174,33 @@ Action Engine::aggregate(const Header& h, const Packet& p, Address from, Address
   }
   const auto data = build(sends[0], {o.record.generation, o.record.flags | flags[0]}, o.result, out.data());
   return Action{Action::Kind::kReply, {sends[0].ip, sends[0].port}, head, data};
+}
+
+std::span<const Fanout> Engine::ask_overdue(uint64_t now_ns) {
+  fanout_.clear();
+  if (now_ns < device_.aggregator().next_ask_ns()) return {};
+  asks_.clear();
+  device_.aggregator().ask_overdue(now_ns, asks_);
+  for (const AggAsk& a : asks_) {
+    // Addressed as a group answer (txn 0, the region's key, the block), so
+    // the contributor finds its contribution without a txn of ours.
+    Header h;
+    h.opcode = Opcode::kChain;
+    h.flags = kFlagResponse;
+    h.rkey = a.key;
+    h.addr = a.block;
+    h.length = kAggAnswerRecordSize;
+    h.boot = device_.config().boot_id;
+    h.depth = depth_;
+    Fanout& f = fanout_.emplace_back();
+    f.to = {a.ip, a.port};
+    encode_header(h, f.head.data());
+    encode_agg_answer({a.generation, kAggAsk}, f.head.data() + kHeaderSize);
+    Stats::inc(stats_.agg_asks);
+    Stats::inc(stats_.tx_packets);
+    Stats::inc(stats_.tx_bytes, kHeaderSize + kAggAnswerRecordSize);
+  }
+  return fanout_;
 }
 
 }  // namespace netdam::core

@@ -47,6 +47,7 @@ StatList collect(const std::vector<const Stats*>& all) {
       {"agg.completed", sum(all, &Stats::agg_completed)},
       {"agg.abandoned", sum(all, &Stats::agg_abandoned)},
       {"agg.group_results", sum(all, &Stats::agg_group_results)},
+      {"agg.asks", sum(all, &Stats::agg_asks)},
   };
   uint64_t dropped_total = 0;
   for (size_t i = 1; i < kParseErrorCount; ++i) {

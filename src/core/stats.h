@@ -35,6 +35,7 @@ struct Stats {
   Counter agg_completed{0};      // blocks reduced (every contributor in)
   Counter agg_group_results{0};  // results sent once to a multicast group for its contributors
   Counter agg_abandoned{0};      // blocks whose generation was given up by a failed collective
+  Counter agg_asks{0};           // ASKs sent: a missing contributor asked for its block
   std::array<Counter, 256> requests{};        // by opcode value
   std::array<Counter, kStatusCount> naks{};   // NAKs sent, by status
   std::array<Counter, kParseErrorCount> dropped{};  // silent drops, by ParseError

@@ -28,7 +28,14 @@ DeviceLoop::DeviceLoop(core::Device& device, transport::Transport& transport,
 }
 
 size_t DeviceLoop::poll_once(transport::Duration timeout) {
+  // Sleep no longer than until the next AGGREGATE ask may be due.
+  if (const uint64_t ask = engine_.device().aggregator().next_ask_ns(); ask != UINT64_MAX) {
+    const uint64_t now = clock_ns(transport_.now());
+    timeout = std::min<transport::Duration>(timeout, std::chrono::nanoseconds(ask > now ? ask - now : 0));
+  }
   const size_t n = transport_.recv_batch(in_, timeout);
+  const uint64_t now_ns = clock_ns(transport_.now());
+  engine_.set_now_ns(now_ns);
   // Two clock readings per batch, not per datagram: every request of the
   // batch is charged the whole batch's time, an upper bound of its own.
   const bool timed = latency_ != nullptr && n > 0;
@@ -52,6 +59,10 @@ size_t DeviceLoop::poll_once(transport::Duration timeout) {
   if (!large_.empty()) {
     if (large_.size() < n) flush();  // the small ones' answers leave first
     for (size_t i : large_) serve(i);
+  }
+  for (const core::Fanout& f : engine_.ask_overdue(now_ns)) {
+    const core::Fanout& kept = fanout_.emplace_back(f);
+    send_.push_back(transport::OutMsg{to_transport(kept.to), {kept.head, kept.data}});
   }
   // Answers point into rx_, out_ and device memory: send before the next recv.
   flush();
@@ -95,16 +106,25 @@ void DeviceLoop::run(const std::atomic<bool>& stop) {
 
 void DeviceLoop::serve_one(core::Engine& engine, transport::InMsg& msg, transport::Transport& self,
                            std::vector<std::byte>& out) {
-  core::Action a = engine.handle(to_core(msg.from), msg.data(), out);
-  if (a.kind != core::Action::Kind::kNone) {
-    transport::OutMsg m{to_transport(a.to), {a.head, a.data}};
-    self.send_batch({&m, 1});
+  const auto send_fanout = [&] {
+    for (const core::Fanout& f : engine.fanout()) {
+      transport::OutMsg m{to_transport(f.to), {f.head, f.data}};
+      self.send_batch({&m, 1});
+    }
+  };
+  const uint64_t now_ns = clock_ns(self.now());
+  engine.set_now_ns(now_ns);
+  if (msg.len > 0) {
+    core::Action a = engine.handle(to_core(msg.from), msg.data(), out);
+    if (a.kind != core::Action::Kind::kNone) {
+      transport::OutMsg m{to_transport(a.to), {a.head, a.data}};
+      self.send_batch({&m, 1});
+    }
+    send_fanout();
+    release_parked(engine, self, out);
   }
-  for (const core::Fanout& f : engine.fanout()) {
-    transport::OutMsg m{to_transport(f.to), {f.head, f.data}};
-    self.send_batch({&m, 1});
-  }
-  release_parked(engine, self, out);
+  engine.ask_overdue(now_ns);
+  send_fanout();
 }
 
 void DeviceLoop::release_parked(core::Engine& engine, transport::Transport& self,

@@ -32,15 +32,23 @@ class DeviceLoop {
   DeviceLoop(core::Device& device, transport::Transport& transport,
              metrics::LatencyShard* latency = nullptr, bool small_first = false);
 
-  // Receives one batch (waiting up to `timeout` for its first datagram),
-  // executes it and sends what it produced. Returns datagrams handled.
+  // Receives one batch (waiting up to `timeout` for its first datagram,
+  // less if an AGGREGATE ask falls due sooner), executes it and sends what
+  // it produced, and the asks due. Returns datagrams handled.
   size_t poll_once(transport::Duration timeout);
   // Serves until `stop` becomes true (checked at least every 100 ms).
   void run(const std::atomic<bool>& stop);
 
-  // Runs one datagram and sends its answer at once: the fabric's handler.
+  // Runs one datagram and sends its answer at once, then the asks due:
+  // the fabric's handler. An empty `msg` (len 0) only sends the asks due
+  // (a timer of the owner's, at the aggregator's next_ask_ns()).
   static void serve_one(core::Engine& engine, transport::InMsg& msg, transport::Transport& self,
                         std::vector<std::byte>& out);
+  // The engine's clock reading of a transport time point (never 0, which
+  // means "no clock").
+  static uint64_t clock_ns(transport::TimePoint t) {
+    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count()) + 1;
+  }
   // Runs the chains the device parked until an ARM, if one happened.
   static void release_parked(core::Engine& engine, transport::Transport& self,
                              std::vector<std::byte>& out);

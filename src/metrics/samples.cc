@@ -42,6 +42,8 @@ constexpr Fixed kFixed[] = {
      "AGGREGATE blocks given up by a failed collective", Type::kCounter},
     {"agg.group_results", "netdam_aggregate_group_results_total",
      "AGGREGATE results sent once to a multicast group for its contributors", Type::kCounter},
+    {"agg.asks", "netdam_aggregate_asks_total",
+     "AGGREGATE ASKs sent: a missing contributor asked for its block", Type::kCounter},
     {"replay.requesters", "netdam_replay_requesters", "Requesters the replay window remembers now",
      Type::kGauge},
     {"replay.bytes", "netdam_replay_bytes", "Bytes of replay state held now", Type::kGauge},

@@ -210,8 +210,21 @@ void Fabric::schedule(Endpoint from, Endpoint to, std::vector<std::byte> data) {
   std::push_heap(events_.begin(), events_.end(), later);
 }
 
+void Fabric::wake(Endpoint handler, TimePoint at) {
+  std::lock_guard lock(mu_);
+  events_.push_back(Event{std::max(at, now_), next_seq_++, handler, handler, {}, true});
+  std::push_heap(events_.begin(), events_.end(), later);
+}
+
 void Fabric::deliver(Event& event) {
   auto route = routes_.find(event.to.key());
+  if (event.timer) {
+    if (route != routes_.end() && route->second->handler_) {
+      InMsg none{{}, 0, event.to, false};
+      route->second->handler_(none, *route->second);
+    }
+    return;
+  }
   if (route == routes_.end()) {
     ++counters_.undeliverable;
     return;

@@ -81,6 +81,10 @@ class Fabric {
   using DropFilter = std::function<bool(Endpoint from, Endpoint to, std::span<const std::byte> data)>;
   void set_drop_filter(DropFilter filter);
   TimePoint now() const;
+  // A timer of a handler endpoint (a device's): at virtual time `at` (now,
+  // if earlier) its handler is called with an empty message (len 0), which
+  // is no datagram: nothing is counted, dropped or delayed.
+  void wake(Endpoint handler, TimePoint at);
 
   struct Counters {
     uint64_t sent = 0;           // datagrams passed to send_batch
@@ -100,6 +104,7 @@ class Fabric {
     uint64_t seq;
     Endpoint from, to;
     std::vector<std::byte> data;
+    bool timer = false;  // wake(): no datagram
   };
 
   std::unique_ptr<Port> add_port(Endpoint addr, Handler handler);
