@@ -62,6 +62,19 @@ TEST(LossRecovery, AHeldContributionIsOvertakenByALaterOnesResult) {
   EXPECT_TRUE(lr.result_overtaken(a));
 }
 
+// How long held blocks wait for the other ranks: the first sample, then
+// smoothed by 1/8, so one long wait moves it an eighth of the way.
+TEST(LossRecovery, HeldWaitIsSmoothed) {
+  LossRecovery lr(kFine);
+  EXPECT_EQ(lr.held_wait(), 0ms);
+  lr.on_held_wait(80ms);
+  EXPECT_EQ(lr.held_wait(), 80ms);
+  lr.on_held_wait(160ms);
+  EXPECT_EQ(lr.held_wait(), 90ms);
+  lr.on_held_wait(10ms);
+  EXPECT_EQ(lr.held_wait(), 80ms);
+}
+
 TEST(LossRecovery, ReorderingWindowGrowsWithTheRoundTrip) {
   LossRecovery lr(kFine);
   for (int i = 0; i < 20; ++i) lr.on_answer(t0, t0, 1, t0 + 40ms);

@@ -561,16 +561,21 @@ int run_rank(const BenchConfig& c) {
     // Printed one rank after the other (in rank order, through barriers).
     for (int r = 0; r < p; ++r) {
       if (r == c.rank) {
-        std::string line = fmt::format("# rank {} device {}:", c.rank, c.devices[static_cast<size_t>(c.rank)]);
-        if (auto st = g.client().stats())
-          for (const auto& [name, v] : st.value())
-            if (v) line += fmt::format(" {}={}", name, v);
+        // A rank has a device of its own only with --devices (or --local);
+        // with --aggregators alone it has its clients' counters.
+        const bool own = static_cast<size_t>(c.rank) < c.devices.size();
+        std::string line = own ? fmt::format("# rank {} device {}:", c.rank, c.devices[static_cast<size_t>(c.rank)])
+                               : fmt::format("# rank {} (no device of its own):", c.rank);
+        if (own)
+          if (auto st = g.client().stats())
+            for (const auto& [name, v] : st.value())
+              if (v) line += fmt::format(" {}={}", name, v);
         const auto& k = g.client().counters();
         line += fmt::format(
-            "; client sent={} resent={} (probes {} held {} overtaken {} spurious {}) not_ready_resends={} answers={} "
-            "ignored={}",
+            "; client sent={} resent={} (probes {} held {} overtaken {} spurious {} asked {} of {} asks) "
+            "not_ready_resends={} answers={} ignored={} window_decreases={}",
             k.packets_sent, k.retransmits, k.probes, k.held_resends, k.overtaken_resends, k.spurious_resends,
-            k.not_ready_resends, k.answers, k.ignored);
+            k.asked_resends, k.asks, k.not_ready_resends, k.answers, k.ignored, k.window_decreases);
         std::fflush(stdout);
         std::fprintf(stderr, "%s\n", line.c_str());
       }

@@ -188,11 +188,16 @@ void Client::check_timers(TimePoint now) {
       if (p->held) {
         // Doubling up to a second: a late rank's block may take as long
         // as the group's timeout, and the re-asks go on meanwhile.
-        const int timeouts = alone(lr) ? 1 : kHeldTimeouts;
-        at = std::min(overtaken_at, p->held_since + std::min<transport::Duration>(
-                                                        transport::Duration(timeouts * rto) *
-                                                            (uint64_t{1} << std::min(p->held_resends, 20)),
-                                                        kMaxRto));
+        // ... and no sooner than twice the time held blocks have taken to
+        // complete: they wait for other ranks, whose lag has nothing to do
+        // with the round trip (under incast ranks drift apart by hundreds
+        // of milliseconds), and a re-ask sends the whole block again.
+        const transport::Duration first = alone(lr) ? transport::Duration(rto)
+                                                    : std::max<transport::Duration>(kHeldTimeouts * rto,
+                                                                                    2 * lr.held_wait());
+        at = std::min(overtaken_at,
+                      p->held_since + std::min<transport::Duration>(
+                                          first * (uint64_t{1} << std::min(p->held_resends, 20)), kMaxRto));
       } else if (p->quiet) {
         // Its silence says nothing (it may be held): one timeout, then
         // sent again asking to be told.
@@ -535,6 +540,7 @@ void Client::deliver_aggregate(Packet& p, std::span<const std::byte> payload) {
     return;
   }
   recovery_->route(p).on_result(p.first_sent);
+  if (p.held && p.held_resends == 0 && !p.overtaken_asked) recovery_->route(p).on_held_wait(rx_time_ - p.held_since);
   if (p.answer_to != nullptr && !(rec.flags & core::kAggResultNone)) {
     if (rec.flags & core::kAggResultZero)
       std::memset(p.answer_to, 0, p.h.length);  // the device found the result all zero bits

@@ -99,6 +99,11 @@ class LossRecovery {
   // so it is asked for again one timeout later instead of at the held
   // timer's much later time.
   bool result_overtaken(TimePoint first) const { return first < result_xmit_; }
+  // AGGREGATE: a contribution held since `held` (asked nothing since) had
+  // its result `waited` later: how long blocks wait for the other ranks,
+  // smoothed (gain 1/8), which a held contribution's re-ask waits out.
+  void on_held_wait(Ns waited) { held_wait_ = held_wait_ == Ns::zero() ? waited : held_wait_ + (waited - held_wait_) / 8; }
+  Ns held_wait() const { return held_wait_; }
   // A probe may go now for a request last sent at `last_sent`.
   bool probe_due(TimePoint last_sent, TimePoint now) const;
   // When probe_due could first become true for it.
@@ -118,6 +123,7 @@ class LossRecovery {
   const LossRecovery* prior_ = nullptr;
   Ns base_rto() const;  // without the backoff
   Ns srtt_{0}, rttvar_{0};
+  Ns held_wait_{0};
   Ns min_rtt_ = Ns::max();
   int reo_mult_ = 1;                 // the reordering window's multiplier
   uint32_t clean_answers_ = 0;       // answers since the last spurious resend
