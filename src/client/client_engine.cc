@@ -97,7 +97,7 @@ void Client::send_queued(TimePoint now) {
   const size_t window = cc.window();  // at most window_bytes
   while (!queue_.empty() && inflight_packets_ < opts_.window_packets &&
          (inflight_packets_ == 0 || inflight_bytes_ + queue_.front()->window_cost() <= window) &&
-         next_txn_ - oldest < txn_span && cc.send_at(now) <= now) {
+         next_txn_ - oldest < txn_span && (queue_.front()->quiet || cc.send_at(now) <= now)) {
     auto p = std::move(queue_.front());
     queue_.pop_front();
     p->h.txn = next_txn_++;
@@ -108,7 +108,10 @@ void Client::send_queued(TimePoint now) {
       if (p->h.opcode == Opcode::kRead || p->h.opcode == Opcode::kWrite) p->h.flags |= kFlagGather;
     }
     core::encode_header(p->h, p->is_chain() ? p->chain_head.data() : p->wire.data());
-    cc.on_send(now, std::max<size_t>(p->window_cost(), kHeaderSize));
+    // QUIET contributions (a collective of a few blocks) are neither in
+    // the window nor paced: their answers time nothing (the result waits
+    // for the other ranks), so a window they shrank would never grow back.
+    if (!p->quiet) cc.on_send(now, std::max<size_t>(p->window_cost(), kHeaderSize));
     p->first_sent = p->last_sent = now;
     p->sends = 1;
     batch[n++] = transport::OutMsg{p->routed() ? p->to : *device_, {p->head(), p->payload}, p->more};
