@@ -234,6 +234,47 @@ TEST_F(PoolProxyTest, ALateCopyOfAWriteIsNotRun) {
   EXPECT_EQ(word(), std::byte{0x33});
 }
 
+// Issue 50's attack on the proxy's window: a WRITE without the key (a
+// spoofed source: here the victim's own socket) with txn 2^64-1 used to
+// move the victim's window, so its next acknowledged WRITE was refused
+// STALE_TXN. The key is checked first now, and a keyed txn 2^48 or more
+// ahead of the requester's newest is refused TXN_AHEAD, as on a device.
+TEST_F(PoolProxyTest, ARequestWithoutTheKeyMovesNoWindowAndTxnsFarAheadAreRefused) {
+  Start(2);
+  PoolAllocation a = Alloc("victim", 4096);
+  auto sock = RawSocket();
+  ASSERT_TRUE(sock);
+  auto to = transport::parse_endpoint(mmu_.endpoint());
+  std::vector<std::byte> rx(kRxBufferSize);
+  auto write = [&](uint64_t txn, uint64_t key, uint8_t fill) {
+    core::Header h;
+    h.opcode = Opcode::kWrite;
+    h.flags = kFlagAckReq;
+    h.rkey = static_cast<uint32_t>(key);
+    h.boot = static_cast<uint32_t>(key >> 32);
+    h.txn = txn;
+    h.addr = a.base + 128;
+    h.length = 16;
+    std::array<std::byte, kHeaderSize + 16> d{};
+    core::encode_header(h, d.data());
+    std::fill(d.begin() + kHeaderSize, d.end(), std::byte{fill});
+    transport::OutMsg m{*to, {std::span<const std::byte>(d), {}}};
+    sock->send_batch({&m, 1});
+    transport::InMsg in;
+    in.buf = rx;
+    if (sock->recv_batch({&in, 1}, 2000ms) != 1) return Status::kUnavailable;  // no answer
+    return core::decode_header(rx.data()).status;
+  };
+  EXPECT_EQ(write(1000, a.key, 0x11), Status::kOk);
+  EXPECT_NE(write(UINT64_MAX, a.key ^ 0x5A5A, 0x66), Status::kOk);  // the attacker's, without the key
+  EXPECT_EQ(write(1001, a.key, 0x22), Status::kOk) << "a keyless request moved the window";
+  EXPECT_EQ(write(1001 + (uint64_t{1} << 48), a.key, 0x33), Status::kTxnAhead);
+  EXPECT_EQ(write(1002, a.key, 0x44), Status::kOk) << "a txn far ahead was adopted";
+  std::vector<std::byte> b(16);
+  EXPECT_FALSE(pool_->get(a.base + 128, b, a.key));
+  EXPECT_EQ(b[0], std::byte{0x44});
+}
+
 // A retransmitted FETCH_ADD (the same datagram twice) runs once.
 TEST_F(PoolProxyTest, DuplicateMutationAppliedOnce) {
   Start(2);

@@ -332,6 +332,48 @@ TEST(Security, RefusalsAreRateLimitedPerAddress) {
   EXPECT_TRUE(saw_source);
 }
 
+// Issue 50, attack 4: refusals were limited per destination, so keyless
+// requests spoofed from the victim, or keyless chains naming it as
+// reply-to, spent its budget: its own faulty requests went unanswered and
+// timed out, and STATS named the victim. Now a refusal is charged to the
+// datagram's source, and one whose request shows its destination's
+// cookie is always answered.
+TEST(Security, AVictimsOwnRefusalsAreAnsweredWhileAnAttackerSpendsTheBudget) {
+  DeviceConfig c = Config();
+  c.refusals_per_second = 10;
+  c.cookie_secret = {3, 4};
+  c.amplification_limit = 3;  // netdamd's default: the device gives cookies
+  Node n(c);
+  n.device().set_now_ms(5000);
+  Reply ping = n.Send(kVictim, Plain(Opcode::kPing, 1, 0, 0, 0, {}));
+  ASSERT_EQ(ping.status(), Status::kOk);
+  const uint32_t cookie = load_be<uint32_t>(ping.payload.data() + 28);
+  // 1000 keyless READs spoofed from the victim: at most 10 refusals.
+  int answered = 0;
+  for (uint32_t k = 100; k < 1100; ++k)
+    answered += n.Send(kVictim, Plain(Opcode::kRead, k, k, 0, 8, {})).kind == Action::Kind::kReply;
+  EXPECT_EQ(answered, 10);
+  // The victim's own faulty request carries its cookie: answered.
+  Bytes mine = Plain(Opcode::kRead, 2000, 99, 0, 8, {});
+  store_be<uint32_t>(mine.data() + hdr::kBoot, cookie);
+  Reply r = n.Send(kVictim, mine);
+  EXPECT_EQ(r.kind, Action::Kind::kReply);
+  EXPECT_EQ(r.status(), Status::kBadKey);
+  // Keyless chains from the attacker naming the victim as reply-to are
+  // charged to the attacker: the victim's budget is spent already, and
+  // the attacker's own 10 refusals still go out (to the victim: see
+  // SECURITY.md 4 on why a first hop keeps the reply-to), then no more.
+  answered = 0;
+  for (uint64_t t = 0; t < 50; ++t)
+    answered += n.Send(kAttacker, Chain(3000 + t, kVictim, {Seg(kDevice, Opcode::kWrite, 0, 12345)}, Le64(1))).kind ==
+                Action::Kind::kReply;
+  EXPECT_EQ(answered, 10);
+  uint64_t attacker = 0;
+  for (const auto& [name, value] : n.device().stats())
+    if (name == "refused_from.10.0.0.99") attacker = value;
+  EXPECT_EQ(attacker, 50u);
+}
+
 // Attack 5, as the issue measured it: 10^6 keyless datagrams from 10^5
 // source ports leave the process within 16 MiB of where it started.
 long RssKiB() {
@@ -413,6 +455,15 @@ TEST(Security, AmplifyingAnswersNeedTheAddressCookie) {
   // A short chain that cannot grow needs none.
   EXPECT_EQ(n.Send(kVictim, Chain(8, {}, {Seg(kDevice, Opcode::kReducePayload, 0, kKey)}, Le64(1))).status(),
             Status::kOk);
+  // A READ chain whose answer stays within 3x its request needs none
+  // either (it was refused as any READ was).
+  Bytes probe = Chain(11, {}, {Seg(kDevice, Opcode::kRead, 0, kKey)}, {});
+  store_be<uint32_t>(probe.data() + 32, 64);
+  Reply small = n.Send(kAttacker, probe);
+  EXPECT_EQ(small.status(), Status::kOk);
+  EXPECT_EQ(small.payload.size(), 64u);
+  store_be<uint32_t>(probe.data() + 32, 3 * 80);  // 40 + 240 > 3 x 80
+  EXPECT_EQ(n.Send(kAttacker, probe).status(), Status::kNotValidated);
 }
 
 }  // namespace

@@ -524,8 +524,12 @@ Action Engine::answer(const Header& req, Address to, Status status,
   h.seg_count = 0;
   h.depth = depth_;
   h.length = static_cast<uint32_t>(data.size());
-  // Refusals go out at a bounded rate per address (docs/SECURITY.md).
-  if (is_refusal(status) && !device_.refusals_.admit(to.ip)) return {};
+  // Refusals go out at a bounded rate, charged to the datagram's source
+  // (docs/SECURITY.md 4). One whose request carried its destination's
+  // cookie is always answered: a spoofer cannot know it, so it spends no
+  // one else's budget.
+  if (is_refusal(status) && !(req.boot != 0 && req.boot == cookie(to.ip)) && !device_.refusals_.admit(from_.ip))
+    return {};
   encode_header(h, out.data());
   if (status != Status::kOk) Stats::inc(stats_.naks[static_cast<uint8_t>(status)]);
   Stats::inc(stats_.tx_packets);
@@ -584,11 +588,16 @@ Engine::Result Engine::execute(const Request& q, std::span<std::byte> out) {
 bool Engine::chain_may_amplify(const Packet& p, Address reply_to, size_t request_size) const {
   const DeviceConfig& c = device_.config();
   if (c.amplification_limit == 0) return true;
+  // A chain that names its reply-to is not checked without a shared
+  // secret: a later hop cannot check a cookie another device made, and at
+  // the first, a pool proxy forwards its clients' requests with their
+  // address as reply-to and no cookie of theirs (DIRECT, PROTOCOL.md 17.5).
   if (p.sr.reply_ip && !c.cookie_shared) return true;
   if (p.h.boot != 0 && p.h.boot == cookie(reply_to.ip)) return true;
-  // Unvalidated: the payload must not grow (READ and OPT_STEP hops replace
-  // it with memory, a sparse payload expands), and the packet may cause at
-  // most `limit` datagrams of its size (forwards and the answer).
+  // Unvalidated: the payload must not grow beyond `limit` times the
+  // request (READ and OPT_STEP hops replace it with `length` bytes of
+  // memory, a sparse payload expands), and the packet may cause at most
+  // `limit` datagrams of its size (forwards and the answer).
   if (p.h.flags & kFlagSparse) return false;
   if (size_t{p.h.seg_count} - p.h.seg_index > c.amplification_limit) return false;
   // AGGREGATE answers with the whole block, also to a contribution that
@@ -596,9 +605,10 @@ bool Engine::chain_may_amplify(const Packet& p, Address reply_to, size_t request
   if (decode_segment(p.segments.data() + p.h.seg_index * kSegmentSize).opcode == Opcode::kAggregate)
     return kHeaderSize + kAggAnswerRecordSize + uint64_t{p.h.length} <=
            uint64_t{c.amplification_limit} * request_size;
+  const bool small = kHeaderSize + uint64_t{p.h.length} <= uint64_t{c.amplification_limit} * request_size;
   for (size_t i = p.h.seg_index; i < p.h.seg_count; ++i) {
     const Opcode op = decode_segment(p.segments.data() + i * kSegmentSize).opcode;
-    if (op == Opcode::kRead || op == Opcode::kOptStep) return false;
+    if ((op == Opcode::kRead || op == Opcode::kOptStep) && !small) return false;
   }
   return true;
 }

@@ -327,17 +327,7 @@ void Proxy::control(const Endpoint& from, const core::Header& h, std::span<const
   };
   const bool mutation = h.opcode == Opcode::kPoolAlloc || h.opcode == Opcode::kPoolFree;
   const uint64_t requester = from.key();
-  if (mutation) {
-    const ProxyReplay::Answer* remembered = nullptr;
-    switch (replay_.check(requester, h.txn, h.opcode, &remembered)) {
-      case ProxyReplay::Verdict::kExecute: break;
-      case ProxyReplay::Verdict::kInFlight: return;
-      case ProxyReplay::Verdict::kReplay:
-        core::Stats::inc(stats_.replayed);
-        return reply(from, h, remembered->status, remembered->payload);
-      case ProxyReplay::Verdict::kStale: return reply(from, h, Status::kStaleTxn);
-    }
-  }
+  if (mutation && !admit_once(from, h)) return;
   Status s = Status::kOk;
   std::vector<std::byte> out;
   AnsweredRequest answered{requester, h.txn, static_cast<uint8_t>(h.opcode), 0, {}};

@@ -160,6 +160,10 @@ class Proxy {
   Op device_op(const Job& j, Client& cl, uint64_t addr, std::span<std::byte> piece, uint32_t key);
   void start_opt_config(std::unique_ptr<Job> job, const Allocation& a, std::span<const std::byte> payload);
   Status check_access(const Allocation* a, uint64_t key, uint64_t addr, uint64_t len) const;
+  // Exactly once (PROTOCOL.md 9.2), for a request that has shown its key:
+  // whether it runs now; if not, it was answered (the remembered outcome,
+  // STALE_TXN, TXN_AHEAD) or dropped (a copy of it is running).
+  bool admit_once(const transport::Endpoint& from, const core::Header& h);
   // COPY's payload (PROTOCOL.md 6.6; through the proxy its offset 12 is
   // the high half of the source allocation's 64-bit key).
   static constexpr size_t kCopyPayloadSize = 16;

@@ -67,6 +67,21 @@ bool Proxy::hop_overdue(uint32_t device_id, transport::TimePoint first, transpor
   return true;
 }
 
+bool Proxy::admit_once(const Endpoint& from, const core::Header& h) {
+  const ProxyReplay::Answer* remembered = nullptr;
+  switch (replay_.check(from.key(), h.txn, h.opcode, &remembered)) {
+    case ProxyReplay::Verdict::kExecute: return true;
+    case ProxyReplay::Verdict::kInFlight: return false;
+    case ProxyReplay::Verdict::kReplay:
+      core::Stats::inc(stats_.replayed);
+      reply(from, h, remembered->status, remembered->payload);
+      return false;
+    case ProxyReplay::Verdict::kStale: reply(from, h, Status::kStaleTxn); return false;
+    case ProxyReplay::Verdict::kAhead: reply(from, h, Status::kTxnAhead); return false;
+  }
+  return false;
+}
+
 void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const std::byte> payload) {
   const bool atomic = is_atomic(h.opcode);
   const bool mutation = atomic || h.opcode == Opcode::kReduceMem || h.opcode == Opcode::kOptStep ||
@@ -89,24 +104,14 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
   // too old for the window is refused, as on a device: whether a copy of
   // it ran can no longer be told, and running it could undo a newer write.
   const bool idempotent_once = h.opcode == Opcode::kWrite || h.opcode == Opcode::kFill;
+  // Its window is consulted once the request has shown its key (below): a
+  // datagram without one must not move another requester's window.
   const bool once = !by_devices && (mutation || idempotent_once);
-  if (once) {
-    const ProxyReplay::Answer* remembered = nullptr;
-    switch (replay_.check(from.key(), h.txn, h.opcode, &remembered)) {
-      case ProxyReplay::Verdict::kExecute: break;
-      case ProxyReplay::Verdict::kInFlight: return;
-      case ProxyReplay::Verdict::kReplay:
-        core::Stats::inc(stats_.replayed);
-        return reply(from, h, remembered->status, remembered->payload);
-      case ProxyReplay::Verdict::kStale: return reply(from, h, Status::kStaleTxn);
-    }
-  }
   auto job = std::make_unique<Job>();
   job->from = from;
   job->req = h;
   job->arrival = arrival_;
   job->mutation = mutation && !by_devices;
-  job->once = once;
   job->alloc_id = pool::allocation_of(h.addr);
   auto fail = [&](Status s) {
     job->status = s;
@@ -163,6 +168,10 @@ void Proxy::data(const Endpoint& from, const core::Header& h, std::span<const st
     if (Status st = check_access(src, cs.key, cs.addr, len); st != Status::kOk) return fail(st);
   }
   if (Status st = check_access(a, shown_key(h), h.addr, len); st != Status::kOk) return fail(st);
+  if (once) {
+    if (!admit_once(from, h)) return;
+    job->once = true;
+  }
   const uint64_t off = pool::offset_of(h.addr);
   if (by_devices && forward(from, h, payload, *a, plan)) return;
   resync_count_writer(*job);

@@ -23,6 +23,8 @@ ProxyReplay::Verdict ProxyReplay::check(uint64_t requester, uint64_t txn, Opcode
     return Verdict::kReplay;
   }
   if (r.highest >= window_ && txn <= r.highest - window_) return Verdict::kStale;
+  if (r.seen && txn > r.highest && txn - r.highest >= core::ReplayWindow::kMaxAhead) return Verdict::kAhead;
+  r.seen = true;
   if (txn > r.highest) r.highest = txn;
   r.entries[txn].op = op;
   while (r.entries.size() > window_) r.entries.erase(r.entries.begin());

@@ -2,7 +2,10 @@
 // POOL_ALLOC, POOL_FREE, ...), with the device's semantics (PROTOCOL.md 9.2):
 // per requester (source address and port), the last `window` txns and
 // their outcomes. A retransmission of a request still in flight is dropped
-// (its answer is coming); one that is done gets the remembered answer.
+// (its answer is coming); one that is done gets the remembered answer. A
+// txn far ahead of the requester's newest is refused rather than adopted
+// (it would make every later txn of the requester stale). Callers check
+// the request's key first: a datagram without one touches nothing here.
 #pragma once
 
 #include <cstddef>
@@ -11,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/replay_window.h"
 #include "netdam/types.h"
 
 namespace netdam::mmu {
@@ -24,6 +28,7 @@ class ProxyReplay {
     kInFlight,  // a copy is being executed: drop this one
     kReplay,    // answer with *answer (the remembered outcome)
     kStale,     // NAK STALE_TXN
+    kAhead,     // NAK TXN_AHEAD: 2^48 or more above the requester's newest, as on a device
   };
   struct Answer {
     Status status = Status::kOk;
@@ -46,6 +51,7 @@ class ProxyReplay {
   };
   struct Requester {
     std::map<uint64_t, Entry> entries;
+    bool seen = false;  // its first txn is always accepted, then it bounds the next
     uint64_t highest = 0;
     uint64_t last_use = 0;
   };
