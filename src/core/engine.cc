@@ -231,6 +231,7 @@ Engine::~Engine() { device_.detach(&stats_); }
 Action Engine::handle(Address from, std::span<std::byte> d, std::span<std::byte> out) {
   fanout_.clear();
   from_ = from;
+  forwarded_ = false;
   last_opcode_ = -1;
   Stats::inc(stats_.rx_packets);
   Stats::inc(stats_.rx_bytes, d.size());
@@ -253,6 +254,7 @@ Action Engine::handle(Address from, std::span<std::byte> d, std::span<std::byte>
   }
   Stats::inc(stats_.requests[static_cast<uint8_t>(p.h.opcode)]);
   last_opcode_ = static_cast<uint8_t>(p.h.opcode);
+  forwarded_ = p.h.seg_index > 0;
 
   if (p.h.seg_count > 0) return run_chain(from, d, p, out);
   if (p.h.opcode == Opcode::kChain) return answer(p.h, from, Status::kBadSegment, {}, out);
@@ -525,10 +527,12 @@ Action Engine::answer(const Header& req, Address to, Status status,
   h.depth = depth_;
   h.length = static_cast<uint32_t>(data.size());
   // Refusals go out at a bounded rate, charged to the datagram's source
-  // (docs/SECURITY.md 4). One whose request carried its destination's
-  // cookie is always answered: a spoofer cannot know it, so it spends no
-  // one else's budget.
-  if (is_refusal(status) && !(req.boot != 0 && req.boot == cookie(to.ip)) && !device_.refusals_.admit(from_.ip))
+  // (docs/SECURITY.md 4), or where a device forwarded it, to its requester
+  // (every rank's chains cross the same devices). One whose request
+  // carried its destination's cookie is always answered: a spoofer cannot
+  // know it, so it spends no one else's budget.
+  if (is_refusal(status) &&
+      !device_.refusals_.admit(forwarded_ ? to.ip : from_.ip, req.boot != 0 && req.boot == cookie(to.ip)))
     return {};
   encode_header(h, out.data());
   if (status != Status::kOk) Stats::inc(stats_.naks[static_cast<uint8_t>(status)]);

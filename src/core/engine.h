@@ -256,6 +256,7 @@ class Engine {
   Device& device_;
   Stats stats_;
   Address from_;  // the source of the datagram being handled
+  bool forwarded_ = false;  // it is a chain a device passed on (seg_index > 0)
   int last_opcode_ = -1;
   uint8_t depth_ = 0;
   uint64_t now_ns_ = 0;

@@ -16,7 +16,7 @@ bool is_refusal(Status s) {
   }
 }
 
-bool RefusalLimiter::admit(uint32_t ip) {
+bool RefusalLimiter::admit(uint32_t ip, bool exempt) {
   const uint64_t second = now_ms_.load(std::memory_order_relaxed) / 1000;
   std::lock_guard lock(mu_);
   // Misra-Gries: bump the source's counter, take a free one, or age all.
@@ -34,7 +34,7 @@ bool RefusalLimiter::admit(uint32_t ip) {
   bool ok = true;
   // Loopback is not limited: a local process can do worse than search keys
   // (and one-host clusters poll for each other's regions through it).
-  if (per_second_ && (ip >> 24) != 127) {
+  if (per_second_ && (ip >> 24) != 127 && !exempt) {
     Bucket& b = buckets_[(uint64_t{ip} * 0x9E3779B97F4A7C15ull) >> 52];
     if (b.second != second) b = Bucket{second, 0};
     ok = b.count < per_second_;

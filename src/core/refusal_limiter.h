@@ -1,6 +1,6 @@
 // Refusals (BAD_KEY, NOT_PERMITTED, BAD_* ...) answered at a bounded rate per
-// destination IPv4 address, and counted by source for STATS and the
-// daemon's periodic log line. Without it a socket can search the key space
+// IPv4 address they are charged to (the engine: the datagram's source),
+// and counted by it for STATS and the daemon's periodic log line. Without it a socket can search the key space
 // at the device's full packet rate, or use refusals as a reflector.
 //
 // Loopback destinations are not limited. Sources are hashed into kBuckets
@@ -34,8 +34,10 @@ class RefusalLimiter {
   explicit RefusalLimiter(uint32_t per_second) : per_second_(per_second) {}
 
   void set_now_ms(uint64_t ms) { now_ms_.store(ms, std::memory_order_relaxed); }
-  // Whether a refusal to `ip` may be sent now; counts it either way.
-  bool admit(uint32_t ip);
+  // Whether a refusal charged to `ip` may be sent now; counts it either
+  // way. `exempt`: always (its request showed its destination's cookie),
+  // counted all the same.
+  bool admit(uint32_t ip, bool exempt = false);
 
   struct Source {
     uint32_t ip = 0;
