@@ -609,7 +609,11 @@ bool Engine::chain_may_amplify(const Packet& p, Address reply_to, size_t request
   if (decode_segment(p.segments.data() + p.h.seg_index * kSegmentSize).opcode == Opcode::kAggregate)
     return kHeaderSize + kAggAnswerRecordSize + uint64_t{p.h.length} <=
            uint64_t{c.amplification_limit} * request_size;
-  const bool small = kHeaderSize + uint64_t{p.h.length} <= uint64_t{c.amplification_limit} * request_size;
+  // A one-segment chain whose READ answer stays within the limit is as
+  // harmless as a plain READ; with segments after it, every forward would
+  // carry the grown payload.
+  const bool small = p.h.seg_count - p.h.seg_index == 1 &&
+                     kHeaderSize + uint64_t{p.h.length} <= uint64_t{c.amplification_limit} * request_size;
   for (size_t i = p.h.seg_index; i < p.h.seg_count; ++i) {
     const Opcode op = decode_segment(p.segments.data() + i * kSegmentSize).opcode;
     if ((op == Opcode::kRead || op == Opcode::kOptStep) && !small) return false;
