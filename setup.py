@@ -87,6 +87,7 @@ class CMakeBuild(build_ext):
 setup(
     version=project_version(),
     packages=["netdam"],
+    license_files=["LICENSE"],
     package_dir={"netdam": "python/netdam"},
     # A placeholder: it makes the wheel platform-specific and runs
     # CMakeBuild, which builds the real modules.

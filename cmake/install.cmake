@@ -48,7 +48,9 @@ install(FILES
   include/netdam/optimizer.h
   include/netdam/pool.h
   include/netdam/types.h
+  ${PROJECT_BINARY_DIR}/include/netdam/version.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/netdam)
+install(FILES LICENSE DESTINATION ${CMAKE_INSTALL_DOCDIR})
 
 set(netdam_executables netdamd netdam netdam-mmu)
 if(TARGET netdam-bench)

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <random>
@@ -16,6 +17,7 @@
 
 #include "daemon/config.h"
 #include "daemon_fixture.h"
+#include "netdam/version.h"
 #include "transport/interfaces.h"
 
 namespace {
@@ -94,6 +96,24 @@ std::string bytes(std::initializer_list<int> v) {
   std::string s;
   for (int b : v) s.push_back(static_cast<char>(b));
   return s;
+}
+
+// Every program says which release it is (issue 52): the one version,
+// CMakeLists.txt's, and the wire protocol's.
+TEST(Version, EveryProgramPrintsTheRelease) {
+  const std::string want = std::string(" ") + std::string(netdam::kRelease) + " (wire protocol 1)\n";
+  int ran = 0;
+  for (const char* path : {"src/daemon/netdamd", "src/mmu/netdam-mmu", "src/tools/netdam", "src/sim/netdam-sim",
+                           "bench/netdam-bench", "bench/incast/netdam-incast"}) {
+    const std::string exe = build_path(path);
+    if (access(exe.c_str(), X_OK) != 0) continue;  // netdam-bench and netdam-sim are optional
+    const auto r = run_process({exe, "--version"}, {}, kCleanEnv);
+    const std::string name = std::filesystem::path(exe).filename().string();
+    EXPECT_EQ(r.exit_code, 0) << name << ": " << r.err;
+    EXPECT_EQ(r.out, name + want) << name;
+    ++ran;
+  }
+  EXPECT_GE(ran, 4);  // netdamd, netdam-mmu, netdam and netdam-incast are always built
 }
 
 TEST_F(CliTest, Ping) {

@@ -38,6 +38,7 @@
 #include <thread>
 #include <vector>
 
+#include "netdam/version.h"
 #include "netdam/client.h"
 
 namespace {
@@ -216,6 +217,7 @@ int run_read(const Args& a) {
 
 int main(int argc, char** argv) {
   CLI::App app{"netdam-incast: one flow of an incast experiment (docs/CONGESTION.md)"};
+  app.set_version_flag("--version", netdam::version_line("netdam-incast"));
   app.require_subcommand(1);
   Args a;
   for (const char* name : {"write", "read"}) {

@@ -87,6 +87,7 @@
 #include <thread>
 #include <vector>
 
+#include "netdam/version.h"
 #include "collectives_bench.h"
 #include "common.h"
 #include "common/units.h"
@@ -659,6 +660,7 @@ int main(int argc, char** argv) {
   CLI::App app{"netdam-bench: netdam latency/throughput against the raw UDP ceiling of this machine; "
                "collectives: netdam-bench allreduce|reducescatter|allgather|broadcast --help"};
   app.fallthrough();
+  app.set_version_flag("--version", netdam::version_line("netdam-bench"));
   Options o;
   app.add_option("--device", o.device, "HOST:PORT of a running device (default: start netdamd)");
   app.add_option("--netdamd", o.netdamd, "netdamd to start (default: next to netdam-bench, else build/src/daemon/netdamd)");

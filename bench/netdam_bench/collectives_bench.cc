@@ -50,6 +50,7 @@
 #include <filesystem>
 #include <random>
 
+#include "netdam/version.h"
 #include "common/units.h"
 #include "collectives_bench.h"
 #include "collectives_process.h"
@@ -93,6 +94,7 @@ namespace netdam::bench {
 int collectives_main(int argc, char** argv) {
   CLI::App app{"netdam-bench allreduce|reducescatter|allgather|broadcast: in-network collectives measured "
                "the nccl-tests way"};
+  app.set_version_flag("--version", netdam::version_line("netdam-bench"));
   std::string op_pos, op_flag, min_s = "8", max_s = "64M", type_s = "f32", redop_s = "sum", algo_s = "auto";
   std::string admin_s = "0xAD", netdamd, csv, shm, capacity_s;
   std::vector<std::string> devices;

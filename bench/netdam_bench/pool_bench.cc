@@ -34,6 +34,7 @@
 //
 // Ratios: throughput netdam / Redis (ops per second, same size and mode);
 // latency Redis p50 / netdam p50. Above 1 means netdam is ahead.
+#include "netdam/version.h"
 #include "pool_bench.h"
 
 #include <netinet/in.h>
@@ -336,6 +337,7 @@ std::string fmt_ratio(double a, double b) { return b > 0 && a > 0 ? fmt::format(
 
 int pool_main(int argc, char** argv) {
   CLI::App app{"netdam-bench pool: pool READ/WRITE (via the proxy and direct) against Redis GET/SET, verified"};
+  app.set_version_flag("--version", netdam::version_line("netdam-bench"));
   Options o;
   app.add_option("--proxy", o.proxy, "HOST:PORT of a running netdam-mmu (default: start --devices netdamd and one)");
   app.add_option("--devices", o.devices, "devices to start behind the proxy (default 2)")->check(CLI::Range(1, 16));

@@ -13,6 +13,7 @@
 #include <spdlog/spdlog.h>
 #include <thread>
 
+#include "netdam/version.h"
 #include "common/mapping.h"
 #include "common/units.h"
 #include "core/engine.h"
@@ -45,6 +46,7 @@ uint32_t new_boot_id() {
 
 int main(int argc, char** argv) {
   CLI::App app{"netdamd: a NetDAM device serving its memory over UDP"};
+  app.set_version_flag("--version", netdam::version_line("netdamd"));
   std::string config_file, listen, memory, shm, port_file, log_level, admin_key, max_payload, metrics;
   unsigned threads = 0;
   std::optional<unsigned> spin_us;

@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 #include <thread>
 
+#include "netdam/version.h"
 #include "common/units.h"
 #include "daemon/config.h"
 #include "daemon/inject_options.h"
@@ -73,6 +74,7 @@ int main(int argc, char** argv) {
   mallopt(M_TRIM_THRESHOLD, 256 << 20);
   mallopt(M_TOP_PAD, 16 << 20);
   CLI::App app{"netdam-mmu: the NetDAM memory pool proxy (one address in front of many devices)"};
+  app.set_version_flag("--version", netdam::version_line("netdam-mmu"));
   app.set_config("--config", "", "TOML/INI file with these options (flags override it)");
   std::string listen = "127.0.0.1:7100", device_admin_key, admin_key, state, port_file, log_level = "info",
               max_payload, metrics;

@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "netdam/version.h"
 #include "common/units.h"
 #include "sim/scenario.h"
 
@@ -44,6 +45,7 @@ std::string csv_quote(const std::string& s) {
 
 int main(int argc, char** argv) {
   CLI::App app{"netdam-sim: the real engine, client and collectives on a packet-level ns-3 network"};
+  app.set_version_flag("--version", netdam::version_line("netdam-sim"));
   netdam::sim::Scenario s;
   std::string shape = "star", algorithm = "ring", size = "1MiB", dims, csv, congestion = "fixed", model = "links";
   app.add_option("--topology", shape, "star | fattree | torus")->check(CLI::IsMember({"star", "fattree", "torus"}));

@@ -13,10 +13,7 @@
 #include "tools/cli_dataset.h"
 #include "tools/cli_pool.h"
 #include "tools/cli_util.h"
-
-#ifndef NETDAM_VERSION_STRING
-#define NETDAM_VERSION_STRING "unknown"
-#endif
+#include "netdam/version.h"
 
 using namespace netdam::cli;
 
@@ -42,7 +39,7 @@ Exit codes:
 int main(int argc, char** argv) {
   CLI::App app{"netdam: read, write and administer a NetDAM device's memory over UDP", "netdam"};
   app.footer(kFooter);
-  app.set_version_flag("--version", std::string("netdam ") + NETDAM_VERSION_STRING);
+  app.set_version_flag("--version", netdam::version_line("netdam"));
   app.require_subcommand(1);
   app.fallthrough();  // global options are accepted after the subcommand too
 

@@ -37,9 +37,13 @@ cmake --install "$build" --prefix "$prefix" >"$tmp/install.log" || { cat "$tmp/i
 
 echo "== what is installed"
 [[ -x $prefix/bin/netdamd && -x $prefix/bin/netdam && -x $prefix/bin/netdam-mmu ]] || fail "executables missing in $prefix/bin"
-# Exactly the public headers: nothing of src/, nothing left out.
-diff <(cd "$source_dir/include" && find . -type f | sort) <(cd "$prefix/include" && find . -type f | sort) ||
+# Exactly the public headers (and the generated version.h): nothing of
+# src/, nothing left out.
+diff <( (cd "$source_dir/include" && find . -type f; echo ./netdam/version.h) | sort) \
+  <(cd "$prefix/include" && find . -type f | sort) ||
   fail "installed headers differ from include/ (above: < only in include/, > only installed)"
+[[ -f $prefix/share/doc/netdam/LICENSE ]] || fail "LICENSE not installed in share/doc/netdam"
+[[ $("$prefix/bin/netdamd" --version) == "netdamd "* ]] || fail "netdamd --version"
 config=$(find "$prefix" -name netdamConfig.cmake)
 pc=$(find "$prefix" -name netdam.pc)
 [[ -n $config && -f $(dirname "$config")/netdamConfigVersion.cmake ]] || fail "no netdamConfig.cmake + version file"
