@@ -66,9 +66,12 @@ EOF
 
 # The commands on the venv's PATH run the package's executables.
 version=$(env -u PYTHONPATH PATH="$tmp/venv/bin:$PATH" netdam --version) || fail "netdam --version"
-[[ $version == "netdam $(env -u PYTHONPATH "$venv_python" -c 'import netdam; print(netdam.__version__)')" ]] ||
+[[ $version == "netdam $(env -u PYTHONPATH "$venv_python" -c 'import netdam; print(netdam.__version__)') (wire protocol 1)" ]] ||
   fail "netdam --version printed '$version'"
 env -u PYTHONPATH PATH="$tmp/venv/bin:$PATH" netdamd --help >/dev/null || fail "netdamd --help"
+# The license travels with the package.
+env -u PYTHONPATH "$venv_python" -c 'import importlib.metadata as m; assert m.metadata("netdam")["License"] == "Apache-2.0", m.metadata("netdam")["License"]' ||
+  fail "the package's metadata does not name its license"
 env -u PYTHONPATH PATH="$tmp/venv/bin:$PATH" netdam-mmu --help >/dev/null || fail "netdam-mmu --help"
 echo "commands: $version; netdamd, netdam-mmu"
 
