@@ -106,14 +106,16 @@ TEST(Version, EveryProgramPrintsTheRelease) {
   for (const char* path : {"src/daemon/netdamd", "src/mmu/netdam-mmu", "src/tools/netdam", "src/sim/netdam-sim",
                            "bench/netdam-bench", "bench/incast/netdam-incast"}) {
     const std::string exe = build_path(path);
-    if (access(exe.c_str(), X_OK) != 0) continue;  // netdam-bench and netdam-sim are optional
+    // The last three are not in every build (the sanitizer build makes
+    // what the tests run); the first three always are.
+    if (ran >= 3 && access(exe.c_str(), X_OK) != 0) continue;
     const auto r = run_process({exe, "--version"}, {}, kCleanEnv);
     const std::string name = std::filesystem::path(exe).filename().string();
     EXPECT_EQ(r.exit_code, 0) << name << ": " << r.err;
     EXPECT_EQ(r.out, name + want) << name;
     ++ran;
   }
-  EXPECT_GE(ran, 4);  // netdamd, netdam-mmu, netdam and netdam-incast are always built
+  EXPECT_GE(ran, 3);
 }
 
 TEST_F(CliTest, Ping) {
