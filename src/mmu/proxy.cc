@@ -17,15 +17,6 @@
 
 namespace netdam::mmu {
 
-using core::load_be;
-using core::load_le;
-using core::store_be;
-using core::store_le;
-using pool::AllocState;
-using pool::DeviceState;
-using transport::Endpoint;
-using namespace std::chrono_literals;
-
 Result<std::unique_ptr<Proxy>> Proxy::create(const ProxyOptions& o) {
   if (o.device_admin_key == 0)
     return Error::invalid(

@@ -19,15 +19,6 @@
 
 namespace netdam::mmu {
 
-using core::load_be;
-using core::load_le;
-using core::store_be;
-using core::store_le;
-using pool::AllocState;
-using pool::DeviceState;
-using transport::Endpoint;
-using namespace std::chrono_literals;
-
 
 // ---------------------------------------------------------------- data path
 

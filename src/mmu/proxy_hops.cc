@@ -20,15 +20,6 @@
 
 namespace netdam::mmu {
 
-using core::load_be;
-using core::load_le;
-using core::store_be;
-using core::store_le;
-using pool::AllocState;
-using pool::DeviceState;
-using transport::Endpoint;
-using namespace std::chrono_literals;
-
 
 // Whether a REDUCE_MEM or OPT_STEP the proxy runs can run as chains
 // (send_piece_hop): its pieces, cut here to what each of its devices takes, put at

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "client/loss_recovery.h"
+#include "core/endian.h"
 #include "mmu/proxy.h"
 
 namespace netdam::mmu {
@@ -203,5 +204,15 @@ struct Proxy::Resync {
   std::optional<OptimizerConfig> config_next;
   bool failed = false;
 };
+
+// The names the proxy's files use unqualified; this header is theirs alone.
+using core::load_be;
+using core::load_le;
+using core::store_be;
+using core::store_le;
+using pool::AllocState;
+using pool::DeviceState;
+using transport::Endpoint;
+using namespace std::chrono_literals;
 
 }  // namespace netdam::mmu
